@@ -1,0 +1,86 @@
+"""The one msgpack codec. Never pickle: a frame is data, and a malformed one is a ProtocolError."""
+from __future__ import annotations
+
+import dataclasses
+
+import msgpack
+import numpy as np
+
+from protocol.messages import F32, I32, MESSAGE_TYPES
+
+VERSION = 1
+MAX_FRAME_BYTES = 64 * 1024 * 1024
+_DTYPES = {I32: np.dtype("<i4"), F32: np.dtype("<f4")}
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a well-formed message of this protocol version."""
+
+
+def encode(msg) -> bytes:
+    frame = msgpack.packb(_to_wire(msg, top=True), use_bin_type=True)
+    if len(frame) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"{type(msg).__name__} is {len(frame)} bytes, over the {MAX_FRAME_BYTES}-byte cap")
+    return frame
+
+
+def decode(frame: bytes):
+    if len(frame) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"frame of {len(frame)} bytes is over the {MAX_FRAME_BYTES}-byte cap")
+    try:
+        obj = msgpack.unpackb(frame, raw=False, strict_map_key=False, max_bin_len=MAX_FRAME_BYTES,
+                              max_str_len=MAX_FRAME_BYTES)
+    except Exception as e:  # msgpack raises several unrelated types for bad bytes
+        raise ProtocolError(f"not msgpack: {type(e).__name__}: {e}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"a message must be a map with a 'type' tag, got {type(obj).__name__}")
+    if obj.get("v") != VERSION:
+        raise ProtocolError(f"protocol version {obj.get('v')!r} is not supported: this engine speaks {VERSION}")
+    return _from_wire(obj)
+
+
+def _to_wire(obj, top: bool = False):
+    if dataclasses.is_dataclass(obj):
+        out = {"type": type(obj).__name__}
+        if top:
+            out["v"] = VERSION
+        for name in obj.WIRE:
+            out[name] = _to_wire(getattr(obj, name))
+        return out
+    if isinstance(obj, np.ndarray):
+        return obj.astype(obj.dtype.newbyteorder("<"), copy=False).tobytes()
+    if isinstance(obj, (list, tuple)):
+        return [_to_wire(x) for x in obj]
+    if isinstance(obj, dict):
+        return {k: _to_wire(v) for k, v in obj.items()}
+    if isinstance(obj, np.generic):
+        return obj.item()
+    return obj
+
+
+def _from_wire(obj: dict):
+    name = obj.get("type")
+    cls = MESSAGE_TYPES.get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise ProtocolError(f"unknown message type {name!r}: known types are {sorted(MESSAGE_TYPES)}")
+    kwargs = {}
+    for field_name, kind in cls.WIRE.items():
+        if field_name not in obj:
+            raise ProtocolError(f"{name} lacks field {field_name!r}")
+        kwargs[field_name] = _field(name, field_name, kind, obj[field_name])
+    return cls(**kwargs)
+
+
+def _field(msg: str, name: str, kind, value):
+    if kind in _DTYPES:
+        dtype = _DTYPES[kind]
+        if not isinstance(value, bytes) or len(value) % dtype.itemsize:
+            raise ProtocolError(f"{msg}.{name} must be raw {kind} bytes")
+        return np.frombuffer(value, dtype=dtype)
+    if kind is list and isinstance(value, list):
+        return [_from_wire(v) if isinstance(v, dict) and "type" in v else v for v in value]
+    if kind is int and isinstance(value, bool):
+        raise ProtocolError(f"{msg}.{name} must be int, got bool")
+    if not isinstance(value, kind):
+        raise ProtocolError(f"{msg}.{name} has type {type(value).__name__}, expected {kind}")
+    return value

@@ -1,0 +1,96 @@
+"""Engine and model configuration: the typed dataclasses every process is built from."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """The architecture of a Qwen2-family model (what config.json says, in our names)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    rope_theta: float = 1e6
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 32768
+    tie_word_embeddings: bool = True
+    torch_dtype: str = "bfloat16"
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelConfig:
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Everything the engine is launched with. Field names are the CLI flags in snake_case."""
+
+    model: str
+    device: str = "auto"
+    dtype: str = "auto"
+    load_format: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+    trace_dir: str | None = None
+    max_waiting_requests: int = 4096
+    step_timeout: float = 60.0
+    # Filled in by resolution at launch, so that child processes need not resolve again.
+    model_path: str | None = None
+    model_config: ModelConfig | None = None
+
+    def __post_init__(self) -> None:
+        require(self.device in ("auto", "cpu", "cuda"), "device", self.device, "use 'auto', 'cpu' or 'cuda'")
+        require(self.dtype in ("auto", "float32", "float16", "bfloat16"), "dtype", self.dtype,
+               "use 'auto', 'float32', 'float16' or 'bfloat16'")
+        require(self.load_format in ("auto", "safetensors", "dummy"), "load_format", self.load_format,
+               "use 'auto', 'safetensors' or 'dummy'")
+        require(1 <= self.max_num_seqs <= 1024, "max_num_seqs", self.max_num_seqs, "use 1..1024")
+        require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", self.max_num_batched_tokens,
+               "use a positive number")
+        require(self.block_size in (8, 16, 32, 64, 128), "block_size", self.block_size,
+               "use 8, 16, 32, 64 or 128")
+        require(self.num_kv_blocks is None or self.num_kv_blocks >= 2, "num_kv_blocks", self.num_kv_blocks,
+               "use at least 2, or leave it unset to size the cache from memory")
+        require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
+               self.gpu_memory_utilization, "use a fraction in (0, 1]")
+        require(self.tensor_parallel_size >= 1, "tensor_parallel_size", self.tensor_parallel_size,
+               "use 1 or more")
+        require(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", self.max_model_len,
+               "use a positive number")
+        require(self.step_timeout > 0, "step_timeout", self.step_timeout, "use a positive number of seconds")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["model_config"] = self.model_config.to_dict() if self.model_config else None
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> EngineConfig:
+        d = dict(d)
+        mc = d.pop("model_config", None)
+        cfg = cls(**d)
+        cfg.model_config = ModelConfig.from_dict(mc) if mc else None
+        return cfg
+
+
+def require(ok: bool, name: str, value: object, fix: str) -> None:
+    """Raise ValueError naming the bad value and its fix (the one error shape of every config)."""
+    if not ok:
+        raise ValueError(f"{name}={value!r} is invalid: {fix}")

@@ -1,0 +1,90 @@
+"""SamplingParams: how one request is sampled and when it stops. Validated where it is built."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+from protocol.config import require
+
+MAX_N = 16
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        self._validate()
+
+    def _validate(self) -> None:
+        require(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", self.n, f"use 1..{MAX_N}")
+        require(_is_num(self.temperature) and 0.0 <= self.temperature <= 100.0, "temperature",
+              self.temperature, "use 0 (greedy) up to 100")
+        require(_is_num(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", self.top_p, "use a value in (0, 1]")
+        require(_is_int(self.top_k) and self.top_k >= -1, "top_k", self.top_k, "use -1 or 0 (off) or a positive k")
+        require(_is_num(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "use a value in [0, 1]")
+        require(self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**64), "seed", self.seed,
+              "use an integer or None")
+        require(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
+              self.max_tokens, "use at least 1 (or None for as many as the context allows)")
+        require(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", self.min_tokens, "use 0 or more")
+        require(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
+              f"use at most max_tokens={self.max_tokens}")
+        require(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"{len(self.stop)} strings",
+              f"use at most {MAX_STOP_STRINGS}")
+        require(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "use non-empty strings")
+        require(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids,
+              "use non-negative token ids")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            require(_is_num(value) and -2.0 <= value <= 2.0, name, value, "use a value in [-2, 2]")
+        require(_is_num(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 2.0, "repetition_penalty",
+              self.repetition_penalty, "use a value in (0, 2]")
+        require(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+              "logprobs", self.logprobs, f"use 0..{MAX_LOGPROBS} or None")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SamplingParams:
+        """Build from a wire map; unknown keys are an error so that a typo is not silently ignored."""
+        if not isinstance(d, dict):
+            raise ValueError(f"sampling params must be a map, got {type(d).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown sampling params {unknown}: known ones are {sorted(known)}")
+        return cls(**d)
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+
