@@ -1,0 +1,70 @@
+"""Tiny random Qwen2 checkpoints, written the way Hugging Face writes real ones (tests only)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+_CORPUS = [
+    "Hello world! The quick brown fox jumps over the lazy dog.",
+    "Pico-vLLM serves language models fast. def main(): return 42",
+    "Numbers 0123456789 and punctuation: ,.;:!? ()[]{}",
+    "Paged attention stores keys and values in fixed-size blocks.",
+]
+
+
+def make_tokenizer(out_dir: Path, vocab_size: int = 384) -> PreTrainedTokenizerFast:
+    """A byte-level BPE small enough to train in a second; specials as Qwen names them."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_CORPUS * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.chat_template = CHATML_TEMPLATE
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def make_checkpoint(out_dir: str | Path, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
+                    num_kv_heads: int = 2, head_dim: int = 16, intermediate_size: int = 128,
+                    vocab_size: int = 512, tie: bool = True, sharded: bool = False, seed: int = 0,
+                    max_position_embeddings: int = 4096) -> Path:
+    """Write a random float32 Qwen2ForCausalLM with its tokenizer; return the directory."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = make_tokenizer(out)
+    config = Qwen2Config(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        head_dim=head_dim, max_position_embeddings=max_position_embeddings, rope_theta=10000.0,
+        rms_norm_eps=1e-6, tie_word_embeddings=tie, torch_dtype="float32",
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config).to(torch.float32)
+    with torch.no_grad():  # HF's init is tiny (std 0.02); larger weights make logits differ per token
+        for p in model.parameters():
+            p.normal_(0.0, 0.2 if p.dim() > 1 else 0.05)
+        for layer in model.model.layers:
+            layer.input_layernorm.weight.fill_(1.0)
+            layer.post_attention_layernorm.weight.fill_(1.0)
+        model.model.norm.weight.fill_(1.0)
+    model.save_pretrained(out, max_shard_size="100KB" if sharded else "10GB", safe_serialization=True)
+    if sharded:
+        assert (out / "model.safetensors.index.json").exists(), "expected a sharded checkpoint"
+    return out
+
+
+def read_config(path: Path) -> dict:
+    return json.loads((Path(path) / "config.json").read_text())
