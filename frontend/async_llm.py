@@ -1,0 +1,165 @@
+"""AsyncLLM: the asyncio API, for the HTTP server and for embedding behind other frontends."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+from collections.abc import AsyncIterator
+
+import zmq.asyncio
+
+from frontend.engine_client import EngineClient, EngineDeadError
+from frontend.inputs import Prompt, prepare_prompt
+from frontend.output_processor import OutputProcessor, RequestState
+from frontend.outputs import RequestOutput
+from protocol.codec import ProtocolError, decode
+from protocol.config import EngineConfig
+from protocol.messages import Abort, EngineDead, TokenBatch
+from protocol.sampling import SamplingParams
+
+log = logging.getLogger("pico_vllm.frontend")
+
+
+class EngineRequestError(RuntimeError):
+    """The engine refused or failed one request (e.g. overloaded); the engine itself is fine."""
+
+
+class AsyncLLM:
+    """`AsyncLLM(model, **engine options)` starts an engine; `AsyncLLM.connect(address)` attaches to one."""
+
+    def __init__(self, model: str, **kwargs) -> None:
+        self._setup(EngineClient(EngineConfig(model=model, **kwargs)))
+
+    @classmethod
+    def connect(cls, address: str) -> AsyncLLM:
+        """Attach to a headless engine (`launch.py --headless --engine-address ADDR`)."""
+        self = cls.__new__(cls)
+        self._setup(EngineClient(address=address))
+        return self
+
+    def _setup(self, client: EngineClient) -> None:
+        self.client = client
+        self.tokenizer = client.tokenizer
+        self.model_config = client.model_config
+        self.max_model_len = client.max_model_len
+        self.processor = OutputProcessor(client.tokenizer)
+        self.dead_reason: str | None = None
+        self._events: dict[str, asyncio.Event] = {}
+        self._ids = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task | None = None
+        if client.procs is not None:
+            client.procs.on_death(self._on_death_from_thread)
+
+    def _ensure_started(self) -> None:
+        if self._task is None:
+            self._loop = asyncio.get_running_loop()
+            self._task = self._loop.create_task(self._recv_loop())
+
+    async def _recv_loop(self) -> None:
+        sock = zmq.asyncio.Socket.from_socket(self.client.sock)
+        while True:
+            frame = await sock.recv()
+            try:
+                msg = decode(frame)
+            except ProtocolError as e:
+                log.warning("dropped a malformed frame from the engine: %s", e)
+                continue
+            if isinstance(msg, TokenBatch):
+                self._apply(msg)
+            elif isinstance(msg, EngineDead):
+                self._fail(msg.reason)
+                return
+
+    def _apply(self, batch: TokenBatch) -> None:
+        if batch.stats:
+            self.client.latest_stats = batch.stats
+        changed, to_abort = self.processor.process(batch)
+        if to_abort:
+            self.client.send(Abort(to_abort))
+        for state in changed:
+            event = self._events.get(state.output.request_id)
+            if event is not None:
+                event.set()
+
+    def _on_death_from_thread(self, reason: str) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._fail, reason)
+        else:
+            self.dead_reason = reason
+
+    def _fail(self, reason: str) -> None:
+        self.dead_reason = reason
+        for state in self.processor.fail_all(reason):
+            event = self._events.get(state.output.request_id)
+            if event is not None:
+                event.set()
+
+    @property
+    def is_alive(self) -> bool:
+        return self.dead_reason is None
+
+    async def generate(self, prompt: Prompt, params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield cumulative outputs until finished; leaving the loop early aborts the request."""
+        if self.dead_reason:
+            raise EngineDeadError(self.dead_reason)
+        self._ensure_started()
+        request_id = request_id or f"req-{next(self._ids)}"
+        text, ids, params = prepare_prompt(self.tokenizer, prompt, params or SamplingParams(),
+                                           self.max_model_len, self.model_config.vocab_size)
+        state, msgs = self.processor.add(request_id, text, ids, params)
+        event = self._events[request_id] = asyncio.Event()
+        try:
+            for msg in msgs:
+                self.client.send(msg)
+            while True:
+                await event.wait()
+                event.clear()
+                self._raise_if_failed(state)
+                yield _snapshot(state.output)
+                if state.finished:
+                    return
+        finally:
+            self._events.pop(request_id, None)
+            if not state.finished:
+                self._abort_now(request_id)
+
+    def _raise_if_failed(self, state: RequestState) -> None:
+        error = state.output.error
+        if error is None:
+            return
+        if self.dead_reason is not None:
+            raise EngineDeadError(error)
+        raise EngineRequestError(error)
+
+    def _abort_now(self, request_id: str) -> None:
+        engine_ids = self.processor.abort(request_id)
+        if engine_ids and self.dead_reason is None:
+            self.client.send(Abort(engine_ids))
+
+    async def abort(self, request_id: str) -> None:
+        self._abort_now(request_id)
+        event = self._events.get(request_id)
+        if event is not None:
+            event.set()
+
+    def stats(self) -> dict:
+        """The engine's counters as of its latest step (they ride on every TokenBatch)."""
+        return dict(self.client.latest_stats)
+
+    def shutdown(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+
+
+def _snapshot(output: RequestOutput) -> RequestOutput:
+    """A copy the caller may keep while the live output keeps growing."""
+    outs = [dataclasses.replace(o, token_ids=list(o.token_ids),
+                                logprobs=None if o.logprobs is None else list(o.logprobs)) for o in output.outputs]
+    return dataclasses.replace(output, outputs=outs)

@@ -1,0 +1,111 @@
+"""The frontend's side of the engine: its processes (or a remote address), the socket, the tokenizer.
+
+LLM and AsyncLLM both stand on an EngineClient; they differ only in how they wait for TokenBatches.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+import zmq
+
+from frontend.launcher import EngineProcesses, resolve_config
+from frontend.tokenizer import load_tokenizer
+from protocol.codec import ProtocolError, decode, encode
+from protocol.config import EngineConfig, ModelConfig
+from protocol.messages import EngineDead, GetStats, Ready, Shutdown, TokenBatch
+
+log = logging.getLogger("pico_vllm.frontend")
+READY_TIMEOUT_S = 900.0  # loading a large checkpoint and capturing graphs can take minutes
+
+
+class EngineDeadError(RuntimeError):
+    """The engine's scheduler or a worker died; every pending request fails with this."""
+
+
+class EngineClient:
+    """Starts an engine (config given) or attaches to one (address given) and performs the handshake."""
+
+    def __init__(self, config: EngineConfig | None = None, address: str | None = None,
+                 ready_timeout: float = READY_TIMEOUT_S) -> None:
+        self.procs: EngineProcesses | None = None
+        self.latest_stats: dict = {}
+        if config is not None:
+            config = resolve_config(config)
+            self.procs = EngineProcesses(config, address)
+            self.procs.start()
+            address = self.procs.addresses.engine
+        self.address = address
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, uuid.uuid4().bytes)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+        try:
+            self.send(GetStats())  # hello: the scheduler answers Ready once the workers are up
+            self.tokenizer = load_tokenizer(config.model, config.model_path) if config else None
+            self.info = self._wait_ready(ready_timeout)
+            if self.tokenizer is None:
+                self.tokenizer = load_tokenizer(self.info["model"], self.info.get("model_path"))
+        except BaseException:
+            self.close()
+            raise
+        self.model_config = ModelConfig.from_dict(self.info["model_config"])
+        self.max_model_len: int = self.info["max_model_len"]
+
+    def _wait_ready(self, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.procs is not None and not self.procs.alive:
+                raise EngineDeadError(f"engine failed to start: {self.procs.dead_reason or 'a process exited'}")
+            if not self.sock.poll(200):
+                continue
+            msg = self.recv()
+            if isinstance(msg, Ready) and msg.role == "engine":
+                return msg.info
+            if isinstance(msg, EngineDead):
+                raise EngineDeadError(f"engine failed to start: {msg.reason}")
+        raise EngineDeadError(f"engine at {self.address} was not ready after {timeout:.0f} s")
+
+    def send(self, msg) -> None:
+        self.sock.send(encode(msg))
+
+    def recv(self):
+        """One message, or None when the frame is malformed (logged, never fatal)."""
+        frame = self.sock.recv()
+        try:
+            return decode(frame)
+        except ProtocolError as e:
+            log.warning("dropped a malformed frame from the engine: %s", e)
+            return None
+
+    def recv_blocking(self):
+        """The next message; EngineDeadError when the engine dies meanwhile (no hang)."""
+        while not self.sock.poll(500):
+            if self.dead_reason:
+                raise EngineDeadError(self.dead_reason)
+        msg = self.recv()
+        if isinstance(msg, EngineDead):
+            raise EngineDeadError(msg.reason)
+        if isinstance(msg, TokenBatch) and msg.stats:
+            self.latest_stats = msg.stats
+        return msg
+
+    @property
+    def dead_reason(self) -> str | None:
+        return self.procs.dead_reason if self.procs is not None else None
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the engine we started (nothing when attached to a remote one) and close the socket."""
+        if self.procs is not None and not self.sock.closed:
+            try:
+                self.send(Shutdown())
+            except zmq.ZMQError:
+                pass
+        if not self.sock.closed:
+            self.sock.close(linger=0)
+        if self.procs is not None:
+            self.procs.shutdown(timeout)
+            self.procs = None
+        self.ctx.term()

@@ -1,0 +1,129 @@
+"""Starts the scheduler and worker processes, watches them, and stops them leaving nothing behind."""
+from __future__ import annotations
+
+import importlib
+import logging
+import multiprocessing as mp
+import os
+import signal
+import threading
+from collections.abc import Callable
+from multiprocessing.connection import wait
+
+from protocol.addresses import Addresses, make_addresses, remove_ipc_dir
+from protocol.config import EngineConfig
+
+log = logging.getLogger("pico_vllm.launcher")
+
+# NVLink multicast can take a shared host's GPUs down for a day: keep it off in every child.
+_CHILD_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def _child_main(module: str, func: str, *args) -> None:
+    """Spawn target: import the role's module only in the child, so the frontend never loads CUDA."""
+    os.environ.update(_CHILD_ENV)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to launch.py, which stops us in order
+    getattr(importlib.import_module(module), func)(*args)
+
+
+def resolve_config(config: EngineConfig) -> EngineConfig:
+    """Resolve the model name once, here, so that child processes start from files and numbers."""
+    from protocol.model_config import resolve_model
+
+    model_config, model_path = resolve_model(config.model, config.load_format)
+    config.model_config, config.model_path = model_config, model_path
+    limit = model_config.max_position_embeddings
+    if config.max_model_len is None:
+        config.max_model_len = limit
+    elif config.max_model_len > limit:
+        raise ValueError(f"max_model_len={config.max_model_len} is over the model's "
+                         f"max_position_embeddings={limit}: use at most {limit}")
+    return config
+
+
+class EngineProcesses:
+    """The scheduler and one worker per rank: started together, watched, stopped together."""
+
+    def __init__(self, config: EngineConfig, engine_address: str | None = None) -> None:
+        self.config = config
+        self.addresses: Addresses = make_addresses(config.tensor_parallel_size, engine_address)
+        self.dead_reason: str | None = None
+        self._stopping = False
+        self._on_death: list[Callable[[str], None]] = []
+        ctx = mp.get_context("spawn")
+        args = (config.to_dict(), self.addresses.to_dict())
+        self.procs = {"scheduler": ctx.Process(target=_child_main, name="scheduler", daemon=True,
+                                               args=("scheduler.process", "run_scheduler", *args))}
+        for rank in range(config.tensor_parallel_size):
+            self.procs[f"worker{rank}"] = ctx.Process(target=_child_main, name=f"worker{rank}", daemon=True,
+                                                      args=("worker.process", "run_worker", *args, rank))
+
+    def start(self) -> None:
+        for role, proc in self.procs.items():
+            proc.start()
+            log.info("%s pid=%d", role, proc.pid)
+        threading.Thread(target=self._watch, name="engine-watcher", daemon=True).start()
+
+    def on_death(self, callback: Callable[[str], None]) -> None:
+        """Call back (from the watcher thread) with the reason when a child dies unexpectedly."""
+        self._on_death.append(callback)
+        if self.dead_reason is not None:
+            callback(self.dead_reason)
+
+    def _watch(self) -> None:
+        by_sentinel = {p.sentinel: (role, p) for role, p in self.procs.items()}
+        ready = wait(list(by_sentinel))
+        if self._stopping:
+            return
+        role, proc = by_sentinel[ready[0]]
+        proc.join(0)
+        self.dead_reason = f"engine process {role} (pid {proc.pid}) exited with code {proc.exitcode}"
+        log.error("%s", self.dead_reason)
+        for callback in self._on_death:
+            callback(self.dead_reason)
+
+    @property
+    def alive(self) -> bool:
+        return self.dead_reason is None and all(p.is_alive() for p in self.procs.values())
+
+    def wait_any_exit(self, timeout: float | None = None) -> bool:
+        """Block until a child exits (headless mode); True if one did."""
+        return bool(wait([p.sentinel for p in self.procs.values()], timeout))
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Join children (the client has asked the scheduler to stop), then terminate, then kill."""
+        self._stopping = True
+        for proc in self.procs.values():
+            proc.join(timeout)
+        for proc in self.procs.values():
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(2.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(2.0)
+        remove_ipc_dir(self.addresses)
+
+
+def run_headless(config: EngineConfig, address: str) -> int:
+    """Serve the engine at `address` without HTTP until SIGINT/SIGTERM (0) or a child's death (1)."""
+    import zmq
+
+    from protocol.codec import encode
+    from protocol.messages import Shutdown
+
+    procs = EngineProcesses(resolve_config(config), address)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    procs.start()
+    log.info("engine listening at %s", procs.addresses.engine)
+    while not stop.is_set() and not procs.wait_any_exit(0.5):
+        pass
+    with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as sock:
+        sock.setsockopt(zmq.LINGER, 500)
+        sock.connect(procs.addresses.engine)
+        sock.send(encode(Shutdown()))
+    died = procs.dead_reason is not None or not stop.is_set()
+    procs.shutdown()
+    return 1 if died else 0

@@ -1,0 +1,91 @@
+"""LLM: the synchronous, offline API. Submits every prompt at once and lets the engine batch them."""
+from __future__ import annotations
+
+import atexit
+import itertools
+
+from tqdm import tqdm
+
+from frontend.engine_client import EngineClient, EngineDeadError
+from frontend.inputs import Prompt, prepare_prompt
+from frontend.output_processor import OutputProcessor
+from frontend.outputs import RequestOutput
+from protocol.config import EngineConfig
+from protocol.messages import Abort, GetStats, TokenBatch
+from protocol.sampling import SamplingParams
+
+
+class LLM:
+    """`LLM(model, **engine options)`; options are EngineConfig's fields (the CLI flags in snake_case)."""
+
+    def __init__(self, model: str, **kwargs) -> None:
+        self.client = EngineClient(EngineConfig(model=model, **kwargs))
+        self.processor = OutputProcessor(self.client.tokenizer)
+        self._ids = itertools.count()
+        atexit.register(self.shutdown)
+
+    def get_tokenizer(self):
+        return self.client.tokenizer
+
+    def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Outputs in input order. A prompt is a str or a list of token ids."""
+        prompts = [prompts] if _is_single(prompts) else list(prompts)
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts: give one or one each")
+        prepared = [prepare_prompt(self.client.tokenizer, p, sp or SamplingParams(), self.client.max_model_len,
+                                   self.client.model_config.vocab_size) for p, sp in zip(prompts, params)]
+        states = []
+        for text, ids, sp in prepared:
+            state, msgs = self.processor.add(f"llm-{next(self._ids)}", text, ids, sp)
+            states.append(state)
+            for msg in msgs:
+                self.client.send(msg)
+        with tqdm(total=len(states), desc="generate", disable=not use_tqdm) as bar:
+            while self.processor.num_pending:
+                done = self._step()
+                bar.update(done)
+        for state in states:
+            if state.output.error:
+                raise RuntimeError(f"request {state.output.request_id} failed: {state.output.error}")
+        return [state.output for state in states]
+
+    def _step(self) -> int:
+        """Wait for one TokenBatch; return how many requests it finished."""
+        try:
+            msg = self.client.recv_blocking()
+        except EngineDeadError as e:
+            self.processor.fail_all(str(e))
+            raise
+        if not isinstance(msg, TokenBatch):
+            return 0
+        changed, to_abort = self.processor.process(msg)
+        if to_abort:
+            self.client.send(Abort(to_abort))
+        return sum(state.finished for state in changed)
+
+    def stats(self) -> dict:
+        """Fresh engine counters (a round trip to the scheduler)."""
+        self.client.send(GetStats())
+        while True:
+            msg = self.client.recv_blocking()
+            if isinstance(msg, TokenBatch) and not msg.request_ids:
+                return dict(msg.stats)
+
+    def shutdown(self) -> None:
+        if getattr(self, "client", None) is not None:
+            self.client.close()
+            self.client = None
+            atexit.unregister(self.shutdown)
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def _is_single(prompts) -> bool:
+    return isinstance(prompts, str) or (isinstance(prompts, list) and bool(prompts)
+                                         and all(isinstance(t, int) for t in prompts))

@@ -1,0 +1,134 @@
+"""Turns the engine's TokenBatches into RequestOutputs: detokenize, match stop strings, fan out n.
+
+Shared by LLM (sync) and AsyncLLM: one caller request with n samples becomes n engine requests.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+
+from frontend.detokenizer import IncrementalDetokenizer
+from frontend.outputs import CompletionOutput, RequestOutput
+from frontend.stop_strings import StopMatcher
+from protocol.messages import AddRequest, TokenBatch, i32
+from protocol.sampling import SamplingParams
+
+
+@dataclass(slots=True)
+class _Sample:
+    """One of a request's n samples, as the engine sees it (its own engine request id)."""
+
+    state: RequestState
+    out: CompletionOutput
+    detok: IncrementalDetokenizer
+    stops: StopMatcher
+
+
+@dataclass(slots=True)
+class RequestState:
+    output: RequestOutput
+    params: SamplingParams
+    engine_ids: list[str]
+    arrival_ns: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.output.finished
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._samples: dict[str, _Sample] = {}
+        self._requests: dict[str, RequestState] = {}
+        self._ids = itertools.count()
+
+    def add(self, request_id: str, prompt: str | None, prompt_ids: list[int],
+            params: SamplingParams) -> tuple[RequestState, list[AddRequest]]:
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already running: use a unique id")
+        outs = [CompletionOutput(index=i, logprobs=[] if params.logprobs is not None else None)
+                for i in range(params.n)]
+        state = RequestState(RequestOutput(request_id, prompt, list(prompt_ids), outs), params, [])
+        msgs = []
+        for out in outs:
+            engine_id = f"{request_id}#{next(self._ids)}"
+            sub = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + out.index)
+            self._samples[engine_id] = _Sample(state, out, IncrementalDetokenizer(self.tokenizer, prompt_ids),
+                                               StopMatcher(params.stop))
+            state.engine_ids.append(engine_id)
+            msgs.append(AddRequest(engine_id, i32(prompt_ids), sub.to_dict()))
+        self._requests[request_id] = state
+        return state, msgs
+
+    def process(self, batch: TokenBatch) -> tuple[list[RequestState], list[str]]:
+        """Apply one batch; return the requests it changed and engine ids to abort (stop strings hit)."""
+        changed: dict[str, RequestState] = {}
+        to_abort: list[str] = []
+        for i, engine_id in enumerate(batch.request_ids):
+            sample = self._samples.get(engine_id)
+            if sample is None or sample.out.finished:
+                continue  # a token for a sample the frontend already ended (stop string, abort)
+            token = int(batch.token_ids[i])
+            if token >= 0:
+                self._append(sample, token, batch.logprobs[i] if batch.logprobs else None)
+                if sample.out.finished:
+                    to_abort.append(engine_id)
+            reason = batch.finished.get(engine_id)
+            if reason is not None and not sample.out.finished:
+                self._finish(sample, reason, batch.errors.get(engine_id))
+            changed[sample.state.output.request_id] = sample.state
+        return list(changed.values()), to_abort
+
+    def _append(self, sample: _Sample, token: int, logprobs: list | None) -> None:
+        out = sample.out
+        out.token_ids.append(token)
+        if logprobs is not None and out.logprobs is not None:
+            lp, top_ids, top_lps = logprobs
+            out.logprobs.append({token: lp, **dict(zip(top_ids, top_lps))})
+        emit, stop = sample.stops.feed(sample.detok.step([token]))
+        out.text += emit
+        if stop is not None:
+            out.stop_reason = stop
+            self._finish(sample, "stop")
+
+    def _finish(self, sample: _Sample, reason: str, error: str | None = None) -> None:
+        out, state = sample.out, sample.state
+        if reason != "stop" or out.stop_reason is None:
+            out.text += sample.stops.flush()
+        if reason == "stop" and out.stop_reason is None and out.token_ids:
+            out.stop_reason = out.token_ids[-1]
+        out.finish_reason = "abort" if reason == "error" else reason
+        if error:
+            state.output.error = error
+        if all(o.finished for o in state.output.outputs):
+            state.output.finished = True
+            for engine_id in state.engine_ids:
+                self._samples.pop(engine_id, None)
+            self._requests.pop(state.output.request_id, None)
+
+    def abort(self, request_id: str) -> list[str]:
+        """End a request here; return its engine ids so the caller tells the engine."""
+        state = self._requests.get(request_id)
+        if state is None:
+            return []
+        for engine_id in state.engine_ids:
+            sample = self._samples.get(engine_id)
+            if sample is not None and not sample.out.finished:
+                self._finish(sample, "abort")
+        return state.engine_ids
+
+    def fail_all(self, reason: str) -> list[RequestState]:
+        """The engine died: every pending request ends with this error."""
+        states = list(self._requests.values())
+        for state in states:
+            for engine_id in state.engine_ids:
+                sample = self._samples.get(engine_id)
+                if sample is not None and not sample.out.finished:
+                    self._finish(sample, "error", reason)
+        return states
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._requests)
