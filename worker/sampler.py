@@ -1,0 +1,225 @@
+"""The sampler: logits -> token ids on the device, every row with its own params, no host sync.
+
+Per-row params live in device tables indexed by row; a row's params are written once when it is added.
+The host keeps counts of active rows using each feature, so a stage no active row needs costs nothing.
+Random rows draw from a counter-based hash of (row seed, position of the sampled token, vocab index):
+the same request samples the same tokens alone or in any batch, and again after a preemption.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from protocol.sampling import SamplingParams
+
+# Column order of the float and int parameter tables.
+_TEMP, _TOP_P, _MIN_P, _PRESENCE, _FREQUENCY, _REPETITION = range(6)
+_TOP_K, _SEED = range(2)
+_FEATURES = ("random", "penalties", "top_k_top_p", "min_p", "logprobs")
+
+
+def _i64(c: int) -> int:
+    """An unsigned 64-bit constant as the signed int64 torch stores (same bits)."""
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_GOLDEN = _i64(0x9E3779B97F4A7C15)
+_MIX1 = _i64(0xBF58476D1CE4E5B9)
+_MIX2 = _i64(0x94D049BB133111EB)
+
+
+def _srl(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic; the mask drops the sign copies)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mix64(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finalizer; int64 multiplication wraps, which is the arithmetic it wants."""
+    z = (z ^ _srl(z, 30)) * _MIX1
+    z = (z ^ _srl(z, 27)) * _MIX2
+    return z ^ _srl(z, 31)
+
+
+def hashed_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_keys: torch.Tensor) -> torch.Tensor:
+    """u[n, v] in (0, 1), a pure function of (seeds[n], positions[n], v); vocab_keys = arange(V) * golden."""
+    row_key = _mix64(seeds * _GOLDEN + positions)
+    z = _mix64(row_key[:, None] + vocab_keys[None, :])
+    return (_srl(z, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def seed_to_i64(seed: int) -> int:
+    """Any Python int seed (SamplingParams allows -2**63 .. 2**64-1) as int64 bits."""
+    return ((seed + (1 << 63)) % (1 << 64)) - (1 << 63)
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: torch.Tensor  # [N] int64
+    logprobs: torch.Tensor | None = None  # [N] float32: the sampled token's logprob (raw logits)
+    top_ids: torch.Tensor | None = None  # [N, k] int64
+    top_logprobs: torch.Tensor | None = None  # [N, k] float32
+
+
+class Sampler:
+    """Samples one token per row from float32 logits; rows are the runner's mirror rows."""
+
+    def __init__(self, max_rows: int, vocab_size: int, device: torch.device, seed: int = 0) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        # Host copies are the truth; the device tables are refreshed from them on steps that add rows.
+        self._floats = np.zeros((max_rows, 6), np.float32)
+        self._ints = np.zeros((max_rows, 2), np.int64)
+        self._floats[:, [_TOP_P, _REPETITION]] = 1.0
+        self._feature = {name: np.zeros(max_rows, bool) for name in _FEATURES}
+        self._count = dict.fromkeys(_FEATURES, 0)
+        self._logprobs_k = np.full(max_rows, -1, np.int64)
+        self._dirty = False
+        self.floats = torch.from_numpy(self._floats).to(device)
+        self.ints = torch.from_numpy(self._ints).to(device)
+        self.output_counts = torch.zeros((max_rows, vocab_size), dtype=torch.int32, device=device)
+        self.prompt_mask = torch.zeros((max_rows, vocab_size), dtype=torch.bool, device=device)
+        self.vocab_keys = torch.arange(vocab_size, dtype=torch.int64, device=device) * _GOLDEN
+        self._rng = np.random.default_rng(seed)  # seeds of rows that bring none
+
+    # ---- rows ---------------------------------------------------------------------------------------
+
+    def add_row(self, row: int, params: SamplingParams, prompt_ids: np.ndarray,
+                output_ids: np.ndarray) -> None:
+        """Enter a row; output_ids are tokens generated before a preemption (they count for penalties)."""
+        self.remove_row(row)
+        seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**63))
+        top_k = params.top_k if params.top_k > 0 else 0
+        self._floats[row] = (params.temperature, params.top_p, params.min_p, params.presence_penalty,
+                             params.frequency_penalty, params.repetition_penalty)
+        self._ints[row] = (top_k, seed_to_i64(seed))
+        penalties = (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+                     or params.repetition_penalty != 1.0)
+        flags = {"random": params.temperature > 0.0, "penalties": penalties,
+                 "top_k_top_p": params.temperature > 0.0 and (top_k > 0 or params.top_p < 1.0),
+                 "min_p": params.temperature > 0.0 and params.min_p > 0.0,
+                 "logprobs": params.logprobs is not None}
+        for name, on in flags.items():
+            self._feature[name][row] = on
+            self._count[name] += int(on)
+        self._logprobs_k[row] = -1 if params.logprobs is None else params.logprobs
+        self._dirty = True
+        if penalties:
+            self._reset_penalty_state(row, prompt_ids, output_ids)
+
+    def remove_row(self, row: int) -> None:
+        for name in _FEATURES:
+            self._count[name] -= int(self._feature[name][row])
+            self._feature[name][row] = False
+        self._logprobs_k[row] = -1
+
+    def _reset_penalty_state(self, row: int, prompt_ids: np.ndarray, output_ids: np.ndarray) -> None:
+        self.output_counts[row].zero_()
+        self.prompt_mask[row].zero_()
+        prompt = torch.from_numpy(np.asarray(prompt_ids, np.int64)).to(self.device)
+        self.prompt_mask[row, prompt] = True
+        if len(output_ids):
+            out = torch.from_numpy(np.asarray(output_ids, np.int64)).to(self.device)
+            self.output_counts[row].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
+
+    @property
+    def simple_greedy(self) -> bool:
+        """True when every active row is plain argmax (what a captured graph may do itself)."""
+        return not (self._count["random"] or self._count["penalties"] or self._count["logprobs"])
+
+    # ---- sampling -----------------------------------------------------------------------------------
+
+    def __call__(self, logits: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+                 rows_host: np.ndarray) -> SamplerOutput:
+        """Sample logits[N, V] for rows[N]; positions[N] are the sampled tokens' indices in their sequences.
+
+        rows_host is the host copy of rows; it is read only when some row needs top-k/top-p.
+        """
+        if self._dirty:
+            self.floats.copy_(torch.from_numpy(self._floats))
+            self.ints.copy_(torch.from_numpy(self._ints))
+            self._dirty = False
+        out = SamplerOutput(token_ids=None)
+        if self._count["logprobs"]:
+            self._raw_logprobs(logits, out)
+        if self._count["penalties"]:
+            logits = self._apply_penalties(logits, rows)
+        greedy = logits.argmax(dim=-1)
+        out.token_ids = greedy if not self._count["random"] else self._sample(logits, rows, positions,
+                                                                               rows_host, greedy)
+        if self._count["penalties"]:
+            self.output_counts.index_put_((rows, out.token_ids), torch.ones_like(rows, dtype=torch.int32),
+                                          accumulate=True)
+        if out.logprobs is not None:
+            out.logprobs = out.logprobs.gather(1, out.token_ids[:, None]).squeeze(1)
+        return out
+
+    def _raw_logprobs(self, logits: torch.Tensor, out: SamplerOutput) -> None:
+        """log_softmax of the raw logits (vLLM's default); the sampled gather happens after sampling."""
+        logprobs = torch.log_softmax(logits, dim=-1)
+        k = int(self._logprobs_k.max())
+        if k > 0:
+            out.top_logprobs, out.top_ids = logprobs.topk(k, dim=-1)
+        out.logprobs = logprobs
+
+    def _apply_penalties(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Repetition as HF/vLLM (prompt or output tokens), frequency and presence as OpenAI (output only)."""
+        params = self.floats[rows]
+        counts = self.output_counts[rows]
+        seen = counts > 0
+        rep = params[:, _REPETITION:_REPETITION + 1]
+        penalty = torch.where(seen | self.prompt_mask[rows], rep, torch.ones_like(rep))
+        logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = logits - params[:, _FREQUENCY:_FREQUENCY + 1] * counts
+        return logits - params[:, _PRESENCE:_PRESENCE + 1] * seen
+
+    def _sample(self, logits: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+                rows_host: np.ndarray, greedy: torch.Tensor) -> torch.Tensor:
+        params = self.floats[rows]
+        temp = params[:, _TEMP:_TEMP + 1]
+        logits = logits / torch.where(temp > 0, temp, torch.ones_like(temp))
+        if self._count["min_p"]:
+            logits = _apply_min_p(logits, params[:, _MIN_P])
+        if self._count["top_k_top_p"]:
+            logits = self._apply_top_k_top_p(logits, rows, rows_host)
+        # Gumbel-max: argmax(logits + Gumbel noise) is an exact draw from softmax(logits), and the same
+        # as argmax(probs / Exp(1)); the noise is hashed, so it does not depend on the batch.
+        u = hashed_uniform(self.ints[rows, _SEED], positions, self.vocab_keys)
+        sampled = (logits - torch.log(-torch.log(u))).argmax(dim=-1)
+        return torch.where(temp[:, 0] > 0, sampled, greedy)
+
+    def _apply_top_k_top_p(self, logits: torch.Tensor, rows: torch.Tensor,
+                           rows_host: np.ndarray) -> torch.Tensor:
+        """One sort, of only the rows that use top-k or top-p (a host-side choice: no sync)."""
+        need = np.flatnonzero(self._feature["top_k_top_p"][rows_host])
+        if len(need) == 0:
+            return logits
+        if len(need) == len(rows_host):
+            return _top_k_top_p(logits, self.ints[rows, _TOP_K], self.floats[rows, _TOP_P])
+        idx = torch.from_numpy(need).to(self.device, non_blocking=True)
+        sel_rows = rows[idx]
+        logits = logits.clone()
+        logits[idx] = _top_k_top_p(logits[idx], self.ints[sel_rows, _TOP_K], self.floats[sel_rows, _TOP_P])
+        return logits
+
+
+def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the top token's."""
+    probs = torch.softmax(logits, dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """vLLM's recipe on an ascending sort; top_k 0 keeps all, top_p 1 keeps all; the best token stays."""
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).clamp(max=vocab)
+    kth = sorted_logits.gather(1, (vocab - k)[:, None])
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+    cut = cum <= (1.0 - top_p)[:, None]
+    cut[:, -1] = False
+    sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
+    return sorted_logits.scatter(1, order, sorted_logits)
