@@ -1,0 +1,189 @@
+"""The whole engine in real processes: frontend, scheduler and worker, against Hugging Face's greedy output."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from frontend import LLM, AsyncLLM, SamplingParams
+from frontend.engine_client import EngineDeadError
+
+MAX_NEW = 12
+PROMPT_LENS = [1, 3, 16, 17, 40, 77, 128, 200]
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+def _hf_greedy(ckpt, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    model = AutoModelForCausalLM.from_pretrained(ckpt, torch_dtype=torch.float32).eval()
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new,
+                                 min_new_tokens=max_new, pad_token_id=0)
+            outs.append(out[0, len(p):].tolist())
+    return outs
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return _prompts(512)
+
+
+@pytest.fixture(scope="module")
+def hf_tokens(tiny_ckpt, prompts) -> list[list[int]]:
+    return _hf_greedy(tiny_ckpt, prompts, MAX_NEW)
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+
+
+def _generate(llm: LLM, prompts) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+def _assert_all_blocks_free(llm: LLM) -> None:
+    stats = llm.stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0, stats
+
+
+def test_greedy_batch_equals_hf_token_for_token(tiny_ckpt, prompts, hf_tokens):
+    with LLM(str(tiny_ckpt), device="cpu") as llm:
+        assert _generate(llm, prompts) == hf_tokens
+        _assert_all_blocks_free(llm)
+
+
+def test_chunked_prefill_gives_the_same_tokens(tiny_ckpt, prompts, hf_tokens):
+    with LLM(str(tiny_ckpt), device="cpu", max_num_batched_tokens=16) as llm:
+        assert _generate(llm, prompts) == hf_tokens
+        _assert_all_blocks_free(llm)
+
+
+def test_preempted_requests_resume_with_the_same_tokens(tiny_ckpt, prompts, hf_tokens):
+    # 40 blocks of 16 hold the longest request (212 tokens = 14 blocks) but not all eight at once.
+    with LLM(str(tiny_ckpt), device="cpu", num_kv_blocks=40, block_size=16) as llm:
+        assert _generate(llm, prompts) == hf_tokens
+        assert llm.stats()["num_preemptions"] > 0
+        _assert_all_blocks_free(llm)
+
+
+def test_shared_prefixes_are_served_from_the_prefix_cache(tiny_ckpt):
+    g = torch.Generator().manual_seed(2)
+    prefix = torch.randint(3, 512, (64,), generator=g).tolist()
+    prompts = [prefix + torch.randint(3, 512, (n,), generator=g).tolist() for n in (1, 5, 16, 33)]
+    expected = _hf_greedy(tiny_ckpt, prompts, MAX_NEW)
+    with LLM(str(tiny_ckpt), device="cpu") as llm:
+        assert _generate(llm, prompts[:1]) == expected[:1]
+        assert _generate(llm, prompts[1:]) == expected[1:]
+        assert llm.stats()["num_cached_tokens"] >= 3 * 64
+        _assert_all_blocks_free(llm)
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_batch(tiny_ckpt, prompts):
+    params = SamplingParams(temperature=0.9, top_p=0.9, seed=1234, max_tokens=MAX_NEW, ignore_eos=True)
+    other = SamplingParams(temperature=1.0, max_tokens=MAX_NEW, ignore_eos=True)
+    with LLM(str(tiny_ckpt), device="cpu") as llm:
+        alone = llm.generate([prompts[4]], [params], use_tqdm=False)[0].outputs[0].token_ids
+        batch = llm.generate(prompts[:6], [other] * 4 + [params, other], use_tqdm=False)
+        assert batch[4].outputs[0].token_ids == alone
+        unseeded = llm.generate([prompts[4]] * 2, [other] * 2, use_tqdm=False)
+        assert unseeded[0].outputs[0].token_ids != unseeded[1].outputs[0].token_ids
+
+
+def test_n_samples_and_stop_strings_in_text(tiny_ckpt):
+    with LLM(str(tiny_ckpt), device="cpu") as llm:
+        full = llm.generate("Hello world", SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                            use_tqdm=False)[0].outputs[0]
+        stop = full.text[3:6]
+        cut = llm.generate("Hello world", SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=[stop]),
+                           use_tqdm=False)[0].outputs[0]
+        assert cut.text == full.text[:full.text.index(stop)] and cut.finish_reason == "stop"
+        many = llm.generate("Hello", SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True),
+                            use_tqdm=False)[0]
+        assert [o.index for o in many.outputs] == [0, 1, 2]
+        assert all(len(o.token_ids) == 8 and o.finish_reason == "length" for o in many.outputs)
+        _assert_all_blocks_free(llm)
+
+
+def test_bad_input_raises_value_error_naming_it(tiny_ckpt):
+    with LLM(str(tiny_ckpt), device="cpu", max_model_len=256) as llm:
+        with pytest.raises(ValueError, match="max_model_len"):
+            llm.generate([[5] * 250], SamplingParams(max_tokens=10), use_tqdm=False)
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            llm.generate([[5, 99999]], use_tqdm=False)
+        with pytest.raises(ValueError, match="empty"):
+            llm.generate("", use_tqdm=False)
+        with pytest.raises(ValueError, match="temperature"):
+            SamplingParams(temperature=-1)
+        assert _generate(llm, [[5, 6, 7]])[0]  # still serving
+        _assert_all_blocks_free(llm)
+
+
+def test_async_abort_mid_generation_frees_blocks(tiny_ckpt):
+    engine = AsyncLLM(str(tiny_ckpt), device="cpu")
+
+    async def run():
+        params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        seen = 0
+        async for out in engine.generate([5, 6, 7, 8], params, "to-abort"):
+            seen = len(out.outputs[0].token_ids)
+            if seen >= 3:
+                break  # leaving the loop aborts the request
+        assert seen >= 3
+        finals = [o async for o in engine.generate([5, 6, 7], SamplingParams(temperature=0, max_tokens=4), "next")]
+        assert finals[-1].finished and len(finals[-1].outputs[0].token_ids) == 4
+        for _ in range(50):
+            stats = engine.stats()
+            if stats["num_free_blocks"] == stats["num_total_blocks"]:
+                break
+            await asyncio.sleep(0.05)
+        assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
+
+    try:
+        asyncio.run(run())
+    finally:
+        engine.shutdown()
+
+
+def test_killed_worker_fails_pending_requests_within_5_s(tiny_ckpt):
+    llm = LLM(str(tiny_ckpt), device="cpu")
+    procs = llm.client.procs
+    pids = [p.pid for p in procs.procs.values()]
+    worker = procs.procs["worker0"]
+    killer = _kill_later(worker.pid, 1.0)
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError, match="worker0"):
+        llm.generate([[5, 6]] * 4, SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True),
+                     use_tqdm=False)
+    assert time.monotonic() - start < 6.0
+    killer.join()
+    llm.shutdown()
+    for pid in pids:
+        assert not _alive(pid), f"process {pid} left behind"
+
+
+def _kill_later(pid: int, delay: float):
+    import threading
+
+    t = threading.Thread(target=lambda: (time.sleep(delay), os.kill(pid, signal.SIGKILL)))
+    t.start()
+    return t
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is gone for our purposes
+        return f.read().split()[2] != "Z"
