@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -18,10 +20,60 @@ def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
     return rms_norm_ref(new_residual, weight, eps), new_residual
 
 
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, stride_x, stride_res, stride_out,
+                     stride_new_res, hidden, eps, ADD_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    # One program per row: a whole row (hidden <= a few thousand) fits in registers, so the row is read once.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if ADD_RESIDUAL:
+        # Round the sum to the input dtype before normalising, as the unfused torch code does.
+        x = (x.to(tl.float32) + tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32))
+        x = x.to(new_res_ptr.dtype.element_ty)
+        tl.store(new_res_ptr + row * stride_new_res + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
+    normed = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if x.stride(-1) != 1 or (residual is not None and residual.stride(-1) != 1):
+        raise ValueError(f"rms_norm needs a unit stride on the hidden dim, got {x.stride()}; pass x.contiguous()")
+    rows, hidden = x.shape
+    out = torch.empty((rows, hidden), dtype=torch.result_type(x, weight), device=x.device)
+    if residual is None:
+        res, new_res = x, out  # never touched: ADD_RESIDUAL is off
+    else:
+        res, new_res = residual, torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
+    block = triton.next_power_of_2(hidden)
+    _rms_norm_kernel[(rows,)](x, res, weight, out, new_res, x.stride(0), res.stride(0), out.stride(0),
+                              new_res.stride(0), hidden, eps, ADD_RESIDUAL=residual is not None, BLOCK=block,
+                              num_warps=min(16, max(1, block // 256)))
+    return out, (new_res if residual is not None else None)
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _launch_rms_norm(x, None, weight, eps)[0]
+
+
+def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _launch_rms_norm(x, residual, weight, eps)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return rms_norm_ref(x, weight, eps)
+    """x[T, H] -> RMSNorm(x) * weight."""
+    return rms_norm_triton(x, weight, eps) if x.is_cuda else rms_norm_ref(x, weight, eps)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual), fused in one pass on CUDA."""
+    if x.is_cuda:
+        return add_rms_norm_triton(x, residual, weight, eps)
     return add_rms_norm_ref(x, residual, weight, eps)
