@@ -1,7 +1,21 @@
 """Paged attention for decode: one query token per row against that row's cached context."""
 from __future__ import annotations
 
+import math
+
 import torch
+import triton
+import triton.language as tl
+
+from kernels.attention_tile import attend_tile, load_kv_tile
+from kernels.kv_store import check_cache_layout
+
+# Split-K sizing (see _partition_size): at least _MIN_PARTITION tokens per split so a split amortises its
+# partial write, and at most about _MAX_PROGRAMS programs so large batches do not launch mostly-idle splits.
+_MIN_PARTITION = 512
+_MAX_PROGRAMS = 4096
+_MAX_SPLITS = 64
+_BLOCK_N = 64
 
 
 def gather_kv_ref(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
@@ -32,7 +46,104 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     return torch.matmul(probs, v).reshape(batch, num_q_heads, head_dim).to(q.dtype)
 
 
+@triton.jit
+def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, part_acc, part_max, part_sum,
+                         qk_scale, stride_qb, stride_qh, stride_cb, stride_ch, stride_cs, stride_bt, block_size,
+                         group, num_q_heads, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                         GROUP_PAD: tl.constexpr, PARTITION: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Program (row, kv head, split): the group of query heads sharing this KV head attends to tokens
+    # [split * PARTITION, (split + 1) * PARTITION) of the row, so each K/V tile is read once for the group.
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+    ctx = tl.load(context_lens + b)
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    g_mask = offs_g < group
+    d_mask = offs_d < HEAD_DIM
+    heads = kv_head * group + offs_g
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+    start = split * PARTITION
+    block_table_row = block_tables + b.to(tl.int64) * stride_bt
+    # Splits past the row's length run no iteration; the reduce kernel never reads their partials.
+    for n0 in range(start, tl.minimum(start + PARTITION, ctx), BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < ctx
+        k, v = load_kv_tile(k_cache, v_cache, block_table_row, offs_n, n_mask, kv_head, stride_cb, stride_ch,
+                            stride_cs, block_size, offs_d, d_mask)
+        m_i, l_i, acc = attend_tile(q, k, v, n_mask[None, :], m_i, l_i, acc, qk_scale)
+    part = (b * num_q_heads + heads).to(tl.int64) * num_splits + split  # [GROUP_PAD] rows of the partials
+    tl.store(part_max + part, m_i, mask=g_mask)
+    tl.store(part_sum + part, l_i, mask=g_mask)
+    tl.store(part_acc + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _decode_reduce_kernel(out_ptr, context_lens, part_acc, part_max, part_sum, stride_ob, stride_oh,
+                          num_q_heads, num_splits, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                          SPLITS_PAD: tl.constexpr, PARTITION: tl.constexpr):
+    # Program (row, query head): combines the row's used splits by log-sum-exp (base 2, as the partials).
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    ctx = tl.load(context_lens + b)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    s_mask = offs_s < (ctx + PARTITION - 1) // PARTITION
+    d_mask = offs_d < HEAD_DIM
+    part = (b * num_q_heads + h).to(tl.int64) * num_splits + offs_s
+    m = tl.load(part_max + part, mask=s_mask, other=float("-inf"))
+    m_all = tl.max(m, axis=0)
+    m_all = tl.where(m_all == float("-inf"), 0.0, m_all)  # context 0: no split used, avoid -inf - -inf
+    weight = tl.where(s_mask, tl.exp2(m - m_all), 0.0)
+    total = tl.sum(tl.load(part_sum + part, mask=s_mask, other=0.0) * weight, axis=0)
+    acc = tl.load(part_acc + part[:, None] * HEAD_DIM + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :],
+                  other=0.0)
+    out = tl.sum(acc * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)  # context 0 -> zeros
+    tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=d_mask)
+
+
+def _partition_size(batch: int, num_kv_heads: int, max_context: int) -> int:
+    """Tokens per split, from static shapes only: a captured CUDA graph stays right for every length."""
+    splits = max(1, min(_MAX_SPLITS, _MAX_PROGRAMS // max(1, batch * num_kv_heads)))
+    return max(_MIN_PARTITION, triton.next_power_of_2(triton.cdiv(max_context, splits)))
+
+
+def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                  block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                                  partition_size: int | None = None) -> torch.Tensor:
+    """Split-K flash decoding; partition_size (a power of two >= 16) overrides the static choice (tests)."""
+    check_cache_layout(k_cache, v_cache)
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    max_context = block_tables.shape[1] * block_size
+    partition = partition_size or _partition_size(batch, num_kv_heads, max_context)
+    num_splits = triton.cdiv(max_context, partition)
+    part_acc = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+    part_max = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
+    part_sum = torch.empty_like(part_max)
+    d_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot wants every dim >= 16
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, part_acc, part_max, part_sum, scale * math.log2(math.e),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        block_size, group, num_q_heads, HEAD_DIM=head_dim, D_PAD=d_pad,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)), PARTITION=partition, BLOCK_N=min(_BLOCK_N, partition))
+    out = torch.empty((batch, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    _decode_reduce_kernel[(batch, num_q_heads)](
+        out, context_lens, part_acc, part_max, part_sum, out.stride(0), out.stride(1), num_q_heads, num_splits,
+        HEAD_DIM=head_dim, D_PAD=d_pad, SPLITS_PAD=triton.next_power_of_2(num_splits), PARTITION=partition)
+    return out
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
                            scale: float) -> torch.Tensor:
-    return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
+    """Row b of q[B, Hq, D] attends to its first context_lens[b] cached tokens; length 0 gives zeros."""
+    fn = paged_decode_attention_triton if q.is_cuda else paged_decode_attention_ref
+    return fn(q, k_cache, v_cache, block_tables, context_lens, scale)

@@ -1,0 +1,37 @@
+"""Triton pieces shared by the paged decode and prefill kernels: a tile of K/V read through the block
+table, and one online-softmax step over it."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def load_kv_tile(k_cache, v_cache, block_table_row, offs_n, n_mask, kv_head, stride_cb, stride_ch, stride_cs,
+                 block_size, offs_d, d_mask):
+    """K and V of tokens offs_n[BLOCK_N] of one sequence and one KV head, each [BLOCK_N, D_PAD]."""
+    # Tokens are gathered one by one through the table, so a tile may span several cache blocks and the
+    # tile width does not depend on block_size. Masked-off tokens never read their (maybe padded) table entry.
+    block_ids = tl.load(block_table_row + offs_n // block_size, mask=n_mask, other=0).to(tl.int64)
+    rows = block_ids * stride_cb + (offs_n % block_size) * stride_cs + kv_head * stride_ch
+    offsets = rows[:, None] + offs_d[None, :]
+    mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(k_cache + offsets, mask=mask, other=0.0)
+    v = tl.load(v_cache + offsets, mask=mask, other=0.0)
+    return k, v
+
+
+@triton.jit
+def attend_tile(q, k, v, mask, m_i, l_i, acc, qk_scale):
+    """One flash-attention step: q[M, D] against k, v[N, D] where mask[M, N]; base-2 running max m_i and
+    sum l_i of each row, unnormalised float32 output acc[M, D]."""
+    qk = tl.dot(q, tl.trans(k)) * qk_scale  # qk_scale folds in log2(e): exp2 below is the cheap exp
+    qk = tl.where(mask, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+    # A row with nothing visible yet keeps m = -inf; subtracting 0 instead avoids inf - inf = nan.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(qk - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
