@@ -1,0 +1,177 @@
+"""Every Triton kernel (under TRITON_INTERPRET=1 on CPU) against its torch reference, and the references
+against independent dense computations (Hugging Face RoPE, SDPA causal attention)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from kernels.decode_attention import paged_decode_attention_ref, paged_decode_attention_triton
+from kernels.kv_store import (make_cos_sin, rope_store_kv_ref, rope_store_kv_triton, store_kv_ref,
+                              store_kv_triton)
+from kernels.norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
+from kernels.prefill_attention import paged_prefill_attention_ref, paged_prefill_attention_triton
+
+TOL = dict(atol=1e-4, rtol=1e-4)
+BLOCK = 16
+GQA_SHAPES = [(2, 2, 64), (4, 2, 128), (6, 1, 64)]  # (Hq, Hkv, D): GQA ratios 1, 2 and 6
+
+
+def qkv_views(num_tokens: int, hq: int, hkv: int, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v as the model has them: non-contiguous views of one fused qkv projection output."""
+    qkv = torch.randn(num_tokens, (hq + 2 * hkv) * d)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    return q.view(num_tokens, hq, d), k.view(num_tokens, hkv, d), v.view(num_tokens, hkv, d)
+
+
+def paged_cache(lens: list[int], hkv: int, d: int, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random K/V caches and block tables that give each sequence shuffled blocks; unused entries are -1."""
+    needed = [(n + BLOCK - 1) // BLOCK for n in lens]
+    num_blocks = sum(needed) + 3
+    ids = torch.randperm(num_blocks)
+    tables = torch.full((len(lens), width), -1, dtype=torch.int32)
+    start = 0
+    for b, n in enumerate(needed):
+        tables[b, :n] = ids[start:start + n].int()
+        start += n
+    k_cache = torch.randn(num_blocks, hkv, BLOCK, d)
+    return k_cache, torch.randn_like(k_cache), tables
+
+
+def test_rms_norm_triton_matches_reference_on_strided_rows():
+    x = torch.randn(5, 200)[:, :96]  # row stride 200: a view, like a slice of a larger activation
+    w = torch.randn(96)
+    torch.testing.assert_close(rms_norm_triton(x, w, 1e-6), rms_norm_ref(x, w, 1e-6), **TOL)
+
+
+def test_add_rms_norm_returns_normed_sum_and_new_residual():
+    x, res, w = torch.randn(7, 96), torch.randn(7, 96), torch.randn(96)
+    out, new_res = add_rms_norm_triton(x, res, w, 1e-6)
+    ref_out, ref_res = add_rms_norm_ref(x, res, w, 1e-6)
+    torch.testing.assert_close(new_res, x + res, **TOL)
+    torch.testing.assert_close(new_res, ref_res, **TOL)
+    torch.testing.assert_close(out, ref_out, **TOL)
+    torch.testing.assert_close(ref_out, rms_norm_ref(x + res, w, 1e-6))
+
+
+def test_silu_and_mul_triton_matches_reference():
+    x = torch.randn(3, 2 * 1100)  # > one 1024-wide column block
+    torch.testing.assert_close(silu_and_mul_triton(x), silu_and_mul_ref(x), **TOL)
+    torch.testing.assert_close(silu_and_mul_ref(x), F.silu(x[:, :1100]) * x[:, 1100:])
+
+
+def test_make_cos_sin_and_rope_match_hugging_face_qwen2():
+    from transformers import Qwen2Config
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding, apply_rotary_pos_emb
+    cfg = Qwen2Config(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, rope_theta=1e6,
+                      max_position_embeddings=64)
+    q, k, v = qkv_views(6, 2, 1, 64)
+    pos = torch.tensor([0, 1, 5, 17, 40, 63])
+    cos, sin = Qwen2RotaryEmbedding(cfg)(v, pos[None])
+    hf_q, hf_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    k_cache, v_cache = torch.zeros(2, 1, BLOCK, 64), torch.zeros(2, 1, BLOCK, 64)
+    slots = torch.arange(6) + 10
+    q_rot = rope_store_kv_ref(q, k, v, pos, make_cos_sin(64, 64, 1e6, "cpu"), k_cache, v_cache, slots)
+    torch.testing.assert_close(q_rot, hf_q[0].transpose(0, 1), **TOL)
+    torch.testing.assert_close(k_cache[0, :, 10:], hf_k[0], **TOL)
+    torch.testing.assert_close(v_cache[0, :, 10:], v.transpose(0, 1))
+
+
+@pytest.mark.parametrize("hq,hkv,d", [*GQA_SHAPES, (3, 3, 24)])  # 24: head_dim padded to a power of two
+def test_rope_store_kv_triton_matches_reference_and_skips_slot_minus_one(hq, hkv, d):
+    q, k, v = qkv_views(9, hq, hkv, d)
+    assert not k.is_contiguous() and not v.is_contiguous()
+    pos = torch.randint(0, 100, (9,))
+    slots = torch.tensor([0, 5, 17, -1, 18, 40, -1, 33, 3])
+    cos_sin = make_cos_sin(128, d, 1e4, "cpu")
+    caches = [torch.full((3, hkv, BLOCK, d), 7.0) for _ in range(4)]
+    q_rot = rope_store_kv_triton(q, k, v, pos, cos_sin, caches[0], caches[1], slots)
+    ref = rope_store_kv_ref(q, k, v, pos, cos_sin, caches[2], caches[3], slots)
+    torch.testing.assert_close(q_rot, ref, **TOL)
+    torch.testing.assert_close(caches[0], caches[2], **TOL)
+    torch.testing.assert_close(caches[1], caches[3], **TOL)
+    assert int((caches[1] != 7.0).all(-1).sum()) == hkv * 7  # 7 tokens stored, the two -1 lanes not
+
+
+@pytest.mark.parametrize("hq,hkv,d", GQA_SHAPES)
+def test_store_kv_triton_writes_only_mapped_slots(hq, hkv, d):
+    _, k, v = qkv_views(5, hq, hkv, d)
+    slots = torch.tensor([31, -1, 0, 16, 15])
+    caches = [torch.zeros(2, hkv, BLOCK, d) for _ in range(4)]
+    store_kv_triton(k, v, caches[0], caches[1], slots)
+    store_kv_ref(k, v, caches[2], caches[3], slots)
+    torch.testing.assert_close(caches[0], caches[2])
+    torch.testing.assert_close(caches[1], caches[3])
+    torch.testing.assert_close(caches[0][1, :, 15], k[0])
+    torch.testing.assert_close(caches[1][0, :, 0], v[2])
+    assert int((caches[0] != 0).any(-1).sum()) == hkv * 4
+
+
+@pytest.mark.parametrize("hq,hkv,d", GQA_SHAPES)
+def test_decode_triton_matches_reference_across_splits(hq, hkv, d):
+    lens = [80, 0, 33, 16, 1]  # on and off block boundaries, an empty (padded) row
+    k_cache, v_cache, tables = paged_cache(lens, hkv, d, width=6)
+    q = qkv_views(len(lens), hq, hkv, d)[0]
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    out = paged_decode_attention_triton(q, k_cache, v_cache, tables, ctx, 0.125, partition_size=32)  # 3 splits
+    torch.testing.assert_close(out, paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.125), **TOL)
+    assert out[1].abs().max() == 0
+
+
+def test_decode_triton_with_default_partition_matches_reference():
+    k_cache, v_cache, tables = paged_cache([5, 47], 2, 64, width=4)
+    q = torch.randn(2, 4, 64)
+    ctx = torch.tensor([5, 47], dtype=torch.int32)
+    torch.testing.assert_close(paged_decode_attention_triton(q, k_cache, v_cache, tables, ctx, 0.1),
+                               paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.1), **TOL)
+
+
+def prefill_batch(lens: list[int], qlens: list[int], hq: int, d: int) -> tuple[torch.Tensor, ...]:
+    q = qkv_views(sum(qlens), hq, 1, d)[0]
+    cu = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
+    return q, cu, torch.tensor(lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("hq,hkv,d", GQA_SHAPES)
+def test_prefill_triton_matches_reference_with_cached_prefix(hq, hkv, d):
+    # Context lengths on and off block boundaries; new tokens after a cached prefix, a whole prompt, a
+    # decode row (one query), and one longer than a query block.
+    lens, qlens = [37, 16, 20, 90], [5, 16, 1, 70]
+    k_cache, v_cache, tables = paged_cache(lens, hkv, d, width=7)
+    q, cu, ctx = prefill_batch(lens, qlens, hq, d)
+    out = paged_prefill_attention_triton(q, k_cache, v_cache, tables, cu, ctx, 0.125, max(qlens))
+    ref = paged_prefill_attention_ref(q, k_cache, v_cache, tables, cu, ctx, 0.125, max(qlens))
+    torch.testing.assert_close(out, ref, **TOL)
+
+
+def test_prefill_reference_of_whole_prompts_is_causal_attention():
+    lens = [9, 20]
+    k_cache, v_cache, tables = paged_cache(lens, 2, 16, width=2)
+    q, cu, ctx = prefill_batch(lens, lens, 4, 16)
+    out = paged_prefill_attention_ref(q, k_cache, v_cache, tables, cu, ctx, 0.25, 20)
+    for b, n in enumerate(lens):
+        k = k_cache[tables[b, :2].long()].permute(1, 0, 2, 3).reshape(2, -1, 16)[:, :n].repeat_interleave(2, 0)
+        v = v_cache[tables[b, :2].long()].permute(1, 0, 2, 3).reshape(2, -1, 16)[:, :n].repeat_interleave(2, 0)
+        qb = q[cu[b]:cu[b + 1]].transpose(0, 1)
+        dense = F.scaled_dot_product_attention(qb, k, v, is_causal=True, scale=0.25).transpose(0, 1)
+        torch.testing.assert_close(out[cu[b]:cu[b + 1]], dense, **TOL)
+
+
+def test_decode_reference_equals_prefill_reference_of_one_query():
+    lens = [7, 0, 40]
+    k_cache, v_cache, tables = paged_cache(lens, 1, 16, width=3)
+    q = torch.randn(3, 3, 16)
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    decode = paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.3)
+    cu = torch.tensor([0, 1, 1, 2], dtype=torch.int32)
+    prefill = paged_prefill_attention_ref(q[[0, 2]], k_cache, v_cache, tables, cu, ctx, 0.3, 1)
+    torch.testing.assert_close(decode[[0, 2]], prefill, **TOL)
+    assert decode[1].abs().max() == 0
+
+
+def test_public_names_run_the_reference_on_cpu():
+    x, w = torch.randn(2, 8), torch.randn(8)
+    torch.testing.assert_close(kernels.rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6), rtol=0, atol=0)
+    torch.testing.assert_close(kernels.silu_and_mul(x), silu_and_mul_ref(x), rtol=0, atol=0)
