@@ -1,0 +1,105 @@
+"""--model resolution: short names, local directories, the HF cache, and one clear error when nothing fits."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from huggingface_hub import constants
+
+from protocol.model_config import check_tp_size, resolve_model
+
+# hidden, intermediate, layers, heads, kv heads, tied, vocab
+PUBLISHED = {
+    "qwen2.5-0.5b": (896, 4864, 24, 14, 2, True, 151936),
+    "qwen2.5-1.5b": (1536, 8960, 28, 12, 2, True, 151936),
+    "qwen2.5-3b": (2048, 11008, 36, 16, 2, True, 151936),
+    "qwen2.5-7b": (3584, 18944, 28, 28, 4, False, 152064),
+}
+
+
+@pytest.fixture
+def empty_hf_cache(tmp_path, monkeypatch):
+    """An HF cache of our own (a machine's real one may hold Qwen models), offline."""
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return tmp_path / "hub"
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_short_names_with_dummy_weights_need_no_files(name, empty_hf_cache):
+    for suffix, eos in (("", [151645, 151643]), ("-base", [151643])):
+        config, path = resolve_model(name + suffix, load_format="dummy")
+        got = (config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.num_attention_heads,
+               config.num_key_value_heads, config.tie_word_embeddings, config.vocab_size)
+        assert path is None and got == PUBLISHED[name] and config.eos_token_ids == eos
+        assert (config.head_dim, config.rope_theta, config.rms_norm_eps, config.max_position_embeddings) == \
+            (128, 1e6, 1e-6, 32768)
+
+
+def test_local_directory_gives_its_config_and_generation_eos(tiny_ckpt):
+    config, path = resolve_model(str(tiny_ckpt))
+    assert path == str(tiny_ckpt)
+    assert (config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (64, 4, 2, 16)
+    assert config.rope_theta == 10000.0 and config.torch_dtype == "float32" and config.tie_word_embeddings
+    assert config.eos_token_ids == [2]
+
+
+def test_head_dim_defaults_to_hidden_over_heads_and_eos_list_comes_from_config(tiny_ckpt, tmp_path):
+    model_dir = edit_config(tiny_ckpt, tmp_path, head_dim=None, eos_token_id=[2, 0])
+    (model_dir / "generation_config.json").unlink()
+    config, _ = resolve_model(str(model_dir))
+    assert config.head_dim == 64 // 4 and config.eos_token_ids == [2, 0]
+
+
+def test_unsupported_architecture_is_named(tiny_ckpt, tmp_path):
+    model_dir = edit_config(tiny_ckpt, tmp_path, architectures=["LlamaForCausalLM"], model_type="llama")
+    with pytest.raises(ValueError, match="LlamaForCausalLM.*Qwen2ForCausalLM"):
+        resolve_model(str(model_dir))
+
+
+def test_unknown_repo_offline_fails_once_with_the_three_ways_out(empty_hf_cache):
+    with pytest.raises(ValueError) as err:
+        resolve_model("pico-vllm-tests/no-such-model")
+    msg = str(err.value)
+    assert "'pico-vllm-tests/no-such-model'" in msg and "not in the Hugging Face cache" in msg
+    assert "HF_HUB_OFFLINE is set" in msg
+    assert "local path" in msg and "go online" in msg and "--load-format dummy" in msg
+
+
+def test_short_name_with_real_weights_needs_files(empty_hf_cache):
+    with pytest.raises(ValueError, match="Qwen/Qwen2.5-0.5B-Instruct.*--load-format dummy"):
+        resolve_model("qwen2.5-0.5b")
+
+
+def test_repo_id_is_found_in_the_hf_cache(tiny_ckpt, empty_hf_cache):
+    snapshot = empty_hf_cache / "models--acme--tiny-qwen" / "snapshots" / ("a" * 40)
+    shutil.copytree(tiny_ckpt, snapshot)
+    (empty_hf_cache / "models--acme--tiny-qwen" / "refs").mkdir()
+    (empty_hf_cache / "models--acme--tiny-qwen" / "refs" / "main").write_text("a" * 40)
+    config, path = resolve_model("acme/tiny-qwen")
+    assert path == str(snapshot) and config.num_key_value_heads == 2
+
+
+def test_tp_size_must_divide_query_heads_and_fit_kv_heads():
+    config, _ = resolve_model("qwen2.5-1.5b", load_format="dummy")  # 12 query heads, 2 KV heads
+    check_tp_size(config, 4)  # KV heads replicated: 2 ranks per KV head
+    with pytest.raises(ValueError, match="tensor_parallel_size=5.*12 query heads"):
+        check_tp_size(config, 5)
+    config.num_key_value_heads = 3
+    with pytest.raises(ValueError, match="tensor_parallel_size=2.*3 KV heads"):
+        check_tp_size(config, 2)
+    config.intermediate_size = 8962
+    with pytest.raises(ValueError, match="tensor_parallel_size=4.*intermediate size 8962"):
+        check_tp_size(config, 4)
+
+
+def edit_config(src, tmp_path, **changes):
+    """A copy of checkpoint src with config.json keys changed (None removes a key)."""
+    dst = tmp_path / "edited"
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    for key, value in changes.items():
+        cfg.pop(key) if value is None else cfg.__setitem__(key, value)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst

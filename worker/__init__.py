@@ -1,0 +1,1 @@
+"""The GPU hands: model definitions, weight loading, model runner, sampler, worker process."""

@@ -1,0 +1,40 @@
+"""Paged attention of one layer: RoPE + KV-cache store, then decode or varlen-prefill attention."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kernels import paged_decode_attention, paged_prefill_attention, rope_store_kv
+
+
+@dataclass
+class AttentionMetadata:
+    """Where a flat batch of T tokens from B sequences goes in the paged KV cache, and what each attends to."""
+
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of each token (-1: padded lane, not stored)
+    block_tables: torch.Tensor  # [B, M] int32
+    context_lens: torch.Tensor  # [B] int32: tokens cached for each sequence after this step
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32: sequence b's queries are tokens cu[b]:cu[b+1]
+    max_seqlen_q: int  # 1 means pure decode (T == B): the decode kernel, no host-side data
+
+
+class Attention(nn.Module):
+    """Takes q, k, v views of the fused qkv output; returns [T, Hq * D]."""
+
+    def __init__(self, head_dim: int) -> None:
+        super().__init__()
+        self.scale = head_dim ** -0.5
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                cos_sin: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        k_cache, v_cache = kv_cache
+        q = rope_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
+        if meta.max_seqlen_q == 1:
+            out = paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale)
+        else:
+            out = paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
+                                          meta.context_lens, self.scale, meta.max_seqlen_q)
+        return out.flatten(1)

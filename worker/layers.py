@@ -1,0 +1,147 @@
+"""Tensor-parallel building blocks of a decoder: packed linears, vocab-parallel embedding and lm_head, RMSNorm.
+
+Every parameter carries weight_loader(param, loaded, shard_id=None): it checks the full checkpoint tensor's
+shape and copies this rank's TP shard of it into place, so the loader knows nothing of parallelism.
+Parameters are created in torch's default dtype and device (build the model under them); math runs in
+that dtype, logits come out float32.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import add_rms_norm, rms_norm
+from worker.parallel import all_gather_last_dim, all_reduce, local_kv_heads
+
+
+def _param(*shape: int, loader: Callable, shard_ids: tuple = (None,)) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(*shape), requires_grad=False)
+    p.weight_loader = loader
+    p.shard_ids = shard_ids  # the loader checks that every one of them was loaded
+    return p
+
+
+def _check_shape(loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
+    if tuple(loaded.shape) != tuple(expected):
+        raise ValueError(f"checkpoint shape {tuple(loaded.shape)} does not match the model's {tuple(expected)}")
+
+
+def _load_slice(param: torch.Tensor, dst_start: int, loaded: torch.Tensor, src_start: int, size: int,
+                dim: int = 0) -> None:
+    param.data.narrow(dim, dst_start, size).copy_(loaded.narrow(dim, src_start, size))
+
+
+class QKVParallelLinear(nn.Module):
+    """Column-parallel q|k|v projection with bias; this rank's heads packed as [q heads, k heads, v heads]."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        self.head_dim, self.total = head_dim, {"q": num_heads, "k": num_kv_heads, "v": num_kv_heads}
+        self.num_heads, self.num_kv_heads = num_heads // tp_size, local_kv_heads(num_kv_heads, tp_size)
+        # Split KV heads start at rank * kv/tp; a replicated one (tp > kv) is shared by tp/kv neighbouring
+        # ranks, whose query heads all map onto it: head rank // (tp/kv), the same floor formula.
+        kv_start = tp_rank * num_kv_heads // tp_size
+        self.first_head = {"q": tp_rank * self.num_heads, "k": kv_start, "v": kv_start}
+        self.offset = {"q": 0, "k": self.num_heads, "v": self.num_heads + self.num_kv_heads}
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        self.weight = _param(out, hidden_size, loader=self.weight_loader, shard_ids=("q", "k", "v"))
+        self.bias = _param(out, loader=self.weight_loader, shard_ids=("q", "k", "v"))
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+        d = self.head_dim
+        _check_shape(loaded, (self.total[shard_id] * d, *param.shape[1:]))
+        local = self.num_heads if shard_id == "q" else self.num_kv_heads
+        _load_slice(param, self.offset[shard_id] * d, loaded, self.first_head[shard_id] * d, local * d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(nn.Module):
+    """Column-parallel [gate | up] projection (no bias): shard 0 is gate_proj, shard 1 up_proj."""
+
+    def __init__(self, in_features: int, out_features: int, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        self.full, self.local, self.tp_rank = out_features, out_features // tp_size, tp_rank
+        self.weight = _param(2 * self.local, in_features, loader=self.weight_loader, shard_ids=(0, 1))
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+        _check_shape(loaded, (self.full, param.shape[1]))
+        _load_slice(param, shard_id * self.local, loaded, self.tp_rank * self.local, self.local)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class RowParallelLinear(nn.Module):
+    """Row-parallel projection (no bias): each rank holds a slice of the input dim; outputs are summed."""
+
+    def __init__(self, in_features: int, out_features: int, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        self.full_in, self.tp_rank, self.tp_size = in_features, tp_rank, tp_size
+        self.weight = _param(out_features, in_features // tp_size, loader=self.weight_loader)
+        self.weight.full_in = in_features  # the fan-in that random init scales by
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: None = None) -> None:
+        _check_shape(loaded, (param.shape[0], self.full_in))
+        local = param.shape[1]
+        _load_slice(param, 0, loaded, self.tp_rank * local, local, dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return all_reduce(F.linear(x, self.weight), self.tp_size)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank holds ceil(V / tp) vocab rows (the last rank's tail zero-padded); lookups are summed."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        self.vocab_size, self.tp_size = vocab_size, tp_size
+        self.rows = -(-vocab_size // tp_size)
+        self.start = tp_rank * self.rows
+        self.weight = _param(self.rows, hidden_size, loader=self.weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: None = None) -> None:
+        _check_shape(loaded, (self.vocab_size, param.shape[1]))
+        n = max(0, min(self.rows, self.vocab_size - self.start))
+        param.data[n:].zero_()
+        _load_slice(param, 0, loaded, self.start, n)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        mine = (ids >= self.start) & (ids < self.start + self.rows)
+        out = F.embedding((ids - self.start).masked_fill(~mine, 0), self.weight)
+        return all_reduce(out.masked_fill(~mine.unsqueeze(-1), 0), self.tp_size)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Vocab-parallel lm_head: each rank computes its vocab slice of the logits; all ranks get all logits."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight).float()
+        return all_gather_last_dim(logits, self.tp_size)[:, : self.vocab_size]
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm; given a residual, adds it first and returns (normed, new residual) in one fused kernel."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _param(hidden_size, loader=_load_whole)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)
+
+
+def _load_whole(param: nn.Parameter, loaded: torch.Tensor, shard_id: None = None) -> None:
+    """Replicated parameters (norm weights) are the same on every rank."""
+    _check_shape(loaded, tuple(param.shape))
+    param.data.copy_(loaded)

@@ -1,0 +1,109 @@
+"""Weights into a model: Hugging Face safetensors (single file or sharded), or deterministic random ones.
+
+Each parameter's weight_loader cuts its own TP shard and packs q/k/v and gate/up; this file only maps
+checkpoint names onto parameters and checks that every parameter was filled and no tensor was left over.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm import tqdm
+
+# Checkpoint module name -> (our packed module, shard id).
+_PACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+_UNPACKED = {packed: hf for hf, packed in _PACKED.items()}
+
+
+def load_weights(model: nn.Module, model_dir: str, tp_rank: int = 0, tp_size: int = 1) -> None:
+    """Load every tensor of model_dir's safetensors into model (this rank's shard, the model's dtype)."""
+    params = dict(model.named_parameters())
+    expected = {(n, s) for n, p in params.items() for s in p.shard_ids}
+    files = _checkpoint_files(Path(model_dir))
+    loaded = set()
+    with tqdm(total=sum(map(len, files.values())), desc="Loading weights", unit="tensor",
+              disable=tp_rank != 0) as bar:
+        for file, names in files.items():
+            with safe_open(file, framework="pt") as f:
+                for name in names:
+                    loaded |= _load_tensor(params, expected, model.config.tie_word_embeddings, name, f, file)
+                    bar.update()
+    missing = sorted(_hf_name(n, s) for n, s in expected - loaded)
+    if missing:
+        raise ValueError(f"checkpoint {model_dir} lacks {len(missing)} tensor(s) the model needs: "
+                         f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+
+
+def _load_tensor(params: dict, expected: set, tied: bool, name: str, f, file: str) -> set:
+    """Copy one checkpoint tensor into its parameter (shard); return the (param, shard) it filled."""
+    if (tied and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq"):
+        return set()  # a tied head is the embedding; old checkpoints store a RoPE table we recompute
+    target, shard = _our_name(name)
+    if (target, shard) not in expected:
+        raise ValueError(f"unexpected tensor {name!r} in {file}: the Qwen2 model has no such parameter "
+                         "(is this a Qwen2ForCausalLM checkpoint with the config.json beside it?)")
+    param = params[target]
+    try:
+        param.weight_loader(param, f.get_tensor(name), shard)
+    except ValueError as e:
+        raise ValueError(f"tensor {name!r} in {file}: {e}") from None
+    return {(target, shard)}
+
+
+def _checkpoint_files(model_dir: Path) -> dict[str, list[str]]:
+    """{file: its tensor names}, from the shard index or from each file's header."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        files: dict[str, list[str]] = {}
+        for name, file in sorted(json.loads(index.read_text())["weight_map"].items()):
+            files.setdefault(str(model_dir / file), []).append(name)
+        return files
+    paths = sorted(model_dir.glob("*.safetensors"))
+    if not paths:
+        raise ValueError(f"no *.safetensors in {model_dir}: pass a directory with safetensors weights, "
+                         "or use --load-format dummy for random weights")
+    files = {}
+    for path in paths:
+        with safe_open(path, framework="pt") as f:
+            files[str(path)] = list(f.keys())
+    return files
+
+
+def _our_name(name: str) -> tuple[str, str | int | None]:
+    module, _, leaf = name.rpartition(".")
+    parent, _, proj = module.rpartition(".")
+    if proj in _PACKED:
+        packed, shard = _PACKED[proj]
+        return f"{parent}.{packed}.{leaf}", shard
+    return name, None
+
+
+def _hf_name(target: str, shard: str | int | None) -> str:
+    if shard is None:
+        return target
+    module, _, leaf = target.rpartition(".")
+    parent, _, packed = module.rpartition(".")
+    return f"{parent}.{_UNPACKED[(packed, shard)]}.{leaf}"
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, seed: int) -> None:
+    """Random weights, the same for a seed: linears ~ N(0, 1/fan_in), norms 1, biases small.
+
+    Unit-variance projections of normed inputs keep the residual stream O(sqrt(layers)) and logits O(1),
+    so bf16 activations stay finite and varied through every layer of the real model shapes.
+    """
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith(".bias"):
+            param.normal_(0.0, 0.02, generator=gen)
+        elif param.dim() == 1:  # RMSNorm weights
+            param.fill_(1.0)
+        else:
+            # A row-parallel shard holds 1/tp of its input dim: scale by the full one, the same at every TP size.
+            param.normal_(0.0, 1.0 / math.sqrt(getattr(param, "full_in", param.shape[1])), generator=gen)

@@ -1,0 +1,119 @@
+"""Qwen2ForCausalLM over a paged KV cache: a flat batch of tokens from many sequences, TP-sharded.
+
+Parameter names are Hugging Face's, with q/k/v packed into qkv_proj and gate/up into gate_up_proj.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels import make_cos_sin, silu_and_mul
+from protocol.config import ModelConfig
+from protocol.model_config import check_tp_size
+from worker.attention import Attention, AttentionMetadata
+from worker.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
+                           RowParallelLinear, VocabParallelEmbedding)
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class Qwen2Attention(nn.Module):
+    def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        d = config.head_dim
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, d, config.num_attention_heads,
+                                          config.num_key_value_heads, tp_rank, tp_size)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * d, config.hidden_size, tp_rank, tp_size)
+        self.attn = Attention(d)
+        heads, kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.sizes, self.shapes = [heads * d, kv_heads * d, kv_heads * d], [(heads, d), (kv_heads, d)]
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, cos_sin: torch.Tensor,
+                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split(self.sizes, dim=-1)
+        q_shape, kv_shape = self.shapes
+        out = self.attn(q.unflatten(-1, q_shape), k.unflatten(-1, kv_shape), v.unflatten(-1, kv_shape),
+                        positions, cos_sin, kv_cache, meta)
+        return self.o_proj(out)
+
+
+class Qwen2MLP(nn.Module):
+    def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, config.intermediate_size,
+                                                       tp_rank, tp_size)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, tp_rank, tp_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class Qwen2DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        self.self_attn = Qwen2Attention(config, tp_rank, tp_size)
+        self.mlp = Qwen2MLP(config, tp_rank, tp_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                cos_sin: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual add of each sublayer is fused into the norm that follows it.
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, cos_sin, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class Qwen2Model(nn.Module):
+    def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_rank, tp_size)
+        self.layers = nn.ModuleList(Qwen2DecoderLayer(config, tp_rank, tp_size)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.register_buffer("cos_sin", self._rope_table(None), persistent=False)
+
+    def _rope_table(self, device: torch.device | None) -> torch.Tensor:
+        c = self.config
+        return make_cos_sin(c.max_position_embeddings, c.head_dim, c.rope_theta, device)
+
+    def _apply(self, fn, recurse=True):
+        # The kernels read the RoPE table as float32: rebuild it after .to(dtype) / .to(device).
+        super()._apply(fn, recurse)
+        self.cos_sin = self._rope_table(self.cos_sin.device)
+        return self
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[KVCache]) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(positions, hidden, residual, self.cos_sin, kv_cache, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class Qwen2ForCausalLM(nn.Module):
+    """forward(input_ids[T], positions[T], meta, kv_caches) -> hidden[T, H]; compute_logits -> [N, V] fp32."""
+
+    def __init__(self, config: ModelConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        check_tp_size(config, tp_size)
+        self.config, self.tp_rank, self.tp_size = config, tp_rank, tp_size
+        self.model = Qwen2Model(config, tp_rank, tp_size)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank, tp_size)
+        if config.tie_word_embeddings:
+            # One Parameter object: named_parameters() then lists only model.embed_tokens.weight.
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[KVCache]) -> torch.Tensor:
+        return self.model(input_ids, positions, meta, kv_caches)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
