@@ -1,0 +1,54 @@
+"""Incremental detokenization: token ids in, newly completed text out, O(1) amortized per token."""
+from __future__ import annotations
+
+# How many prompt tokens to decode as context for the first output token (vLLM's choice): enough for
+# tokenizers whose decoding of a token depends on its left neighbour (SentencePiece's leading space).
+PROMPT_CONTEXT_TOKENS = 5
+_INCOMPLETE = "\ufffd"  # what decode gives for an incomplete UTF-8 sequence at the end
+
+
+class IncrementalDetokenizer:
+    """Turns a request's output tokens into text deltas, holding back a character split across tokens.
+
+    Invariant: ids[prefix_offset:read_offset] is text already emitted (kept as left context), and
+    ids[read_offset:] is not emitted yet. Each step decodes only ids[prefix_offset:], a window that is as long
+    as the context plus the tokens held back, not the whole sequence.
+    """
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
+        self._ids = context  # the context plus every output token (output ids are cheap to keep)
+        self._prefix_offset = 0
+        self._read_offset = len(context)
+        self._pieces: list[str] = []
+
+    def step(self, new_token_ids: list[int]) -> str:
+        """Append tokens; return the text they complete ("" while a multi-byte character is still split)."""
+        self._ids.extend(new_token_ids)
+        return self._emit(hold_incomplete=True)
+
+    def flush(self) -> str:
+        """At the end of a request: the text still held back (an incomplete character decodes as U+FFFD)."""
+        return self._emit(hold_incomplete=False)
+
+    @property
+    def text(self) -> str:
+        """All output text emitted so far."""
+        return "".join(self._pieces)
+
+    def _emit(self, hold_incomplete: bool) -> str:
+        prefix_text = self._decode(self._prefix_offset, self._read_offset)
+        new_text = self._decode(self._prefix_offset, len(self._ids))
+        if len(new_text) <= len(prefix_text) or (hold_incomplete and new_text.endswith(_INCOMPLETE)):
+            return ""  # nothing new (a skipped special token), or the last character's bytes are not all here
+        delta = new_text[len(prefix_text):]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self._pieces.append(delta)
+        return delta
+
+    def _decode(self, start: int, end: int) -> str:
+        if start >= end:
+            return ""
+        return self.tokenizer.decode(self._ids[start:end], skip_special_tokens=self.skip_special_tokens)

@@ -1,0 +1,230 @@
+"""The model's Hugging Face tokenizer and chat template; Qwen2.5's real BPE built offline when no files exist.
+
+The offline build reads Qwen's BPE ranks (`qwen.tiktoken`, shipped by the PyPI package `dashscope`; install it
+with `pip install --no-deps dashscope`), recovers the merges, and writes tokenizer.json + tokenizer_config.json
+the way Qwen2.5's repos ship them into a cache directory, so that later loads are an ordinary
+AutoTokenizer.from_pretrained of that directory.
+"""
+from __future__ import annotations
+
+import base64
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+QWEN25_SHORT_NAMES = frozenset(f"qwen2.5-{size}{kind}" for size in ("0.5b", "1.5b", "3b", "7b")
+                               for kind in ("", "-base"))
+CACHE_ENV = "PICO_VLLM_CACHE"
+_CACHE_SUBDIR = "qwen2.5-tokenizer-v1"  # bump the suffix when what we write changes
+
+# Qwen2's pre-tokenizer: like GPT-4's but digits split one per token.
+QWEN2_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+                 r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+NUM_BPE_TOKENS = 151643
+# (token, special) in id order from 151643; the tool-call and FIM tokens are added but not "special" in Qwen2.5.
+QWEN25_ADDED_TOKENS = [(t, True) for t in (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>",
+    "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")] + [(t, False) for t in (
+    "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
+    "<|repo_name|>", "<|file_sep|>")]
+
+INSTRUCT_SYSTEM_PROMPT = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+BASE_SYSTEM_PROMPT = "You are a helpful assistant."
+# Qwen2.5-Instruct's chat template, verbatim but for the default system prompt (the base repos ship this
+# template with BASE_SYSTEM_PROMPT).
+_CHAT_TEMPLATE = """{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] }}
+    {%- else %}
+        {{- '@SYSTEM@' }}
+    {%- endif %}
+    {{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
+{%- else %}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
+    {%- else %}
+        {{- '<|im_start|>system\\n@SYSTEM@<|im_end|>\\n' }}
+    {%- endif %}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role }}
+        {%- if message.content %}
+            {{- '\\n' + message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\\n<tool_call>\\n{"name": "' }}
+            {{- tool_call.name }}
+            {{- '", "arguments": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- '}\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' }}
+        {{- message.content }}
+        {{- '\\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
+
+
+def qwen25_chat_template(instruct: bool = True) -> str:
+    """The chat template a Qwen2.5 repo ships (Instruct or base: they differ in the default system prompt)."""
+    return _CHAT_TEMPLATE.replace("@SYSTEM@", INSTRUCT_SYSTEM_PROMPT if instruct else BASE_SYSTEM_PROMPT)
+
+
+def load_tokenizer(model: str, model_dir: str | None) -> PreTrainedTokenizerBase:
+    """The tokenizer (with chat template) of `model`, read from model_dir; Qwen2.5 short names work offline."""
+    if model_dir is not None and has_tokenizer_files(model_dir):
+        return AutoTokenizer.from_pretrained(model_dir)
+    name = model.lower()
+    if name in QWEN25_SHORT_NAMES:
+        return load_qwen25_tokenizer(instruct=not name.endswith("-base"))
+    where = f"in {model_dir!r}" if model_dir is not None else "(no model directory)"
+    raise ValueError(f"no tokenizer for model {model!r}: found no tokenizer.json, vocab.json + merges.txt or "
+                     f"tokenizer.model {where}, and there is no offline fallback for it; use a model directory "
+                     f"with tokenizer files or one of {sorted(QWEN25_SHORT_NAMES)}")
+
+
+def has_tokenizer_files(model_dir: str | os.PathLike) -> bool:
+    d = Path(model_dir)
+    return ((d / "tokenizer.json").is_file() or (d / "tokenizer.model").is_file()
+            or ((d / "vocab.json").is_file() and (d / "merges.txt").is_file()))
+
+
+def load_qwen25_tokenizer(instruct: bool = True, cache_dir: str | os.PathLike | None = None
+                          ) -> PreTrainedTokenizerBase:
+    """Qwen2.5's tokenizer rebuilt from Qwen's BPE ranks (built once, then read from the disk cache)."""
+    path = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    if not has_tokenizer_files(path):
+        _build_into(path)
+    if instruct:
+        return AutoTokenizer.from_pretrained(path)
+    # The base repos end documents with <|endoftext|>, not the chat turn's <|im_end|>.
+    return AutoTokenizer.from_pretrained(path, eos_token="<|endoftext|>", chat_template=qwen25_chat_template(False))
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "pico-vllm")
+    return Path(root) / _CACHE_SUBDIR
+
+
+def _build_into(path: Path) -> None:
+    """Write the tokenizer files into a temporary sibling, then rename: readers never see half a cache."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))
+    try:
+        build_qwen25_tokenizer(read_qwen_ranks()).save(str(tmp / "tokenizer.json"))
+        (tmp / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(), indent=2, ensure_ascii=False))
+        os.replace(tmp, path)
+    except OSError:
+        if not has_tokenizer_files(path):  # not merely another process winning the rename race
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def read_qwen_ranks() -> dict[bytes, int]:
+    """Qwen's BPE ranks from dashscope's qwen.tiktoken, found without importing dashscope (its deps may be absent)."""
+    spec = importlib.util.find_spec("dashscope")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("building the Qwen2.5 tokenizer offline needs Qwen's BPE ranks from the PyPI package "
+                         "'dashscope': run `pip install --no-deps dashscope`, or pass a model directory that has "
+                         "tokenizer files")
+    ranks_file = Path(list(spec.submodule_search_locations)[0]) / "resources" / "qwen.tiktoken"
+    ranks = {}
+    for line in ranks_file.read_bytes().splitlines():
+        token, rank = line.split()
+        ranks[base64.b64decode(token)] = int(rank)
+    if len(ranks) != NUM_BPE_TOKENS or sorted(ranks.values()) != list(range(NUM_BPE_TOKENS)):
+        raise ValueError(f"{ranks_file} holds {len(ranks)} ranks, not Qwen's {NUM_BPE_TOKENS}: reinstall dashscope")
+    return ranks
+
+
+def recover_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
+    """One merge per multi-byte token, in rank order: the two parts BPE reaches using only lower ranks.
+
+    This is how Qwen's merges.txt relates to its ranks (its first merges are 'Ġ Ġ', 'ĠĠ ĠĠ', 'i n', ...).
+    """
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
+        if len(token) == 1:
+            continue
+        parts = [token[i:i + 1] for i in range(len(token))]
+        while len(parts) > 2:
+            pair_ranks = [ranks.get(parts[i] + parts[i + 1], rank) for i in range(len(parts) - 1)]
+            best = min(range(len(pair_ranks)), key=pair_ranks.__getitem__)
+            if pair_ranks[best] >= rank:
+                raise ValueError(f"token {token!r} (rank {rank}) cannot be built from lower ranks")
+            parts[best:best + 2] = [parts[best] + parts[best + 1]]
+        merges.append((parts[0], parts[1]))
+    return merges
+
+
+def build_qwen25_tokenizer(ranks: dict[bytes, int]) -> Tokenizer:
+    """Qwen2's byte-level BPE (NFC, Qwen2 split pattern) with Qwen2.5's added tokens at their real ids."""
+    to_unicode = bytes_to_unicode()  # the printable alphabet byte-level vocabularies are written in
+
+    def unicode(b: bytes) -> str:
+        return "".join(to_unicode[x] for x in b)
+
+    vocab = {unicode(token): rank for token, rank in ranks.items()}
+    merges = [(unicode(a), unicode(b)) for a, b in recover_merges(ranks)]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.add_tokens([AddedToken(t, special=s, normalized=False) for t, s in QWEN25_ADDED_TOKENS])
+    for i, (t, _) in enumerate(QWEN25_ADDED_TOKENS):
+        if tok.token_to_id(t) != NUM_BPE_TOKENS + i:
+            raise ValueError(f"added token {t!r} got id {tok.token_to_id(t)}, not {NUM_BPE_TOKENS + i}")
+    return tok
+
+
+def _tokenizer_config() -> dict:
+    """Qwen2.5-Instruct's tokenizer_config.json (the fields that change behaviour)."""
+    added = {str(NUM_BPE_TOKENS + i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                                       "single_word": False, "special": s}
+             for i, (t, s) in enumerate(QWEN25_ADDED_TOKENS)}
+    return {
+        "add_bos_token": False, "add_prefix_space": False, "added_tokens_decoder": added,
+        "additional_special_tokens": [t for t, s in QWEN25_ADDED_TOKENS[1:] if s],
+        "bos_token": None, "chat_template": qwen25_chat_template(True), "clean_up_tokenization_spaces": False,
+        "eos_token": "<|im_end|>", "errors": "replace", "model_max_length": 131072,
+        "pad_token": "<|endoftext|>", "split_special_tokens": False, "tokenizer_class": "Qwen2Tokenizer",
+        "unk_token": None,
+    }
+

@@ -1,0 +1,131 @@
+"""Incremental detokenizer and stop strings: streamed text equals the whole decode; stop strings never leak."""
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from frontend.detokenizer import IncrementalDetokenizer
+from frontend.stop_strings import StopMatcher
+from test_tokenizer import qwen_cache_root, qwen_tokenizer  # noqa: F401  (shared session fixtures)
+
+
+def stream(tokenizer, prompt_ids: list[int], ids: list[int], chunk: int = 1, **kw) -> list[str]:
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids, **kw)
+    deltas = [detok.step(ids[i:i + chunk]) for i in range(0, len(ids), chunk)]
+    deltas.append(detok.flush())
+    assert detok.text == "".join(deltas)
+    return deltas
+
+
+TEXTS = ["I love 🦀 and 👍🏽!", "你好，世界！今天天气很好。", "Straße 日本語 한국어 😀😀😀 end",
+         "def f(x):\n    return x ** 2  # 平方\n"]
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3])
+@pytest.mark.parametrize("text", TEXTS)
+def test_streamed_deltas_join_to_the_full_decode(qwen_tokenizer, text, chunk):
+    prompt = qwen_tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    ids = qwen_tokenizer.encode(text)
+    deltas = stream(qwen_tokenizer, prompt, ids, chunk)
+    assert "".join(deltas) == qwen_tokenizer.decode(ids) == text
+    assert not any("\ufffd" in d for d in deltas)
+
+
+def test_character_split_across_byte_tokens_is_held_until_complete(qwen_tokenizer):
+    ids = qwen_tokenizer.encode(" 🦀")
+    assert len(ids) == 3  # one emoji, three byte-level tokens
+    detok = IncrementalDetokenizer(qwen_tokenizer, [])
+    assert [detok.step([i]) for i in ids] == ["", "", " 🦀"]
+
+
+def test_incomplete_character_at_the_end_comes_out_on_flush(qwen_tokenizer):
+    ids = qwen_tokenizer.encode("ok 🦀")[:-1]
+    detok = IncrementalDetokenizer(qwen_tokenizer, [])
+    assert "".join(detok.step([i]) for i in ids) == "ok"
+    assert detok.flush() == qwen_tokenizer.decode(ids)[len("ok"):]
+    assert detok.text == qwen_tokenizer.decode(ids)
+
+
+def test_special_tokens_skipped_or_kept(qwen_tokenizer):
+    ids = qwen_tokenizer.encode("Hi<|im_end|>")
+    assert "".join(stream(qwen_tokenizer, [], ids)) == "Hi"
+    assert "".join(stream(qwen_tokenizer, [], ids, skip_special_tokens=False)) == "Hi<|im_end|>"
+
+
+def test_each_step_decodes_a_short_window_not_the_whole_sequence(qwen_tokenizer):
+    windows = []
+
+    class Counting:
+        def decode(self, ids, **kw):
+            windows.append(len(ids))
+            return qwen_tokenizer.decode(ids, **kw)
+
+    ids = qwen_tokenizer.encode("滴水穿石 🦀 " * 200)
+    deltas = stream(Counting(), list(range(100, 600)), ids)
+    assert "".join(deltas) == qwen_tokenizer.decode(ids)
+    assert len(ids) > 1000 and max(windows) <= 8
+
+
+def test_checkpoint_tokenizer_streams_like_its_decode(tiny_ckpt):
+    tok = AutoTokenizer.from_pretrained(tiny_ckpt)
+    ids = tok.encode("Hello world! The quick brown fox jumps over the lazy dog.")
+    assert "".join(stream(tok, ids[:4], ids[4:])) == tok.decode(ids[4:])
+
+
+def feed_all(matcher: StopMatcher, deltas: list[str]) -> tuple[list[str], str | None]:
+    out = []
+    for d in deltas:
+        emit, hit = matcher.feed(d)
+        out.append(emit)
+        if hit is not None:
+            return out, hit
+    out.append(matcher.flush())
+    return out, None
+
+
+def test_stop_string_across_delta_boundaries_is_never_emitted():
+    out, hit = feed_all(StopMatcher(["STOP"]), ["Hello S", "T", "O", "P and more"])
+    assert hit == "STOP" and "".join(out) == "Hello "
+    assert out == ["Hello ", "", "", ""]  # no piece of the stop string ever went out
+
+
+def test_held_prefix_is_released_when_the_stop_does_not_complete():
+    matcher = StopMatcher(["STOP"])
+    assert matcher.feed("ab ST") == ("ab ", None)
+    assert matcher.feed("Ox") == ("STOx", None)
+    assert matcher.feed("yz S") == ("yz ", None)
+    assert matcher.flush() == "S"
+    assert matcher.flush() == ""
+
+
+def test_earliest_stop_wins_and_text_after_it_is_dropped():
+    out, hit = feed_all(StopMatcher(["world", "lo w", "\n\n"]), ["Hel", "lo world\n\nmore"])
+    assert hit == "lo w" and "".join(out) == "Hel"
+    assert StopMatcher(["b", "abc"]).feed("xabc") == ("x", "abc")
+
+
+def test_after_a_stop_nothing_more_is_emitted():
+    matcher = StopMatcher(["."])
+    assert matcher.feed("one. two") == ("one", ".")
+    assert matcher.feed("three") == ("", ".")
+
+
+def test_overlapping_prefixes_hold_the_longest_possible_start():
+    matcher = StopMatcher(["aab"])
+    assert matcher.feed("xa") == ("x", None)
+    assert matcher.feed("a") == ("", None)
+    assert matcher.feed("a") == ("a", None)  # "aaa": only the last "aa" can still start "aab"
+    assert matcher.feed("b!") == ("", "aab")
+
+
+def test_no_stop_strings_passes_text_straight_through():
+    matcher = StopMatcher(None)
+    assert matcher.feed("any text") == ("any text", None)
+    assert matcher.flush() == ""
+
+
+def test_stop_string_in_streamed_detokenized_text(qwen_tokenizer):
+    ids = qwen_tokenizer.encode("Answer: 42\n\nUser: next question")
+    detok, matcher = IncrementalDetokenizer(qwen_tokenizer, []), StopMatcher(["\nUser:"])
+    out, hit = feed_all(matcher, [detok.step([i]) for i in ids])
+    assert hit == "\nUser:" and "".join(out) == "Answer: 42\n"
