@@ -1,0 +1,140 @@
+"""Command line of launch.py: vLLM `serve`'s flags for a one-GPU user, plus one-prompt and headless modes.
+
+Engine flags are EngineConfig's fields under the same names (--max-num-seqs -> max_num_seqs) and take
+their defaults from it, so the CLI, LLM(...) keywords and the config cannot drift apart.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from dataclasses import fields
+
+from frontend.server import ServerOptions
+from protocol.config import EngineConfig
+
+_METAVARS = {int: "N", float: "X", str: "STR"}
+_DEFAULTS = {f.name: f.default for f in fields(EngineConfig)}
+_SERVER_DEFAULTS = {f.name: f.default for f in fields(ServerOptions)}
+# (flag, type, help) of every EngineConfig field the CLI sets, grouped as --help shows them.
+_MODEL_FLAGS = [
+    ("--load-format", str, "'auto' (safetensors when found), 'safetensors', or 'dummy' (random weights)"),
+    ("--dtype", str, "weights and activations: 'auto' (the checkpoint's), 'float32', 'float16', 'bfloat16'"),
+    ("--seed", int, "random seed of the engine (dummy weights, sampling)"),
+    ("--max-model-len", int, "longest prompt + output in tokens (default: the model's own limit)"),
+]
+_ENGINE_FLAGS = [
+    ("--device", str, "'auto' (cuda when there is one), 'cpu' or 'cuda'"),
+    ("--gpu-memory-utilization", float, "fraction of the GPU's memory for weights, activations and KV cache"),
+    ("--num-kv-blocks", int, "fix the number of KV-cache blocks instead of sizing them from memory"),
+    ("--block-size", int, "tokens per KV-cache block: 8, 16, 32, 64 or 128"),
+    ("--max-num-seqs", int, "most requests in one running batch"),
+    ("--max-num-batched-tokens", int, "token budget of one step; longer prompts are prefilled in chunks"),
+    ("--tensor-parallel-size", int, "GPUs to shard the model over (one worker process each)"),
+    ("--max-waiting-requests", int, "bound of the waiting queue; past it new requests get 503"),
+    ("--step-timeout", float, "seconds a step may make no progress before the engine is declared dead"),
+    ("--trace-dir", str, "write Chrome/Perfetto trace JSON of every process to this directory"),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="launch.py",
+        description="Serve a Qwen2-family model with an OpenAI-compatible API (default), run one prompt "
+                    "(--prompt), or run the engine alone for other frontends (--headless).")
+    model = p.add_argument_group("model")
+    model.add_argument("--model", required=True,
+                       help="HF directory, HF hub id, or a short name such as qwen2.5-1.5b")
+    model.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="names the API answers to (the first is reported); default: --model")
+    _add_config_flags(model, _MODEL_FLAGS)
+    engine = p.add_argument_group("engine and KV cache")
+    _add_config_flags(engine, _ENGINE_FLAGS)
+    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=_DEFAULTS["enable_prefix_caching"],
+                        help="reuse the KV blocks of prompts that share a prefix (default: on)")
+    engine.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (slower decode, faster start)")
+    server = p.add_argument_group("HTTP server")
+    server.add_argument("--host", default=_SERVER_DEFAULTS["host"],
+                        help="address to bind (default: %(default)s; 0.0.0.0 exposes the server to the network)")
+    server.add_argument("--port", type=int, default=_SERVER_DEFAULTS["port"], metavar="N",
+                        help="(default: %(default)s)")
+    server.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"), metavar="KEY",
+                        help="require 'Authorization: Bearer KEY' on every route but /health and /version "
+                             "(default: $VLLM_API_KEY; the environment keeps the key out of `ps`)")
+    server.add_argument("--shutdown-timeout", type=float, default=_SERVER_DEFAULTS["shutdown_timeout"], metavar="X",
+                        help="on SIGTERM, seconds in-flight requests may take before they are aborted "
+                             "(default: %(default)s)")
+    _add_mode_flags(p)
+    return p
+
+
+def _add_config_flags(group: argparse._ArgumentGroup, flags: list[tuple[str, type, str]]) -> None:
+    for flag, kind, help_text in flags:
+        default = _DEFAULTS[_dest(flag)]
+        shown = "" if default is None else " (default: %(default)s)"
+        group.add_argument(flag, type=kind, default=default, metavar=_METAVARS[kind], help=help_text + shown)
+
+
+def _add_mode_flags(p: argparse.ArgumentParser) -> None:
+    offline = p.add_argument_group("one prompt, no server")
+    offline.add_argument("--prompt", metavar="TEXT", help="complete this text, print the completion and exit")
+    offline.add_argument("--max-tokens", type=int, default=16, metavar="N",
+                         help="tokens to generate for --prompt (default: %(default)s)")
+    offline.add_argument("--temperature", type=float, default=0.0, metavar="X",
+                         help="sampling temperature for --prompt (default: %(default)s, greedy)")
+    headless = p.add_argument_group("headless engine, no HTTP")
+    headless.add_argument("--headless", action="store_true",
+                          help="run the scheduler and workers only; frontends attach with AsyncLLM.connect")
+    headless.add_argument("--engine-address", default=None, metavar="ADDR",
+                          help="ipc://PATH or tcp://HOST:PORT the engine listens on (tcp binds 127.0.0.1 "
+                               "unless a host is named; default: a fresh private ipc path)")
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerOptions]:
+    """The engine config and the server options; a bad value exits with a usage message (status 2)."""
+    parser = build_parser()
+    return _split(parser, parser.parse_args(argv))
+
+
+def _split(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> tuple[EngineConfig, ServerOptions]:
+    args = vars(ns)
+    try:
+        config = EngineConfig(**{name: args[name] for name in _DEFAULTS if name in args})
+        options = ServerOptions(**{name: args[name] for name in _SERVER_DEFAULTS})
+    except ValueError as exc:
+        parser.error(str(exc))
+    return config, options
+
+
+def main(argv: list[str] | None = None) -> int:
+    """launch.py's entry: one prompt, a headless engine, or the OpenAI server (the default)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    config, options = _split(parser, ns)
+    if ns.prompt is not None:
+        return run_prompt(config, ns.prompt, ns.max_tokens, ns.temperature)
+    if ns.headless:
+        from frontend.launcher import run_headless
+        return run_headless(config, ns.engine_address) or 0
+    from frontend.server import run_server
+    return run_server(config, options)
+
+
+def run_prompt(config: EngineConfig, prompt: str, max_tokens: int, temperature: float) -> int:
+    from frontend import LLM, SamplingParams
+    with LLM(**{f.name: getattr(config, f.name) for f in fields(config)}) as llm:
+        out = llm.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=temperature),
+                           use_tqdm=False)
+    print(out[0].outputs[0].text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

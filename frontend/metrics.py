@@ -1,0 +1,92 @@
+"""Prometheus metrics under vLLM's names and types, so that vLLM's dashboards and alerts work unchanged.
+
+Engine gauges are refreshed from the engine's stats when /metrics is scraped; request counters and
+latency histograms are fed by the server as each request streams. One registry per server (not the
+process-global one), so that several apps can live in one test process.
+"""
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# vLLM's bucket edges (seconds), so that histograms from both engines can be compared directly.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)
+
+
+class Metrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, model_name: str):
+        self.registry = r = CollectorRegistry()
+        label = ["model_name"]
+        self.model_name = model_name
+        self.running = Gauge("vllm:num_requests_running", "Requests in the running batch.", label, registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", label, registry=r)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).",
+                              label, registry=r)
+        self.preemptions = Counter("vllm:num_preemptions", "Preemptions by the scheduler.", label, registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed.", label, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", label, registry=r)
+        self.success = Counter("vllm:request_success", "Requests finished, by finish reason.",
+                               label + ["finished_reason"], registry=r)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time from arrival to the first token.",
+                              label, buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between two output tokens.",
+                             label, buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Time from arrival to the last token.",
+                             label, buckets=E2E_BUCKETS, registry=r)
+        self._preemptions_seen = 0
+
+    def observe_engine(self, stats: dict) -> None:
+        """Refresh the engine gauges from the scheduler's stats (cumulative counts become counter steps)."""
+        name = self.model_name
+        self.running.labels(name).set(stats["num_running"])
+        self.waiting.labels(name).set(stats["num_waiting"])
+        total = stats["num_total_blocks"]
+        self.kv_usage.labels(name).set(1.0 - stats["num_free_blocks"] / total if total else 0.0)
+        new = stats["num_preemptions"] - self._preemptions_seen
+        if new > 0:
+            self.preemptions.labels(name).inc(new)
+            self._preemptions_seen = stats["num_preemptions"]
+
+    def request(self, prompt_tokens: int) -> RequestTimer:
+        self.prompt_tokens.labels(self.model_name).inc(prompt_tokens)
+        return RequestTimer(self)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Latency of one engine request: first token, each token after it, and the whole request."""
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+        self.arrival = self.last = time.perf_counter()
+        self.tokens = 0
+
+    def on_tokens(self, total_tokens: int) -> None:
+        """Called with the request's cumulative token count (all its n outputs) after each engine step."""
+        new = total_tokens - self.tokens
+        if new <= 0:
+            return
+        now, m, name = time.perf_counter(), self.metrics, self.metrics.model_name
+        if self.tokens == 0:
+            m.ttft.labels(name).observe(now - self.arrival)
+        else:  # a step that brought several tokens spreads its gap over them
+            for _ in range(new):
+                m.itl.labels(name).observe((now - self.last) / new)
+        m.generation_tokens.labels(name).inc(new)
+        self.tokens, self.last = total_tokens, now
+
+    def finish(self, finish_reasons: list[str]) -> None:
+        m, name = self.metrics, self.metrics.model_name
+        m.e2e.labels(name).observe(time.perf_counter() - self.arrival)
+        for reason in finish_reasons:
+            m.success.labels(name, reason).inc()

@@ -1,0 +1,108 @@
+"""launch.py's command line: vLLM's flag names, EngineConfig's defaults, clear errors, mode dispatch."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from frontend import cli
+from frontend.server import ServerOptions
+from protocol.config import EngineConfig
+
+REPO = Path(__file__).resolve().parent.parent
+VLLM_SERVE_FLAGS = ["--served-model-name", "--max-model-len", "--gpu-memory-utilization", "--max-num-seqs",
+                    "--max-num-batched-tokens", "--block-size", "--enforce-eager", "--load-format", "--dtype",
+                    "--seed", "--enable-prefix-caching", "--no-enable-prefix-caching", "--tensor-parallel-size",
+                    "--api-key", "--trace-dir", "--host", "--port"]
+OUR_FLAGS = ["--device", "--num-kv-blocks", "--max-waiting-requests", "--step-timeout", "--shutdown-timeout",
+             "--prompt", "--max-tokens", "--temperature", "--headless", "--engine-address"]
+
+
+def test_defaults_are_engine_config_and_server_options_defaults(monkeypatch):
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    config, options = cli.parse_args(["--model", "m"])
+    assert config == EngineConfig(model="m")
+    assert options == ServerOptions()
+    assert (options.host, options.port) == ("127.0.0.1", 8000)
+
+
+def test_every_flag_sets_its_field():
+    config, options = cli.parse_args([
+        "--model", "qwen2.5-0.5b", "--served-model-name", "a", "b", "--max-model-len", "2048",
+        "--gpu-memory-utilization", "0.5", "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
+        "--block-size", "32", "--enforce-eager", "--load-format", "dummy", "--dtype", "float16", "--seed", "7",
+        "--no-enable-prefix-caching", "--tensor-parallel-size", "2", "--api-key", "k", "--trace-dir", "/tmp/t",
+        "--device", "cpu", "--num-kv-blocks", "64", "--max-waiting-requests", "10", "--step-timeout", "3.5",
+        "--host", "0.0.0.0", "--port", "9001", "--shutdown-timeout", "2"])
+    assert config == EngineConfig(
+        model="qwen2.5-0.5b", max_model_len=2048, gpu_memory_utilization=0.5, max_num_seqs=8,
+        max_num_batched_tokens=512, block_size=32, enforce_eager=True, load_format="dummy", dtype="float16",
+        seed=7, enable_prefix_caching=False, tensor_parallel_size=2, trace_dir="/tmp/t", device="cpu",
+        num_kv_blocks=64, max_waiting_requests=10, step_timeout=3.5)
+    assert options == ServerOptions(host="0.0.0.0", port=9001, served_model_name=["a", "b"], api_key="k",
+                                    shutdown_timeout=2.0)
+
+
+def test_every_engine_config_field_has_a_flag():
+    dests = {a.dest for a in cli.build_parser()._actions}
+    settable = {f.name for f in fields(EngineConfig)} - {"model_path", "model_config"}  # filled at launch
+    assert settable <= dests
+
+
+def test_api_key_defaults_to_the_environment(monkeypatch):
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    assert cli.parse_args(["--model", "m"])[1].api_key == "from-env"
+    assert cli.parse_args(["--model", "m", "--api-key", "flag"])[1].api_key == "flag"
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--block-size", "7"], "block_size=7"),
+    (["--device", "tpu"], "device='tpu'"),
+    (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization=1.5"),
+    (["--max-num-seqs", "0"], "max_num_seqs=0"),
+    (["--port", "eighty"], "--port"),
+])
+def test_bad_value_exits_with_usage_naming_the_flag(argv, named, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.parse_args(["--model", "m", *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: launch.py" in err and named in err
+
+
+def test_model_is_required(capsys):
+    with pytest.raises(SystemExit):
+        cli.parse_args([])
+    assert "--model" in capsys.readouterr().err
+
+
+def test_help_groups_and_explains_every_flag():
+    out = subprocess.run([sys.executable, "launch.py", "--help"], cwd=REPO, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    for group in ("model:", "engine and KV cache:", "HTTP server:", "one prompt, no server:",
+                  "headless engine, no HTTP:"):
+        assert group in out.stdout
+    for flag in VLLM_SERVE_FLAGS + OUR_FLAGS:
+        assert flag in out.stdout, flag
+
+
+@pytest.mark.parametrize("argv, mode", [
+    ([], "server"), (["--prompt", "hi", "--max-tokens", "3"], "prompt"),
+    (["--headless", "--engine-address", "tcp://:5555"], "headless")])
+def test_main_dispatches_to_one_mode(argv, mode, monkeypatch):
+    import frontend.launcher
+    import frontend.server
+    calls = []
+    monkeypatch.setattr(frontend.server, "run_server", lambda config, options: calls.append(("server", options)) or 0)
+    monkeypatch.setattr(frontend.launcher, "run_headless", lambda config, addr: calls.append(("headless", addr)) or 0)
+    monkeypatch.setattr(cli, "run_prompt", lambda config, *a: calls.append(("prompt", a)) or 0)
+    assert cli.main(["--model", "m", *argv]) == 0
+    assert [c[0] for c in calls] == [mode]
+    if mode == "prompt":
+        assert calls[0][1] == ("hi", 3, 0.0)
+    if mode == "headless":
+        assert calls[0][1] == "tcp://:5555"
