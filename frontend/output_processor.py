@@ -95,8 +95,9 @@ class OutputProcessor:
 
     def _finish(self, sample: _Sample, reason: str, error: str | None = None) -> None:
         out, state = sample.out, sample.state
-        if reason != "stop" or out.stop_reason is None:
-            out.text += sample.stops.flush()
+        if out.stop_reason is None:  # not ended by a stop string: release what was held back
+            emit, _ = sample.stops.feed(sample.detok.flush())
+            out.text += emit + sample.stops.flush()
         if reason == "stop" and out.stop_reason is None and out.token_ids:
             out.stop_reason = out.token_ids[-1]
         out.finish_reason = "abort" if reason == "error" else reason
