@@ -1,0 +1,128 @@
+"""KV-cache blocks: free list, per-request block tables, reference counts and the prefix cache.
+
+Invariants:
+- A block is in `_free` iff its reference count is 0. `_free` is ordered for eviction: blocks without a
+  hash at the head (nothing to lose), then hashed blocks least recently freed first.
+- A hash in `_hash_to_block` names a FULL block whose KV is computed (or is being computed by a step
+  already planned, which the worker runs before any later step that could read it). Such a block stays
+  reusable at reference count 0 until it is taken for another request.
+- Only blocks below a request's `num_computed_tokens` are ever shared, and every write goes at or past
+  it, so no request writes into a block another one reads.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+
+import numpy as np
+
+from scheduler.request import Request
+
+
+def hash_block(parent: bytes, token_ids: list[int]) -> bytes:
+    """Chained SHA-256: a block's key covers every token before it, not only its own."""
+    return hashlib.sha256(parent + np.asarray(token_ids, dtype="<i4").tobytes()).digest()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._ref_counts = [0] * num_blocks
+        self._hashes: list[bytes | None] = [None] * num_blocks
+        self._hash_to_block: dict[bytes, int] = {}
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.num_cached_tokens = 0  # tokens served from the prefix cache, over all allocations
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def can_allocate(self, req: Request) -> bool:
+        hits = self._match_prefix(req)
+        reclaimed = sum(1 for b in hits if self._ref_counts[b] == 0)  # hits that sit in the free list
+        return self.blocks_needed(req.num_tokens) - len(hits) <= len(self._free) - reclaimed
+
+    def allocate(self, req: Request) -> int:
+        """Give `req` blocks for all its known tokens; return how many of them the prefix cache holds."""
+        assert not req.block_table, f"request {req.request_id} already holds blocks"
+        hits = self._match_prefix(req)
+        for b in hits:
+            if self._ref_counts[b] == 0:
+                del self._free[b]
+            self._ref_counts[b] += 1
+        fresh = [self._take_free() for _ in range(self.blocks_needed(req.num_tokens) - len(hits))]
+        req.block_table = hits + fresh
+        req.num_cached_blocks = len(hits)
+        num_hit = len(hits) * self.block_size
+        self.num_cached_tokens += num_hit
+        return num_hit
+
+    def may_append(self, req: Request, num_tokens: int) -> bool:
+        """Whether the table can grow to hold `num_tokens` tokens in all."""
+        return self.blocks_needed(num_tokens) - len(req.block_table) <= len(self._free)
+
+    def append_slot(self, req: Request, num_tokens: int) -> list[int]:
+        """Grow the table to hold `num_tokens` tokens; return the new block ids (often none)."""
+        new = [self._take_free() for _ in range(self.blocks_needed(num_tokens) - len(req.block_table))]
+        req.block_table.extend(new)
+        return new
+
+    def cache_blocks(self, req: Request, num_tokens: int) -> None:
+        """Register the full blocks among the first `num_tokens` (computed and known) tokens."""
+        if not self.enable_prefix_caching:
+            return
+        full = min(num_tokens // self.block_size, len(req.block_table))
+        self._compute_hashes(req, full)
+        for i in range(req.num_cached_blocks, full):
+            b, h = req.block_table[i], req.block_hashes[i]
+            # A block computed twice (two requests missed together) keeps the first one as the key.
+            if h not in self._hash_to_block and self._hashes[b] is None:
+                self._hash_to_block[h] = b
+                self._hashes[b] = h
+        req.num_cached_blocks = max(req.num_cached_blocks, full)
+
+    def free(self, req: Request) -> None:
+        # Last blocks first, so that a sequence's tail (least likely shared) is evicted before its head.
+        for b in reversed(req.block_table):
+            self._ref_counts[b] -= 1
+            if self._ref_counts[b] == 0:
+                self._free[b] = None
+                if self._hashes[b] is None:
+                    self._free.move_to_end(b, last=False)
+        req.block_table = []
+        req.num_cached_blocks = 0
+
+    def _match_prefix(self, req: Request) -> list[int]:
+        if not self.enable_prefix_caching:
+            return []
+        # Keep at least the last token to compute, so the step samples; a whole-prompt hit gives back its
+        # last block rather than write that token's KV into a block others share.
+        usable = (req.num_tokens - 1) // self.block_size
+        self._compute_hashes(req, usable)
+        hits = []
+        for h in req.block_hashes[:usable]:
+            b = self._hash_to_block.get(h)
+            if b is None:
+                break
+            hits.append(b)
+        return hits
+
+    def _compute_hashes(self, req: Request, num_blocks: int) -> None:
+        bs = self.block_size
+        for i in range(len(req.block_hashes), num_blocks):
+            parent = req.block_hashes[i - 1] if i else b""
+            req.block_hashes.append(hash_block(parent, req.token_ids[i * bs:(i + 1) * bs]))
+
+    def _take_free(self) -> int:
+        b, _ = self._free.popitem(last=False)
+        h = self._hashes[b]
+        if h is not None:  # evict: the block's old content is about to be overwritten
+            del self._hash_to_block[h]
+            self._hashes[b] = None
+        self._ref_counts[b] = 1
+        return b

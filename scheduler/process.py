@@ -1,0 +1,274 @@
+"""The scheduler process: frontends on a ROUTER, one PUSH of plans per worker rank, results on a PULL.
+
+No torch and no CUDA here. Every frame is decoded with protocol.codec; a malformed one is logged and
+dropped. A worker that reports an error, a step that makes no progress for `step_timeout` seconds, or a
+dead parent ends the process: every client gets EngineDead first, and the exit code is 1.
+
+The loop is synchronous (plan N, result N, plan N+1). The Scheduler already matches results to plans by
+step number and drops tokens of rows that changed meanwhile, so overlap means sending plan N+1 in
+`_step` before waiting for result N.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+
+import zmq
+
+from protocol.addresses import Addresses
+from protocol.codec import ProtocolError, decode, encode
+from protocol.config import EngineConfig
+from protocol.messages import (Abort, AddRequest, EngineDead, GetStats, Ready, Shutdown, StepResult, TokenBatch,
+                               WorkerError, i32)
+from scheduler.scheduler import Scheduler
+
+log = logging.getLogger("pico_vllm.scheduler")
+POLL_MS = 100  # the idle poll, and so how often the parent is checked
+READY_TIMEOUT_S = 900.0  # loading a large checkpoint and capturing graphs can take minutes
+LINGER_MS = 1000  # time for the last EngineDead / Shutdown to leave at exit
+
+
+class _Exit(Exception):
+    """Leave the loop: code 0 after Shutdown; otherwise tell every client `reason` and exit 1."""
+
+    def __init__(self, code: int, reason: str) -> None:
+        super().__init__(reason)
+        self.code, self.reason = code, reason
+
+
+def run_scheduler(config_dict: dict, addresses_dict: dict) -> None:
+    """Process entry (multiprocessing spawn target): serve until Shutdown; exit non-zero on failure."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+    def on_sigterm(signum, frame):
+        raise _Exit(0, "the scheduler got SIGTERM")
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    code = serve(EngineConfig.from_dict(config_dict), Addresses(**addresses_dict))
+    if code:
+        sys.exit(code)
+
+
+def serve(config: EngineConfig, addresses: Addresses) -> int:
+    """Run the scheduler loop on `addresses`; return the exit code."""
+    server = SchedulerServer(config, addresses)
+    try:
+        return server.run()
+    finally:
+        server.close()
+
+
+class SchedulerServer:
+    def __init__(self, config: EngineConfig, addresses: Addresses) -> None:
+        self.config = config
+        self.parent = os.getppid()
+        self.ctx = zmq.Context()
+        self.engine = self._bind(zmq.ROUTER, addresses.engine)
+        self.plans = [self._bind(zmq.PUSH, addr) for addr in addresses.plans]
+        for sock in self.plans:  # a dead worker must not block the loop forever
+            sock.setsockopt(zmq.SNDTIMEO, int(config.step_timeout * 1000))
+        self.results = self._bind(zmq.PULL, addresses.results)
+        self.poller = zmq.Poller()
+        self.poller.register(self.engine, zmq.POLLIN)
+        self.poller.register(self.results, zmq.POLLIN)
+        self.clients: set[bytes] = set()  # every frontend identity seen; each got Ready once
+        self.scheduler: Scheduler | None = None
+        self.info: dict = {}
+
+    def _bind(self, kind: int, address: str) -> zmq.Socket:
+        sock = self.ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, LINGER_MS)
+        sock.bind(address)
+        return sock
+
+    def run(self) -> int:
+        early: list[tuple[bytes, object]] = []  # frontend messages that came before the workers were ready
+        try:
+            self.scheduler = Scheduler(self.config, self._wait_workers(early))
+            self.info = self._engine_info()
+            log.info("scheduler ready: %s", {k: self.info[k] for k in ("num_kv_blocks", "max_model_len")})
+            for identity, msg in early:
+                self._handle(identity, msg)
+            while True:
+                busy = self.scheduler.has_work() and self._step()
+                self._poll(0 if busy else POLL_MS)
+        except _Exit as e:
+            return self._exit(e)
+
+    def _exit(self, e: _Exit) -> int:
+        if e.code:
+            log.error("engine dead: %s", e.reason)
+        else:
+            log.info("scheduler stopping: %s", e.reason)
+        self._drain_identities()
+        frame = encode(EngineDead(e.reason))
+        for identity in self.clients:
+            self.engine.send_multipart([identity, frame])
+        for sock in self.plans:
+            try:
+                sock.send(encode(Shutdown()), zmq.NOBLOCK)
+            except zmq.ZMQError:  # that worker is gone or stuck: the launcher reaps it
+                pass
+        return e.code
+
+    def close(self) -> None:
+        self.ctx.destroy(linger=LINGER_MS)
+
+    # ---- startup ---------------------------------------------------------------------------------
+
+    def _wait_workers(self, early: list) -> int:
+        """Collect Ready from every rank; return the fewest KV blocks any rank has."""
+        blocks: dict[int, int] = {}
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while len(blocks) < len(self.plans):
+            self._check_parent()
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(len(self.plans))) - set(blocks))
+                raise _Exit(1, f"worker ranks {missing} sent no Ready within {READY_TIMEOUT_S:.0f} s")
+            events = dict(self.poller.poll(POLL_MS))
+            if self.engine in events:
+                early.extend(self._recv_clients())
+                if any(isinstance(msg, Shutdown) for _, msg in early):
+                    raise _Exit(0, "Shutdown before the workers were ready")
+            msg = self._recv(self.results, "a worker") if self.results in events else None
+            if isinstance(msg, WorkerError):
+                raise _Exit(1, f"worker {msg.rank} failed to start: {msg.reason}")
+            if isinstance(msg, Ready) and msg.role == "worker" and 0 <= msg.rank < len(self.plans):
+                num = msg.info.get("num_kv_blocks")
+                if isinstance(num, int) and num >= 2:
+                    blocks[msg.rank] = num
+                else:
+                    log.warning("dropped Ready from worker %d: num_kv_blocks=%r is not an int >= 2", msg.rank, num)
+        return min(blocks.values())
+
+    def _engine_info(self) -> dict:
+        mc, sched = self.config.model_config, self.scheduler
+        return {"num_kv_blocks": sched.block_manager.num_blocks, "max_model_len": sched.max_model_len,
+                "vocab_size": sched.vocab_size, "eos_token_ids": sorted(sched.eos_token_ids),
+                "block_size": self.config.block_size, "model": self.config.model,
+                "model_path": self.config.model_path, "model_config": mc.to_dict()}
+
+    # ---- frontends -------------------------------------------------------------------------------
+
+    def _poll(self, timeout_ms: int) -> None:
+        """Serve frontends; notice a worker error between steps; watch the parent."""
+        events = dict(self.poller.poll(timeout_ms))
+        if self.engine in events:
+            for identity, msg in self._recv_clients():
+                self._handle(identity, msg)
+        if self.results in events:
+            msg = self._recv(self.results, "a worker")
+            if isinstance(msg, WorkerError):
+                raise _Exit(1, f"worker {msg.rank} failed: {msg.reason}")
+            if msg is not None:
+                log.warning("dropped a %s from a worker: no step is in flight", type(msg).__name__)
+        self._check_parent()
+
+    def _recv_clients(self) -> list[tuple[bytes, object]]:
+        """Every frame waiting on the ROUTER, decoded (None for a malformed one)."""
+        out = []
+        while True:
+            try:
+                frames = self.engine.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return out
+            if len(frames) != 2:
+                log.warning("dropped a frontend message of %d frames: send one frame per message", len(frames) - 1)
+                continue
+            out.append((frames[0], _decode(frames[1], "a frontend")))
+
+    def _handle(self, identity: bytes, msg) -> None:
+        if identity not in self.clients:  # a new frontend: its first message, whatever it is, is its hello
+            self.clients.add(identity)
+            self._send(identity, Ready(role="engine", info=self.info))
+        sched = self.scheduler
+        if isinstance(msg, AddRequest):
+            replies = sched.add(msg, identity)
+        elif isinstance(msg, Abort):
+            replies = sched.abort(msg.request_ids, identity)
+        elif isinstance(msg, GetStats):
+            replies = [(identity, TokenBatch(step=sched.step, request_ids=[], token_ids=i32([]),
+                                             stats=sched.stats()))]
+        elif isinstance(msg, Shutdown):
+            raise _Exit(0, "a frontend asked to shut down")
+        else:
+            if msg is not None:
+                log.warning("dropped a %s from a frontend: not a frontend message", type(msg).__name__)
+            replies = []
+        for client, batch in replies:
+            self._send(client, batch)
+
+    def _send(self, identity: bytes, msg) -> None:
+        self.engine.send_multipart([identity, encode(msg)])
+
+    def _drain_identities(self) -> None:
+        """Learn who is connected (messages that can no longer be served) so that they hear EngineDead."""
+        self.clients.update(identity for identity, _ in self._recv_clients())
+
+    # ---- steps -----------------------------------------------------------------------------------
+
+    def _step(self) -> bool:
+        """Plan, run and account one step; False when nothing could be scheduled."""
+        plan = self.scheduler.schedule()
+        if plan is None:
+            return False
+        frame = encode(plan)
+        for rank, sock in enumerate(self.plans):
+            try:
+                sock.send(frame)
+            except zmq.Again:
+                raise _Exit(1, f"worker {rank} took no plan for {self.config.step_timeout} s") from None
+        for client, batch in self._wait_result(plan.step):
+            self._send(client, batch)
+        return True
+
+    def _wait_result(self, step: int) -> list[tuple[bytes, TokenBatch]]:
+        """Wait for step's result, serving frontends meanwhile; return its TokenBatches."""
+        deadline = time.monotonic() + self.config.step_timeout
+        while True:
+            left_ms = (deadline - time.monotonic()) * 1000
+            if left_ms <= 0:
+                raise _Exit(1, f"step {step} made no progress for {self.config.step_timeout} s (step_timeout)")
+            events = dict(self.poller.poll(min(left_ms, POLL_MS)))
+            if self.engine in events:  # aborts and new requests arrive while the GPU works
+                for identity, msg in self._recv_clients():
+                    self._handle(identity, msg)
+            self._check_parent()
+            msg = self._recv(self.results, "a worker") if self.results in events else None
+            if isinstance(msg, WorkerError):
+                raise _Exit(1, f"worker {msg.rank} failed: {msg.reason}")
+            if isinstance(msg, StepResult) and msg.step == step:
+                try:
+                    return self.scheduler.on_result(msg)
+                except (TypeError, ValueError) as e:
+                    log.warning("dropped a StepResult: %s", e)
+            elif msg is not None:
+                log.warning("dropped a %s from a worker while waiting for step %d", _describe(msg), step)
+
+    def _recv(self, sock: zmq.Socket, source: str):
+        try:
+            frame = sock.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return None
+        return _decode(frame, source)
+
+    def _check_parent(self) -> None:
+        if os.getppid() != self.parent:
+            raise _Exit(1, f"the parent process (pid {self.parent}) died")
+
+
+def _decode(frame: bytes, source: str):
+    try:
+        return decode(frame)
+    except ProtocolError as e:
+        log.warning("dropped a malformed frame from %s: %s", source, e)
+    except RecursionError:  # messages nested deeper than Python's stack: malformed too
+        log.warning("dropped a malformed frame from %s: messages nested too deeply", source)
+    return None
+
+
+def _describe(msg) -> str:
+    return f"StepResult for step {msg.step}" if isinstance(msg, StepResult) else type(msg).__name__

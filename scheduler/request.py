@@ -1,0 +1,50 @@
+"""One request as the scheduler owns it: its tokens, progress, row, blocks and fate."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from protocol.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # queued, or preempted and waiting to be recomputed; holds no row, no blocks
+    RUNNING = "running"  # holds a row and blocks; prefilling or decoding
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    client: bytes
+    token_ids: list[int]  # prompt + every token generated so far
+    num_prompt_tokens: int
+    params: SamplingParams
+    arrival: int  # admission order; preemption picks the largest
+    max_tokens: int  # params.max_tokens, or what max_model_len leaves when it is None
+    stop_ids: frozenset[int]  # EOS ids (unless ignore_eos) and stop_token_ids: each ends the request
+    status: Status = Status.WAITING
+    row: int = -1
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full known blocks
+    num_cached_blocks: int = 0  # leading blocks of block_table that the prefix cache knows
+    num_computed_tokens: int = 0  # tokens whose KV is (or is being) written; counted when scheduled
+    num_row_tokens: int = 0  # tokens the worker's mirror got in NewRow: prefill until computed reaches it
+    num_preemptions: int = 0  # also an epoch: a result planned before a preemption is stale
+    finish_reason: str | None = None
+
+    @property
+    def key(self) -> tuple[bytes, str]:
+        return self.client, self.request_id
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_computed_tokens < self.num_row_tokens

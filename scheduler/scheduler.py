@@ -1,0 +1,308 @@
+"""The policy: continuous batching, chunked prefill, preemption by recompute, stop checks.
+
+Every running request holds a row, the index of its mirror on the workers. A plan sends a request's
+tokens once (NewRow) and deltas afterwards. Counts of computed tokens advance when a step is planned, not
+when it returns, and each plan keeps the list of what it scheduled: a result is matched to its plan by
+step number, and a token sampled for a request that has since finished or been preempted is dropped.
+This keeps the door open for planning step N+1 before result N arrives (overlap).
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+import random
+from collections import deque
+from typing import NamedTuple
+
+import numpy as np
+
+from protocol.config import EngineConfig
+from protocol.messages import AddRequest, NewRow, StepPlan, StepResult, TokenBatch, i32
+from protocol.sampling import SamplingParams
+from scheduler.block_manager import BlockManager
+from scheduler.request import Request, Status
+
+
+class _Scheduled(NamedTuple):
+    req: Request
+    epoch: int  # req.num_preemptions when planned
+    samples: bool  # the step finishes the row's known tokens, so its sampled token is real
+
+
+class _Update(NamedTuple):
+    request_id: str
+    token: int  # -1: none, only a finish
+    finish: str | None
+    error: str | None
+    logprobs: list | None
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, num_blocks: int) -> None:
+        mc = config.model_config
+        if mc is None:
+            raise ValueError("EngineConfig.model_config is None: resolve the model before building a Scheduler")
+        self.config = config
+        self.vocab_size = mc.vocab_size
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        self.eos_token_ids = frozenset(mc.eos_token_ids)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # sorted by arrival: the newest is preempted first
+        self.requests: dict[tuple[bytes, str], Request] = {}  # waiting or running, by (client, id)
+        self.step = 0
+        self.num_preemptions = 0
+        self._free_rows = list(range(config.max_num_seqs - 1, -1, -1))
+        self._rows_freed: set[int] = set()  # for the next plan's free_rows, unless a NewRow reuses one first
+        self._in_flight: dict[int, list[_Scheduled]] = {}
+        self._arrivals = itertools.count()
+        self._rng = random.Random(config.seed)
+
+    # ---- requests in and out ---------------------------------------------------------------------
+
+    def add(self, msg: AddRequest, client: bytes) -> list[tuple[bytes, TokenBatch]]:
+        """Queue a request; a bad one is answered at once with an error TokenBatch."""
+        try:
+            req = self._make_request(msg, client)
+        except (TypeError, ValueError) as e:
+            return [(client, self._batch([_Update(msg.request_id, -1, "error", str(e), None)]))]
+        self.requests[req.key] = req
+        self.waiting.append(req)
+        return []
+
+    def abort(self, request_ids: list[str], client: bytes | None = None) -> list[tuple[bytes, TokenBatch]]:
+        """Finish the named requests with "abort" (all clients' requests of that id when client is None)."""
+        wanted = {rid for rid in request_ids if isinstance(rid, str)}
+        keys = [k for k in self.requests if k[1] in wanted] if client is None else [(client, r) for r in wanted]
+        updates: dict[bytes, list[_Update]] = {}
+        for key in keys:
+            req = self.requests.get(key)
+            if req is not None:
+                self._finish(req, "abort")
+                updates.setdefault(req.client, []).append(_Update(req.request_id, -1, "abort", None, None))
+        return [(c, self._batch(u)) for c, u in updates.items()]
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def stats(self) -> dict:
+        bm = self.block_manager
+        return {"num_free_blocks": bm.num_free_blocks, "num_total_blocks": bm.num_blocks,
+                "num_running": len(self.running), "num_waiting": len(self.waiting),
+                "num_preemptions": self.num_preemptions, "num_cached_tokens": bm.num_cached_tokens}
+
+    def _make_request(self, msg: AddRequest, client: bytes) -> Request:
+        if (client, msg.request_id) in self.requests:
+            raise ValueError(f"request_id {msg.request_id!r} is already in use: use a unique id")
+        if len(self.waiting) >= self.config.max_waiting_requests:
+            raise ValueError(f"engine overloaded: {len(self.waiting)} requests are waiting "
+                             f"(max_waiting_requests={self.config.max_waiting_requests}); retry later")
+        params = SamplingParams.from_dict(msg.params)
+        prompt = self._check_prompt(msg.prompt_token_ids)
+        max_tokens = self._check_length(len(prompt), params.max_tokens)
+        if params.seed is None:  # every row then samples from its own generator, whatever the batch
+            params.seed = self._rng.getrandbits(63)
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        return Request(msg.request_id, client, prompt, len(prompt), params, next(self._arrivals), max_tokens,
+                       stop_ids)
+
+    def _check_prompt(self, token_ids) -> list[int]:
+        ids = np.asarray(token_ids)
+        if ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu":
+            raise ValueError(f"prompt_token_ids must be a non-empty list of token ids, got shape {ids.shape} "
+                             f"of {ids.dtype}: send at least one token")
+        bad = ids[(ids < 0) | (ids >= self.vocab_size)]
+        if bad.size:
+            raise ValueError(f"prompt token id {int(bad[0])} is outside the vocabulary [0, {self.vocab_size})")
+        return ids.tolist()
+
+    def _check_length(self, prompt_len: int, max_tokens: int | None) -> int:
+        """The request's max_tokens: within max_model_len, and within what the KV cache can hold at all."""
+        bm = self.block_manager
+        capacity = bm.num_blocks * bm.block_size
+        limit = min(self.max_model_len, capacity)
+        if max_tokens is None:
+            max_tokens = max(limit - prompt_len, 1)
+        total = prompt_len + max_tokens
+        if total > self.max_model_len:
+            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} is over "
+                             f"max_model_len={self.max_model_len}: shorten the prompt or lower max_tokens")
+        if total > capacity:
+            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} tokens would "
+                             f"never fit the KV cache ({bm.num_blocks} blocks of {bm.block_size}): lower "
+                             f"max_tokens or give the engine more num_kv_blocks")
+        return max_tokens
+
+    def _finish(self, req: Request, reason: str) -> None:
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+            self.block_manager.free(req)
+            self._release_row(req)
+        elif req.status is Status.WAITING:
+            self.waiting.remove(req)
+        req.status, req.finish_reason = Status.FINISHED, reason
+        del self.requests[req.key]
+
+    def _release_row(self, req: Request) -> None:
+        self._rows_freed.add(req.row)
+        self._free_rows.append(req.row)
+        req.row = -1
+
+    # ---- planning --------------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan | None:
+        """Plan one step: a token for every decode row, then prompt chunks, within the token budget."""
+        budget = self.config.max_num_batched_tokens
+        decodes, appends, preempted = self._schedule_decodes(budget)
+        # After a preemption the cache is short: admitting now would only preempt again next step.
+        chunks, new_rows = self._schedule_prefills(budget - len(decodes), admit=not preempted)
+        if not decodes and not chunks:
+            return None
+        self.step += 1
+        scheduled = [(req, 1) for req in decodes] + chunks
+        self._in_flight[self.step] = [
+            _Scheduled(req, req.num_preemptions, not req.is_prefill) for req, _ in scheduled]
+        plan = StepPlan(self.step, i32([req.row for req, _ in scheduled]), i32([n for _, n in scheduled]),
+                        new_rows, appends, i32(sorted(self._rows_freed)), self.config.trace_dir is not None)
+        self._rows_freed.clear()
+        return plan
+
+    def _schedule_decodes(self, budget: int) -> tuple[list[Request], list, bool]:
+        """One token per decoding row, oldest first; preempt the newest request while blocks run out."""
+        bm = self.block_manager
+        decodes, appends, preempted = [], [], False
+        for req in list(self.running):
+            if len(decodes) >= budget:
+                break
+            if req.status is not Status.RUNNING or req.is_prefill:
+                continue
+            while not bm.may_append(req, req.num_computed_tokens + 1):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            if req.status is Status.RUNNING:
+                new_blocks = bm.append_slot(req, req.num_computed_tokens + 1)
+                if new_blocks:
+                    appends.append((req.row, i32(new_blocks)))
+                req.num_computed_tokens += 1
+                decodes.append(req)
+        return decodes, appends, preempted
+
+    def _schedule_prefills(self, budget: int, admit: bool) -> tuple[list[tuple[Request, int]], list[NewRow]]:
+        """Chunks of partly prefilled rows, then of waiting requests admitted first come, first served."""
+        chunks: list[tuple[Request, int]] = []
+        for req in self.running:
+            if budget <= 0:
+                break
+            if req.is_prefill:
+                budget -= self._take_chunk(req, budget, chunks)
+        new_rows = []
+        while admit and budget > 0 and self.waiting and self._free_rows:
+            req = self.waiting[0]
+            if not self.block_manager.can_allocate(req):
+                break
+            self.waiting.popleft()
+            new_rows.append(self._admit(req))
+            budget -= self._take_chunk(req, budget, chunks)
+        return chunks, new_rows
+
+    @staticmethod
+    def _take_chunk(req: Request, budget: int, chunks: list) -> int:
+        n = min(req.num_row_tokens - req.num_computed_tokens, budget)
+        req.num_computed_tokens += n
+        chunks.append((req, n))
+        return n
+
+    def _admit(self, req: Request) -> NewRow:
+        req.row = self._free_rows.pop()
+        self._rows_freed.discard(req.row)  # the NewRow replaces the row's old mirror: no free_rows entry
+        req.num_computed_tokens = self.block_manager.allocate(req)
+        req.num_row_tokens = req.num_tokens
+        req.status = Status.RUNNING
+        bisect.insort(self.running, req, key=lambda r: r.arrival)
+        return NewRow(req.row, i32(req.token_ids), req.num_prompt_tokens, req.num_computed_tokens,
+                      i32(req.block_table), req.params.to_dict())
+
+    def _preempt(self, req: Request) -> None:
+        """Free everything; the request is recomputed later from prompt + generated tokens."""
+        self.running.remove(req)
+        self.block_manager.free(req)
+        self._release_row(req)
+        req.status = Status.WAITING
+        req.num_computed_tokens = req.num_row_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    # ---- results ---------------------------------------------------------------------------------
+
+    def on_result(self, result: StepResult) -> list[tuple[bytes, TokenBatch]]:
+        """Append the sampled tokens, check stops, free finished requests; one TokenBatch per client."""
+        scheduled = self._in_flight.get(result.step)
+        if scheduled is None:
+            raise ValueError(f"StepResult for step {result.step} matches no plan in flight "
+                             f"({sorted(self._in_flight)})")
+        tokens = np.asarray(result.token_ids)
+        if tokens.shape != (len(scheduled),):
+            raise ValueError(f"StepResult for step {result.step} has {tokens.shape} token ids for "
+                             f"{len(scheduled)} scheduled rows")
+        logprobs = _split_logprobs(result.logprobs, len(scheduled))
+        del self._in_flight[result.step]
+        updates: dict[bytes, list[_Update]] = {}
+        for i, (req, epoch, samples) in enumerate(scheduled):
+            if req.status is not Status.RUNNING or req.num_preemptions != epoch:
+                continue  # finished, aborted or preempted since this step was planned
+            if samples:
+                req.token_ids.append(int(tokens[i]))
+            self.block_manager.cache_blocks(req, min(req.num_computed_tokens, req.num_tokens))
+            if not samples:
+                continue
+            reason = self._stop_reason(req)
+            if reason is not None:
+                self._finish(req, reason)
+            lp = logprobs(i, req.params.logprobs) if logprobs and req.params.logprobs is not None else None
+            updates.setdefault(req.client, []).append(_Update(req.request_id, int(tokens[i]), reason, None, lp))
+        return [(c, self._batch(u)) for c, u in updates.items()]
+
+    def _stop_reason(self, req: Request) -> str | None:
+        if req.num_generated >= req.params.min_tokens and req.token_ids[-1] in req.stop_ids:
+            return "stop"
+        if req.num_generated >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _batch(self, updates: list[_Update]) -> TokenBatch:
+        with_logprobs = any(u.logprobs is not None for u in updates)
+        return TokenBatch(
+            step=self.step, request_ids=[u.request_id for u in updates], token_ids=i32([u.token for u in updates]),
+            finished={u.request_id: u.finish for u in updates if u.finish is not None},
+            errors={u.request_id: u.error for u in updates if u.error is not None},
+            logprobs=[u.logprobs for u in updates] if with_logprobs else None, stats=self.stats())
+
+
+def _split_logprobs(lp: dict | None, n: int):
+    """None, or a function (row i, its k) -> [sampled logprob, top ids, top logprobs] cut from the
+    StepResult's arrays, whose k columns per row are the most any row of the step asked for."""
+    if lp is None:
+        return None
+    k = lp.get("k")
+    if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+        raise ValueError(f"StepResult.logprobs['k'] must be an int >= 0, got {k!r}")
+    sampled, top_ids, top_lps = (_array(lp.get(name), dt) for name, dt in
+                                 (("sampled", "<f4"), ("top_ids", "<i4"), ("top_logprobs", "<f4")))
+    if sampled.shape != (n,) or top_ids.shape != (n * k,) or top_lps.shape != (n * k,):
+        raise ValueError(f"StepResult.logprobs does not fit {n} rows of k={k}: "
+                         f"{sampled.shape}, {top_ids.shape}, {top_lps.shape}")
+    return lambda i, want: [float(sampled[i]), top_ids[i * k:i * k + min(want, k)].tolist(),
+                            top_lps[i * k:i * k + min(want, k)].tolist()]
+
+
+def _array(value, dtype: str) -> np.ndarray:
+    """Arrays inside StepResult.logprobs arrive as raw bytes over the wire, as arrays in process."""
+    if isinstance(value, bytes):
+        if len(value) % 4:
+            raise ValueError(f"StepResult.logprobs holds {len(value)} bytes, not a whole number of {dtype}")
+        return np.frombuffer(value, dtype=dtype)
+    return np.asarray(value if value is not None else [], dtype=dtype).reshape(-1)
