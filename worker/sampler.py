@@ -123,6 +123,23 @@ class Sampler:
             out = torch.from_numpy(np.asarray(output_ids, np.int64)).to(self.device)
             self.output_counts[row].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
 
+    def profile(self, logits: torch.Tensor) -> None:
+        """Run every stage once on logits[N] (N <= max rows), so a memory profile sees the sampler's peak.
+
+        Rows 0..N-1 are borrowed and left empty again.
+        """
+        n = logits.shape[0]
+        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, seed=0, logprobs=20,
+                                repetition_penalty=1.1, presence_penalty=0.1)
+        empty = np.zeros(0, np.int32)
+        for row in range(n):
+            self.add_row(row, params, empty, empty)
+        rows = np.arange(n, dtype=np.int64)
+        self(logits, torch.from_numpy(rows).to(self.device), torch.zeros(n, dtype=torch.int64, device=self.device),
+             rows)
+        for row in range(n):
+            self.remove_row(row)
+
     @property
     def simple_greedy(self) -> bool:
         """True when every active row is plain argmax (what a captured graph may do itself)."""

@@ -1,0 +1,241 @@
+"""ModelRunner driven with hand-built StepPlans: Hugging Face's greedy tokens, rows that do not disturb
+each other, rows reused after a free, seeds that ignore the batch."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from protocol.config import EngineConfig
+from protocol.messages import NewRow, StepPlan, i32
+from protocol.sampling import SamplingParams
+from worker.model_runner import ModelRunner
+
+BLOCK = 8
+
+
+class MiniScheduler:
+    """Just enough scheduler: bump-allocated blocks, prompts in chunks of `chunk`, decode rows first."""
+
+    def __init__(self, runner: ModelRunner, chunk: int = 1000) -> None:
+        self.runner, self.chunk = runner, chunk
+        self.step, self.next_block = 0, 0
+        self.rows: dict[int, dict] = {}
+        self.pending_new: list[NewRow] = []
+        self.pending_free: list[int] = []
+
+    def add(self, row: int, prompt: list[int], params: SamplingParams | None = None,
+            generated: list[int] = ()) -> None:
+        tokens = list(prompt) + list(generated)
+        blocks = self._blocks(len(tokens))
+        self.rows[row] = {"tokens": tokens, "sent": len(tokens), "computed": 0, "blocks": blocks, "out": []}
+        self.pending_new.append(NewRow(row, i32(tokens), len(prompt), 0, i32(blocks),
+                                       (params or SamplingParams(temperature=0.0)).to_dict()))
+
+    def free(self, row: int) -> list[int]:
+        self.pending_free.append(row)
+        return self.rows.pop(row)["out"]
+
+    def _blocks(self, n_tokens: int) -> list[int]:
+        n = max(0, -(-n_tokens // BLOCK))
+        self.next_block += n
+        return list(range(self.next_block - n, self.next_block))
+
+    def run_step(self, logprobs: bool = False):
+        decode = [r for r, s in self.rows.items() if s["computed"] >= s["sent"]]
+        prefill = [r for r, s in self.rows.items() if s["computed"] < s["sent"]]
+        rows, counts, appends = [], [], []
+        for r in decode + prefill:
+            s = self.rows[r]
+            n = 1 if r in decode else min(self.chunk, s["sent"] - s["computed"])
+            extra = self._blocks(s["computed"] + n - len(s["blocks"]) * BLOCK)
+            if extra:
+                s["blocks"] += extra
+                appends.append((r, i32(extra)))
+            rows.append(r)
+            counts.append(n)
+        self.step += 1
+        plan = StepPlan(self.step, i32(rows), i32(counts), self.pending_new, appends, i32(self.pending_free))
+        self.pending_new, self.pending_free = [], []
+        result = self.runner.execute(plan)
+        for r, n, tok in zip(rows, counts, result.token_ids.tolist()):
+            s = self.rows[r]
+            s["computed"] += n
+            if s["computed"] == len(s["tokens"]):
+                s["tokens"].append(tok)
+                s["out"].append(tok)
+            else:
+                assert tok == -1
+        return result
+
+    def generate(self, num_tokens: int) -> dict[int, list[int]]:
+        while any(len(s["out"]) < num_tokens for s in self.rows.values()):
+            self.run_step()
+        return {r: s["out"][:num_tokens] for r, s in self.rows.items()}
+
+
+def _runner(ckpt, **kw) -> ModelRunner:
+    config = EngineConfig(model=str(ckpt), device="cpu", block_size=BLOCK, num_kv_blocks=kw.pop("num_kv_blocks", 128),
+                          max_num_seqs=kw.pop("max_num_seqs", 4), max_num_batched_tokens=64, **kw)
+    return ModelRunner(config, rank=0, tp_size=1)
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_ckpt) -> ModelRunner:
+    return _runner(tiny_ckpt)
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(tiny_ckpt):
+    model = AutoModelForCausalLM.from_pretrained(tiny_ckpt, torch_dtype=torch.float32).eval()
+
+    def generate(prompt: list[int], n: int) -> list[int]:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
+        return out[0, len(prompt):].tolist()
+    return generate
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(3, 500, n).tolist()
+
+
+def _fresh(runner: ModelRunner, chunk: int = 1000) -> MiniScheduler:
+    """A new driver for a shared runner: the runner's step count carries on."""
+    sched = MiniScheduler(runner, chunk)
+    sched.step = runner.step
+    for row in np.flatnonzero(runner.mirror.active).tolist():
+        sched.pending_free.append(row)
+    return sched
+
+
+def test_chunked_prefill_then_decode_equals_hf_greedy(runner, hf_greedy):
+    prompt = _prompt(37, seed=1)
+    sched = _fresh(runner, chunk=16)
+    sched.add(0, prompt)
+    assert sched.generate(12)[0] == hf_greedy(prompt, 12)
+
+
+def test_two_rows_at_once_equal_each_alone(runner, hf_greedy):
+    prompts = {1: _prompt(5, seed=2), 3: _prompt(21, seed=3)}
+    sched = _fresh(runner, chunk=8)
+    for row, prompt in prompts.items():
+        sched.add(row, prompt)
+    out = sched.generate(10)
+    for row, prompt in prompts.items():
+        assert out[row] == hf_greedy(prompt, 10)
+
+
+def test_freed_row_serves_a_new_request(runner, hf_greedy):
+    sched = _fresh(runner)
+    first, second = _prompt(9, seed=4), _prompt(13, seed=5)
+    sched.add(2, first)
+    sched.generate(3)
+    assert sched.free(2) == hf_greedy(first, 3)
+    sched.add(2, second)
+    assert sched.generate(6)[2] == hf_greedy(second, 6)
+
+
+def test_row_resumed_after_preemption_continues_the_same_tokens(runner, hf_greedy):
+    prompt = _prompt(11, seed=6)
+    want = hf_greedy(prompt, 8)
+    sched = _fresh(runner)
+    sched.add(0, prompt, generated=want[:3])
+    assert sched.generate(5)[0] == want[3:]
+
+
+def test_seeded_row_samples_the_same_alone_or_beside_others(tiny_ckpt):
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, repetition_penalty=1.2)
+    alone = MiniScheduler(_runner(tiny_ckpt))
+    alone.add(0, _prompt(10, seed=7), params)
+    busy = MiniScheduler(_runner(tiny_ckpt), chunk=4)
+    busy.add(2, _prompt(30, seed=8), SamplingParams(temperature=0.7, seed=9))
+    busy.add(1, _prompt(10, seed=7), params)
+    assert alone.generate(8)[0] == busy.generate(8)[1]
+
+
+def test_logprobs_come_back_for_each_sampled_row(runner):
+    sched = _fresh(runner)
+    sched.add(0, _prompt(6, seed=9), SamplingParams(temperature=0.0, logprobs=3))
+    result = sched.run_step()
+    lp = result.logprobs
+    assert lp["k"] == 3 and lp["top_ids"].tolist()[0] == result.token_ids[0]
+    assert lp["sampled"][0] == pytest.approx(lp["top_logprobs"][0]) and lp["sampled"][0] < 0
+
+
+def test_plan_out_of_order_is_rejected(runner):
+    with pytest.raises(ValueError, match="one by one"):
+        runner.execute(StepPlan(runner.step + 2, i32([0]), i32([1])))
+
+
+def test_plan_beyond_known_tokens_is_rejected(runner):
+    sched = _fresh(runner)
+    sched.add(3, _prompt(4, seed=10))
+    plan = StepPlan(sched.step + 1, i32([3]), i32([5]), sched.pending_new, [], i32(sched.pending_free))
+    with pytest.raises(ValueError, match="knows only 4"):
+        runner.execute(plan)
+
+
+# ---- the worker process ------------------------------------------------------------------------------
+
+@pytest.fixture
+def worker_sockets(tiny_ckpt, tmp_path):
+    """A fake scheduler's two sockets and a started rank-0 worker process."""
+    import multiprocessing as mp
+
+    import zmq
+
+    from protocol.addresses import make_addresses, remove_ipc_dir
+    from worker.process import run_worker
+
+    addresses = make_addresses(1)
+    ctx = zmq.Context()
+    results, plans = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    results.bind(addresses.results)
+    plans.bind(addresses.plans[0])
+    config = EngineConfig(model=str(tiny_ckpt), device="cpu", block_size=BLOCK, num_kv_blocks=16, max_num_seqs=2,
+                          max_num_batched_tokens=32)
+    proc = mp.get_context("spawn").Process(target=run_worker, args=(config.to_dict(), addresses.to_dict(), 0))
+    proc.start()
+    results.RCVTIMEO = 60_000
+    yield plans, results, proc
+    proc.join(10)
+    if proc.is_alive():
+        proc.kill()
+    results.close(0)
+    plans.close(0)
+    ctx.term()
+    remove_ipc_dir(addresses)
+
+
+def test_worker_process_says_ready_answers_plans_and_exits_on_shutdown(worker_sockets, hf_greedy):
+    from protocol.codec import decode, encode
+    from protocol.messages import Ready, Shutdown, StepResult
+
+    plans, results, proc = worker_sockets
+    ready = decode(results.recv())
+    assert isinstance(ready, Ready) and ready.role == "worker" and ready.info == {"num_kv_blocks": 16}
+    prompt = _prompt(7, seed=11)
+    new = NewRow(0, i32(prompt), len(prompt), 0, i32([0]), SamplingParams(temperature=0.0).to_dict())
+    plans.send(encode(StepPlan(1, i32([0]), i32([7]), [new], [])))
+    plans.send(encode(StepPlan(2, i32([0]), i32([1]), [], [[0, i32([1]).tobytes()]])))
+    tokens = [decode(results.recv()) for _ in range(2)]
+    assert all(isinstance(t, StepResult) for t in tokens)
+    assert [int(t.token_ids[0]) for t in tokens] == hf_greedy(prompt, 2)
+    plans.send(encode(Shutdown()))
+    proc.join(30)
+    assert proc.exitcode == 0
+
+
+def test_worker_process_reports_a_malformed_plan_and_exits_nonzero(worker_sockets):
+    from protocol.codec import decode
+    from protocol.messages import Ready, WorkerError
+
+    plans, results, proc = worker_sockets
+    assert isinstance(decode(results.recv()), Ready)
+    plans.send(b"\x93not a plan")
+    error = decode(results.recv())
+    assert isinstance(error, WorkerError) and error.rank == 0 and "ProtocolError" in error.reason
+    proc.join(30)
+    assert proc.exitcode == 1

@@ -1,0 +1,291 @@
+"""ModelRunner: the model, its paged KV cache and the row mirror of one worker rank; one StepPlan per call.
+
+A decode step feeds each row the token it sampled last, read on the device (last_token[row]): no token
+crosses back from the host. On CUDA a decode-only step replays a captured graph; any step holding a prompt
+chunk runs eagerly.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from protocol.config import EngineConfig, ModelConfig
+from protocol.messages import StepPlan, StepResult
+from protocol.sampling import SamplingParams
+from worker.attention import AttentionMetadata
+from worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from worker.input_buffers import HostStep, RowMirror, StepBuffers
+from worker.loader import init_dummy_weights, load_weights
+from worker.models.qwen2 import Qwen2ForCausalLM
+from worker.parallel import local_kv_heads
+from worker.sampler import Sampler, SamplerOutput
+
+_CPU_KV_CACHE_CAP = 1 << 30  # bytes: a CPU run sizes its cache to the workload, up to this
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def select_device(device: str, rank: int) -> torch.device:
+    """'auto' is CUDA when there is a GPU; rank r of a CUDA engine uses GPU r."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device='cuda' but torch sees no CUDA GPU: use device='cpu' or 'auto'")
+        torch.cuda.set_device(rank)
+        return torch.device("cuda", rank)
+    return torch.device("cpu")
+
+
+def select_dtype(dtype: str, model_config: ModelConfig, device: torch.device) -> torch.dtype:
+    """'auto' is the checkpoint's dtype on CUDA and float32 on CPU."""
+    if dtype == "auto":
+        return _DTYPES.get(model_config.torch_dtype, torch.bfloat16) if device.type == "cuda" else torch.float32
+    return _DTYPES[dtype]
+
+
+def _resolve(config: EngineConfig) -> tuple[ModelConfig, str | None]:
+    if config.model_config is not None:
+        return config.model_config, config.model_path
+    from protocol.model_config import resolve_model  # only when the launcher did not resolve already
+
+    return resolve_model(config.model, config.load_format)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, rank: int = 0, tp_size: int = 1) -> None:
+        self.config, self.rank, self.tp_size = config, rank, tp_size
+        self.model_config, model_dir = _resolve(config)
+        self.device = select_device(config.device, rank)
+        self.dtype = select_dtype(config.dtype, self.model_config, self.device)
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.max_rows = config.max_num_seqs
+        self.dummy_row = self.max_rows  # padded lanes of a graph read and write this spare row
+        max_blocks = -(-self.max_model_len // config.block_size)
+        self.mirror = RowMirror(self.max_rows, max_blocks, config.block_size)
+        self.step = 0
+        use_graphs = self.device.type == "cuda" and not config.enforce_eager
+        sizes = graph_batch_sizes(self.max_rows) if use_graphs else []
+        with torch.inference_mode():
+            self.model = self._build_model(model_dir)
+            self.sampler = Sampler(self.max_rows, self.model_config.vocab_size, self.device, config.seed)
+            self.last_token = torch.zeros(self.max_rows + 1, dtype=torch.int64, device=self.device)
+            self.block_tables = torch.zeros(self.max_rows + 1, max_blocks, dtype=torch.int32, device=self.device)
+            self.decode_cu = torch.arange(max(sizes + [self.max_rows]) + 1, dtype=torch.int32, device=self.device)
+            self.buffers = StepBuffers(max(sizes + [config.max_num_batched_tokens]), max(sizes + [self.max_rows]),
+                                       self.max_rows * max_blocks, self.device)
+            self._host_tokens = torch.zeros(self.max_rows, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+            self.num_kv_blocks = self._num_kv_blocks()
+            self.kv_caches = self._allocate_kv_cache(self.num_kv_blocks)
+            self.graphs = DecodeGraphs(sizes, self.buffers, self._decode_forward, self.dummy_row) if sizes else None
+            if self.graphs is not None:
+                self.graphs.capture()
+
+    # ---- set-up -------------------------------------------------------------------------------------
+
+    def _build_model(self, model_dir: str | None) -> Qwen2ForCausalLM:
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)  # the layers create their parameters in the default dtype
+        try:
+            with torch.device(self.device):
+                model = Qwen2ForCausalLM(self.model_config, self.rank, self.tp_size)
+        finally:
+            torch.set_default_dtype(previous)
+        if self.config.load_format == "dummy" or model_dir is None:
+            init_dummy_weights(model, self.config.seed)
+        else:
+            load_weights(model, model_dir, self.rank, self.tp_size)
+        return model.eval()
+
+    def _kv_block_bytes(self) -> int:
+        mc = self.model_config
+        heads = local_kv_heads(mc.num_key_value_heads, self.tp_size)
+        return 2 * mc.num_hidden_layers * heads * self.config.block_size * mc.head_dim * self.dtype.itemsize
+
+    def _num_kv_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        if self.device.type == "cpu":
+            wanted = -(-self.max_model_len * self.max_rows // self.config.block_size)
+            return max(2, min(wanted, _CPU_KV_CACHE_CAP // self._kv_block_bytes()))
+        return self._profile_num_kv_blocks()
+
+    def _profile_num_kv_blocks(self) -> int:
+        """Blocks that fit in gpu_memory_utilization of the card after the peak of a full-budget step."""
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        self._profile_forward()
+        torch.cuda.synchronize()
+        transient = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        available = total * self.config.gpu_memory_utilization - (total - free) - transient
+        blocks = int(available // self._kv_block_bytes())
+        if blocks < 2:
+            raise ValueError(f"gpu_memory_utilization={self.config.gpu_memory_utilization} leaves "
+                             f"{available / 2**30:.2f} GiB for the KV cache, under two blocks: raise it, or "
+                             f"lower max_num_batched_tokens / max_num_seqs")
+        return blocks
+
+    def _profile_forward(self) -> None:
+        """A step of max_num_batched_tokens prompt tokens plus full sampling, against a one-block cache."""
+        mc, bs = self.model_config, self.config.block_size
+        tokens = self.config.max_num_batched_tokens
+        seq = min(tokens, self.max_model_len)
+        cu = torch.tensor(list(range(0, tokens, seq)) + [tokens], dtype=torch.int32, device=self.device)
+        lens = cu[1:] - cu[:-1]
+        positions = torch.arange(tokens, device=self.device) - cu[:-1].repeat_interleave(lens).long()
+        heads = local_kv_heads(mc.num_key_value_heads, self.tp_size)
+        cache = [(torch.zeros(1, heads, bs, mc.head_dim, dtype=self.dtype, device=self.device),) * 2
+                 for _ in range(mc.num_hidden_layers)]
+        meta = AttentionMetadata(torch.full((tokens,), -1, dtype=torch.int64, device=self.device),
+                                 torch.zeros(len(lens), -(-seq // bs), dtype=torch.int32, device=self.device),
+                                 lens, cu, seq)
+        hidden = self.model(torch.zeros(tokens, dtype=torch.int64, device=self.device), positions, meta, cache)
+        self.sampler.profile(self.model.compute_logits(hidden[:min(self.max_rows, tokens)]))
+
+    def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        mc = self.model_config
+        heads = local_kv_heads(mc.num_key_value_heads, self.tp_size)
+        # Zeros, not empty: attention multiplies masked-out slots by 0, and 0 * NaN garbage is NaN.
+        cache = torch.zeros(2, mc.num_hidden_layers, num_blocks, heads, self.config.block_size, mc.head_dim,
+                            dtype=self.dtype, device=self.device)
+        return [(cache[0, i], cache[1, i]) for i in range(mc.num_hidden_layers)]
+
+    # ---- one step -----------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Apply the plan's deltas, run the step, sample; returns the tokens of plan.rows (-1: mid-prompt)."""
+        if plan.step != self.step + 1:
+            raise ValueError(f"StepPlan step {plan.step} after step {self.step}: plans must come one by one")
+        self.step = plan.step
+        start_ns = time.perf_counter_ns()
+        events = self._start_gpu_timer() if plan.trace else None
+        # Rows freed by earlier steps go first: none of them is scheduled here, and a new row may reuse one.
+        self._free_rows(plan.free_rows)
+        self._apply_row_deltas(plan)
+        step = self.mirror.plan(plan)
+        size = len(step.rows)
+        if step.is_decode and self.graphs is not None:
+            size = self.graphs.size_for(size) or size
+        self.buffers.write(step, size, self.mirror.host_input_ids(step), self.mirror.take_deltas(),
+                           self.dummy_row)
+        self._apply_block_table_deltas()
+        out = self._run_decode(step, size) if step.is_decode else self._run_mixed(step)
+        if events is not None:
+            events[1].record()
+        result = self._result(plan, step, out)
+        self.mirror.finish(step)
+        if plan.trace:
+            result.timings = _timings(start_ns, events, step.is_decode)
+        return result
+
+    def _start_gpu_timer(self) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
+        if self.device.type != "cuda":
+            return None
+        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        events[0].record()
+        return events
+
+    def _apply_row_deltas(self, plan: StepPlan) -> None:
+        for new in plan.new_rows:
+            self.mirror.add(new)
+            tokens = np.asarray(new.token_ids)
+            self.sampler.add_row(new.row, SamplingParams.from_dict(new.params), tokens[:new.num_prompt_tokens],
+                                 tokens[new.num_prompt_tokens:])
+        for row, block_ids in plan.block_appends:
+            self.mirror.append_blocks(int(row), block_ids)
+
+    def _apply_block_table_deltas(self) -> None:
+        idx = self.buffers.view("delta_idx")
+        if idx.numel():
+            self.block_tables.view(-1).index_copy_(0, idx, self.buffers.view("delta_val"))
+
+    def _free_rows(self, rows: np.ndarray) -> None:
+        self.mirror.free(rows)
+        for row in np.asarray(rows).tolist():
+            self.sampler.remove_row(row)
+
+    def _decode_forward(self, views: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per row, the row's last sampled token; greedy picks become the new last tokens.
+
+        This is the body a decode graph captures: it reads only static views, allocates from the graph pool.
+        """
+        rows = views["rows"]
+        meta = AttentionMetadata(views["slot_mapping"], self.block_tables[rows], views["context_lens"],
+                                 self.decode_cu[:rows.shape[0] + 1], 1)
+        hidden = self.model(self.last_token[rows], views["positions"], meta, self.kv_caches)
+        logits = self.model.compute_logits(hidden)
+        greedy = logits.argmax(dim=-1)
+        self.last_token[rows] = greedy
+        return logits, greedy
+
+    def _run_decode(self, step: HostStep, size: int) -> SamplerOutput:
+        graphs = self.graphs if self.graphs is not None and size in self.graphs.sizes else None
+        views = graphs.views[size] if graphs else self.buffers.decode_views(size)
+        logits, greedy = graphs.replay(size) if graphs else self._decode_forward(views)
+        b = len(step.rows)
+        if self.sampler.simple_greedy:
+            return SamplerOutput(greedy[:b])
+        rows = views["rows"][:b]
+        out = self.sampler(logits[:b], rows, views["sample_pos"][:b], step.rows)
+        self.last_token.index_copy_(0, rows, out.token_ids)
+        return out
+
+    def _run_mixed(self, step: HostStep) -> SamplerOutput | None:
+        """A step with prompt chunks: decode rows first take their tokens from the device, then one forward."""
+        buf = self.buffers
+        input_ids, rows = buf.view("input_ids"), buf.view("rows")
+        nd = step.num_device_tokens
+        if nd:
+            input_ids[:nd] = self.last_token[rows[:nd]]
+        meta = AttentionMetadata(buf.view("slot_mapping"), self.block_tables[rows], buf.view("context_lens"),
+                                 buf.view("cu_seqlens_q"), int(step.num_tokens.max()))
+        hidden = self.model(input_ids, buf.view("positions"), meta, self.kv_caches)
+        if not step.samples.any():
+            return None
+        sample_rows = buf.view("sample_rows")
+        logits = self.model.compute_logits(hidden[buf.view("sample_idx")])
+        out = self.sampler(logits, sample_rows, buf.view("sample_pos"), step.rows[step.samples])
+        self.last_token.index_copy_(0, sample_rows, out.token_ids)
+        return out
+
+    def _result(self, plan: StepPlan, step: HostStep, out: SamplerOutput | None) -> StepResult:
+        token_ids = np.full(len(step.rows), -1, np.int32)
+        if out is None:
+            return StepResult(plan.step, token_ids)
+        n = out.token_ids.shape[0]
+        host = self._host_tokens[:n]
+        host.copy_(out.token_ids, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        token_ids[step.samples] = host.numpy()
+        return StepResult(plan.step, token_ids, _logprobs(out, step.samples))
+
+
+def _timings(start_ns: int, events: tuple | None, decode: bool) -> dict:
+    """Host span of the step; with CUDA events, the GPU's time and when the host saw it finish."""
+    timings = {"start_ns": start_ns, "end_ns": time.perf_counter_ns(), "decode": bool(decode)}
+    if events is not None:
+        events[1].synchronize()
+        timings["synced_ns"] = time.perf_counter_ns()
+        timings["gpu_ns"] = int(events[0].elapsed_time(events[1]) * 1e6)
+    return timings
+
+
+def _logprobs(out: SamplerOutput, samples: np.ndarray) -> dict | None:
+    """StepResult.logprobs aligned with plan.rows (rows without a sample get 0 and id -1)."""
+    if out.logprobs is None:
+        return None
+    k = 0 if out.top_ids is None else out.top_ids.shape[1]
+    sampled = np.zeros(len(samples), np.float32)
+    top_ids = np.full((len(samples), k), -1, np.int32)
+    top_lps = np.zeros((len(samples), k), np.float32)
+    sampled[samples] = out.logprobs.float().cpu().numpy()
+    if k:
+        top_ids[samples] = out.top_ids.cpu().numpy()
+        top_lps[samples] = out.top_logprobs.float().cpu().numpy()
+    return {"sampled": sampled, "top_ids": top_ids.reshape(-1), "top_logprobs": top_lps.reshape(-1), "k": k}

@@ -1,0 +1,97 @@
+"""The worker process of one rank: StepPlans in, StepResults out (rank 0 answers for all ranks).
+
+Plans come only from our own scheduler, so a frame that does not decode is a fatal error, not a bad
+request: the worker says why (WorkerError) and exits non-zero, and the engine reports itself dead.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+import zmq
+
+from protocol.addresses import Addresses
+from protocol.codec import decode, encode
+from protocol.config import EngineConfig
+from protocol.messages import Ready, Shutdown, StepPlan, StepResult, WorkerError
+from protocol.tracing import DECODE_GPU_SPAN, GPU_TRACK, Tracer
+
+log = logging.getLogger("pico_vllm.worker")
+
+
+def run_worker(config_dict: dict, addresses_dict: dict, rank: int) -> None:
+    """Process entry: build the runner, say Ready, serve plans until Shutdown (exit 0) or an error (exit 1)."""
+    config = EngineConfig.from_dict(config_dict)
+    addresses = Addresses(**addresses_dict)
+    _exit_with_parent()
+    ctx = zmq.Context()
+    plans, results = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    plans.connect(addresses.plans[rank])
+    results.connect(addresses.results)
+    tracer = Tracer(f"worker{rank}", config.trace_dir)
+    failed = False
+    try:
+        runner = _build_runner(config, addresses, rank)
+        results.send(encode(Ready(role="worker", rank=rank, info={"num_kv_blocks": runner.num_kv_blocks})))
+        _serve(runner, plans, results, rank, tracer)
+    except Exception as e:  # anything that stops this rank must reach the scheduler as a reason
+        log.exception("worker rank %d failed", rank)
+        results.send(encode(WorkerError(rank, f"{type(e).__name__}: {e}")))
+        failed = True
+    finally:
+        tracer.flush()
+        plans.close(linger=0)
+        results.close(linger=2000)  # let a WorkerError get out before the process ends
+        ctx.term()
+    if failed:
+        raise SystemExit(1)
+
+
+def _build_runner(config: EngineConfig, addresses: Addresses, rank: int):
+    # Imported here: torch and CUDA load only once this process is committed to being a worker.
+    from worker.model_runner import ModelRunner, select_device
+    from worker.parallel import init_tp_group
+
+    tp_size = config.tensor_parallel_size
+    device = select_device(config.device, rank)
+    if tp_size > 1:
+        # A file in the engine's private ipc directory: no TCP port to collide with another engine's.
+        init_method = f"file://{addresses.ipc_dir}/tp-rendezvous" if addresses.ipc_dir else "tcp://127.0.0.1:29500"
+        init_tp_group(rank, tp_size, device.type, init_method)
+    return ModelRunner(config, rank, tp_size)
+
+
+def _serve(runner, plans: zmq.Socket, results: zmq.Socket, rank: int, tracer: Tracer) -> None:
+    while True:
+        msg = decode(plans.recv())
+        if isinstance(msg, Shutdown):
+            return
+        if not isinstance(msg, StepPlan):
+            raise ValueError(f"worker received a {type(msg).__name__}: only StepPlan and Shutdown are expected")
+        result = runner.execute(msg)
+        if msg.trace:
+            _trace(tracer, result)
+        if rank == 0:
+            results.send(encode(result), copy=False)
+
+
+def _trace(tracer: Tracer, result: StepResult) -> None:
+    t = result.timings
+    tracer.add("worker.execute", t["start_ns"], t["end_ns"] - t["start_ns"], result.step)
+    if "gpu_ns" in t:  # the GPU finished about when the host's wait for it returned
+        name = DECODE_GPU_SPAN if t["decode"] else "gpu.step"
+        tracer.add(name, t["synced_ns"] - t["gpu_ns"], t["gpu_ns"], result.step, GPU_TRACK)
+
+
+def _exit_with_parent() -> None:
+    """A worker outliving its launcher would hold the GPU forever: exit when the parent is gone."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
