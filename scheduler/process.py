@@ -23,6 +23,7 @@ from protocol.codec import ProtocolError, decode, encode
 from protocol.config import EngineConfig
 from protocol.messages import (Abort, AddRequest, EngineDead, GetStats, Ready, Shutdown, StepResult, TokenBatch,
                                WorkerError, i32)
+from protocol.tracing import Tracer
 from scheduler.scheduler import Scheduler
 
 log = logging.getLogger("pico_vllm.scheduler")
@@ -75,6 +76,7 @@ class SchedulerServer:
         self.poller.register(self.engine, zmq.POLLIN)
         self.poller.register(self.results, zmq.POLLIN)
         self.clients: set[bytes] = set()  # every frontend identity seen; each got Ready once
+        self.tracer = Tracer("scheduler", config.trace_dir)
         self.scheduler: Scheduler | None = None
         self.info: dict = {}
 
@@ -115,6 +117,7 @@ class SchedulerServer:
         return e.code
 
     def close(self) -> None:
+        self.tracer.flush()
         self.ctx.destroy(linger=LINGER_MS)
 
     # ---- startup ---------------------------------------------------------------------------------
@@ -212,17 +215,21 @@ class SchedulerServer:
 
     def _step(self) -> bool:
         """Plan, run and account one step; False when nothing could be scheduled."""
-        plan = self.scheduler.schedule()
-        if plan is None:
-            return False
-        frame = encode(plan)
-        for rank, sock in enumerate(self.plans):
-            try:
-                sock.send(frame)
-            except zmq.Again:
-                raise _Exit(1, f"worker {rank} took no plan for {self.config.step_timeout} s") from None
-        for client, batch in self._wait_result(plan.step):
-            self._send(client, batch)
+        with self.tracer.span("scheduler.schedule", self.scheduler.step + 1):
+            plan = self.scheduler.schedule()
+            if plan is None:
+                return False
+            frame = encode(plan)
+            for rank, sock in enumerate(self.plans):
+                try:
+                    sock.send(frame)
+                except zmq.Again:
+                    raise _Exit(1, f"worker {rank} took no plan for {self.config.step_timeout} s") from None
+        with self.tracer.span("scheduler.wait_result", plan.step):
+            batches = self._wait_result(plan.step)
+        with self.tracer.span("scheduler.send_tokens", plan.step):
+            for client, batch in batches:
+                self._send(client, batch)
         return True
 
     def _wait_result(self, step: int) -> list[tuple[bytes, TokenBatch]]:
@@ -242,7 +249,8 @@ class SchedulerServer:
                 raise _Exit(1, f"worker {msg.rank} failed: {msg.reason}")
             if isinstance(msg, StepResult) and msg.step == step:
                 try:
-                    return self.scheduler.on_result(msg)
+                    with self.tracer.span("scheduler.on_result", step):
+                        return self.scheduler.on_result(msg)
                 except (TypeError, ValueError) as e:
                     log.warning("dropped a StepResult: %s", e)
             elif msg is not None:

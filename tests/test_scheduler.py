@@ -69,8 +69,8 @@ class FakeWorker:
         for nr in plan.new_rows:  # replaces a finished or preempted row's old mirror
             self.rows[nr.row] = Mirror(nr.token_ids.tolist(), len(nr.token_ids), nr.num_computed,
                                        nr.block_table.tolist(), nr.params)
-        for row, ids in plan.block_appends:
-            self.rows[row].table.extend(ids.tolist())
+        for row, ids in plan.block_appends:  # ids: an array in process, raw int32 bytes over the wire
+            self.rows[row].table.extend(np.frombuffer(ids, "<i4") if isinstance(ids, bytes) else ids)
         # Rows the scheduler has freed (announced now, or replaced by a NewRow) no longer read their blocks.
         self.dying = set(plan.free_rows.tolist())
         decoding = [self.rows[r].computed >= self.rows[r].num_row_tokens for r in plan.rows.tolist()]
@@ -703,3 +703,21 @@ def test_scheduler_exits_when_its_parent_dies():
         parent.kill()
         parent.wait()
         remove_ipc_dir(addresses)
+
+
+def test_the_protocol_md_example_client_generates_the_same_tokens():
+    text = (ROOT / "protocol" / "PROTOCOL.md").read_text()
+    code = text.split("```python\n")[-1].split("```")[0]
+    namespace: dict = {}
+    exec(compile(code, "PROTOCOL.md example", "exec"), namespace)
+    engine = Engine()
+    try:
+        assert namespace["generate"](engine.addresses.engine, [3, 1, 4, 1, 5], max_tokens=6, timeout_s=10) == \
+            (reference([3, 1, 4, 1, 5], 6), "length")
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            namespace["generate"](engine.addresses.engine, [VOCAB + 5], timeout_s=10)
+        stop = engine.client()
+        stop.send(encode(Shutdown()))
+    finally:
+        engine.close()
+    assert engine.code == [0]
