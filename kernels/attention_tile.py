@@ -1,5 +1,5 @@
 """Triton pieces shared by the paged decode and prefill kernels: a tile of K/V read through the block
-table, and one online-softmax step over it."""
+table, one online-softmax step over it, and the loop of such steps over a range of the context."""
 from __future__ import annotations
 
 import triton
@@ -22,11 +22,12 @@ def load_kv_tile(k_cache, v_cache, block_table_row, offs_n, n_mask, kv_head, str
 
 
 @triton.jit
-def attend_tile(q, k, v, mask, m_i, l_i, acc, qk_scale):
-    """One flash-attention step: q[M, D] against k, v[N, D] where mask[M, N]; base-2 running max m_i and
-    sum l_i of each row, unnormalised float32 output acc[M, D]."""
+def attend_tile(q, k, v, mask, m_i, l_i, acc, qk_scale, APPLY_MASK: tl.constexpr):
+    """One flash-attention step: q[M, D] against k, v[N, D] where mask[M, N] (if APPLY_MASK); base-2 running
+    max m_i and sum l_i of each row, unnormalised float32 output acc[M, D]."""
     qk = tl.dot(q, tl.trans(k)) * qk_scale  # qk_scale folds in log2(e): exp2 below is the cheap exp
-    qk = tl.where(mask, qk, float("-inf"))
+    if APPLY_MASK:
+        qk = tl.where(mask, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, axis=1))
     # A row with nothing visible yet keeps m = -inf; subtracting 0 instead avoids inf - inf = nan.
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -35,3 +36,19 @@ def attend_tile(q, k, v, mask, m_i, l_i, acc, qk_scale):
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc
+
+
+@triton.jit
+def attend_range(q, q_pos, m_i, l_i, acc, k_cache, v_cache, block_table_row, kv_head, lo, hi, stride_cb,
+                 stride_ch, stride_cs, block_size, offs_d, d_mask, qk_scale, BLOCK_N: tl.constexpr,
+                 CAUSAL: tl.constexpr):
+    """Rows of q (at positions q_pos) attend to context tokens [lo, hi); CAUSAL masks keys past a row's
+    position and the tail past hi, otherwise every key of every tile is visible (no mask work)."""
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < hi
+        k, v = load_kv_tile(k_cache, v_cache, block_table_row, offs_n, n_mask, kv_head, stride_cb, stride_ch,
+                            stride_cs, block_size, offs_d, d_mask)
+        mask = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        m_i, l_i, acc = attend_tile(q, k, v, mask, m_i, l_i, acc, qk_scale, CAUSAL)
+    return m_i, l_i, acc

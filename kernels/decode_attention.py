@@ -7,15 +7,18 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_tile import attend_tile, load_kv_tile
+from kernels.attention_tile import attend_range
 from kernels.kv_store import check_cache_layout
 
-# Split-K sizing (see _partition_size): at least _MIN_PARTITION tokens per split so a split amortises its
-# partial write, and at most about _MAX_PROGRAMS programs so large batches do not launch mostly-idle splits.
-_MIN_PARTITION = 512
+# Split-K sizing (see _partition_size), measured on an H200 at Qwen2.5-1.5B shapes: a program walks its split
+# one tile at a time, latency-bound, so short splits (many programs) win at small batch; _MAX_PROGRAMS keeps a
+# large batch from launching mostly idle splits, and _MAX_SPLITS bounds the reduce kernel's tile.
+_MIN_PARTITION = 256
 _MAX_PROGRAMS = 4096
-_MAX_SPLITS = 64
+_MAX_SPLITS = 128
 _BLOCK_N = 64
+_NUM_WARPS = 4
+_NUM_STAGES = 3
 
 
 def gather_kv_ref(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
@@ -70,13 +73,11 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, pa
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
     start = split * PARTITION
     block_table_row = block_tables + b.to(tl.int64) * stride_bt
-    # Splits past the row's length run no iteration; the reduce kernel never reads their partials.
-    for n0 in range(start, tl.minimum(start + PARTITION, ctx), BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < ctx
-        k, v = load_kv_tile(k_cache, v_cache, block_table_row, offs_n, n_mask, kv_head, stride_cb, stride_ch,
-                            stride_cs, block_size, offs_d, d_mask)
-        m_i, l_i, acc = attend_tile(q, k, v, n_mask[None, :], m_i, l_i, acc, qk_scale)
+    # Splits past the row's length run no iteration; the reduce kernel never reads their partials. The
+    # query is the row's last token (position ctx - 1): the mask only cuts the tile's tail past the split.
+    m_i, l_i, acc = attend_range(q, tl.full([GROUP_PAD], ctx - 1, tl.int32), m_i, l_i, acc, k_cache, v_cache,
+                                 block_table_row, kv_head, start, tl.minimum(start + PARTITION, ctx), stride_cb,
+                                 stride_ch, stride_cs, block_size, offs_d, d_mask, qk_scale, BLOCK_N, True)
     part = (b * num_q_heads + heads).to(tl.int64) * num_splits + split  # [GROUP_PAD] rows of the partials
     tl.store(part_max + part, m_i, mask=g_mask)
     tl.store(part_sum + part, l_i, mask=g_mask)
@@ -133,7 +134,8 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         q, k_cache, v_cache, block_tables, context_lens, part_acc, part_max, part_sum, scale * math.log2(math.e),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         block_size, group, num_q_heads, HEAD_DIM=head_dim, D_PAD=d_pad,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)), PARTITION=partition, BLOCK_N=min(_BLOCK_N, partition))
+        GROUP_PAD=max(16, triton.next_power_of_2(group)), PARTITION=partition, BLOCK_N=min(_BLOCK_N, partition),
+        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES)
     out = torch.empty((batch, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     _decode_reduce_kernel[(batch, num_q_heads)](
         out, context_lens, part_acc, part_max, part_sum, out.stride(0), out.stride(1), num_q_heads, num_splits,

@@ -7,13 +7,16 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_tile import attend_tile, load_kv_tile
+from kernels.attention_tile import attend_range
 from kernels.decode_attention import gather_kv_ref
 from kernels.kv_store import check_cache_layout
 
-# Rows of a program's tile are (query, head of the group) pairs: BLOCK_M // GROUP_PAD queries per program.
-_BLOCK_M = 64
+# Tile shape and launch configuration: the fastest of those tried on an H200 (head_dim 128, bf16; about 150 and
+# 275 TFLOP/s on 2K- and 8K-token prompts). Larger tiles did not help; 4 warps on 128 rows was 30% slower.
+_BLOCK_M = 128
 _BLOCK_N = 64
+_NUM_WARPS = 8
+_NUM_STAGES = 2
 
 
 def _sequence_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -52,10 +55,11 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
 @triton.jit
 def _prefill_kernel(q_ptr, out_ptr, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, qk_scale,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ch, stride_cs, stride_bt,
-                    block_size, group, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP_PAD: tl.constexpr,
+                    block_size, group, queries_per_block, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # Program (query block, sequence, kv head): BLOCK_M // GROUP_PAD queries x the group of query heads that
-    # share this KV head form the BLOCK_M rows, so each K/V tile is read once for the whole group (GQA).
+    # Program (query block, sequence, kv head): the tile's rows are (query, head) pairs of queries_per_block
+    # queries x the group of query heads sharing this KV head, so each K/V tile is read once for the whole
+    # group (GQA) and no row is lost to padding the group to a power of two.
     q_block = tl.program_id(0)
     b = tl.program_id(1)
     kv_head = tl.program_id(2)
@@ -63,11 +67,11 @@ def _prefill_kernel(q_ptr, out_ptr, k_cache, v_cache, block_tables, cu_seqlens_q
     q_len = tl.load(cu_seqlens_q + b + 1) - q_start
     ctx = tl.load(context_lens + b)
     rows = tl.arange(0, BLOCK_M)
-    q_first = q_block * (BLOCK_M // GROUP_PAD)
-    q_idx = q_first + rows // GROUP_PAD
-    heads = kv_head * group + rows % GROUP_PAD
+    q_first = q_block * queries_per_block
+    q_idx = q_first + rows // group
+    heads = kv_head * group + rows % group
     offs_d = tl.arange(0, D_PAD)
-    row_mask = (q_idx < q_len) & (rows % GROUP_PAD < group)
+    row_mask = (q_idx < q_len) & (rows < queries_per_block * group)
     d_mask = offs_d < HEAD_DIM
     tokens = (q_start + q_idx).to(tl.int64)
     q = tl.load(q_ptr + tokens[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
@@ -76,17 +80,17 @@ def _prefill_kernel(q_ptr, out_ptr, k_cache, v_cache, block_tables, cu_seqlens_q
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    # Causal: the block's last real query sees keys up to its own position; blocks past q_len do nothing.
-    q_end = q_first + BLOCK_M // GROUP_PAD
-    kv_end = tl.where(q_first < q_len, tl.minimum(ctx, ctx - q_len + q_end), 0)
+    # Causal: keys before the block's first position are seen by every row (no mask); keys up to its last
+    # real query's position need the mask. A block past q_len does nothing.
+    kv_end = tl.where(q_first < q_len, tl.minimum(ctx, ctx - q_len + q_first + queries_per_block), 0)
+    full_end = tl.maximum(tl.minimum(((ctx - q_len + q_first + 1) // BLOCK_N) * BLOCK_N, kv_end), 0)
     block_table_row = block_tables + b.to(tl.int64) * stride_bt
-    for n0 in range(0, kv_end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < kv_end
-        k, v = load_kv_tile(k_cache, v_cache, block_table_row, offs_n, n_mask, kv_head, stride_cb, stride_ch,
-                            stride_cs, block_size, offs_d, d_mask)
-        mask = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
-        m_i, l_i, acc = attend_tile(q, k, v, mask, m_i, l_i, acc, qk_scale)
+    m_i, l_i, acc = attend_range(q, q_pos, m_i, l_i, acc, k_cache, v_cache, block_table_row, kv_head, 0, full_end,
+                                 stride_cb, stride_ch, stride_cs, block_size, offs_d, d_mask, qk_scale, BLOCK_N,
+                                 False)
+    m_i, l_i, acc = attend_range(q, q_pos, m_i, l_i, acc, k_cache, v_cache, block_table_row, kv_head, full_end,
+                                 kv_end, stride_cb, stride_ch, stride_cs, block_size, offs_d, d_mask, qk_scale,
+                                 BLOCK_N, True)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
@@ -99,16 +103,17 @@ def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
-    group_pad = triton.next_power_of_2(group)
-    if group_pad > _BLOCK_M:
+    if group > _BLOCK_M:
         raise ValueError(f"paged_prefill_attention supports at most {_BLOCK_M} query heads per KV head, got {group}")
+    queries_per_block = _BLOCK_M // group
     out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
-    grid = (triton.cdiv(max_seqlen_q, _BLOCK_M // group_pad), context_lens.shape[0], num_kv_heads)
+    grid = (triton.cdiv(max_seqlen_q, queries_per_block), context_lens.shape[0], num_kv_heads)
     _prefill_kernel[grid](
         q, out, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale * math.log2(math.e),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
-        k_cache.stride(2), block_tables.stride(0), block_size, group, HEAD_DIM=head_dim,
-        D_PAD=max(16, triton.next_power_of_2(head_dim)), GROUP_PAD=group_pad, BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N)
+        k_cache.stride(2), block_tables.stride(0), block_size, group, queries_per_block, HEAD_DIM=head_dim,
+        D_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N,
+        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES)
     return out
 
 

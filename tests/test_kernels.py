@@ -137,9 +137,9 @@ def prefill_batch(lens: list[int], qlens: list[int], hq: int, d: int) -> tuple[t
 @pytest.mark.parametrize("hq,hkv,d", GQA_SHAPES)
 def test_prefill_triton_matches_reference_with_cached_prefix(hq, hkv, d):
     # Context lengths on and off block boundaries; new tokens after a cached prefix, a whole prompt, a
-    # decode row (one query), and one longer than a query block.
-    lens, qlens = [37, 16, 20, 90], [5, 16, 1, 70]
-    k_cache, v_cache, tables = paged_cache(lens, hkv, d, width=7)
+    # decode row (one query), and a prefix longer than a key tile (unmasked tiles) under several query blocks.
+    lens, qlens = [37, 16, 20, 150], [5, 16, 1, 70]
+    k_cache, v_cache, tables = paged_cache(lens, hkv, d, width=10)
     q, cu, ctx = prefill_batch(lens, qlens, hq, d)
     out = paged_prefill_attention_triton(q, k_cache, v_cache, tables, cu, ctx, 0.125, max(qlens))
     ref = paged_prefill_attention_ref(q, k_cache, v_cache, tables, cu, ctx, 0.125, max(qlens))
