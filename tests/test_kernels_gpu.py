@@ -1,0 +1,129 @@
+"""Triton kernels on the GPU in bfloat16 at Qwen2.5-1.5B shapes, against the float32 torch references."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.activation import silu_and_mul, silu_and_mul_ref
+from kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
+from kernels.kv_store import make_cos_sin, rope_store_kv, rope_store_kv_ref, store_kv, store_kv_ref
+from kernels.norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
+from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
+
+pytestmark = pytest.mark.gpu
+
+HIDDEN, HQ, HKV, D, INTER, BLOCK = 1536, 12, 2, 128, 8960, 16
+BF16 = torch.bfloat16
+
+
+def assert_close_rel(out: torch.Tensor, ref: torch.Tensor, tol: float = 1e-2) -> None:
+    err = ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)).item()
+    assert err <= tol, f"relative error {err:.2e} > {tol}"
+
+
+def fp32(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    return [t.float() for t in tensors]
+
+
+def qkv_views(num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    qkv = torch.randn(num_tokens, (HQ + 2 * HKV) * D, device="cuda", dtype=BF16)
+    q, k, v = qkv.split([HQ * D, HKV * D, HKV * D], dim=-1)
+    return q.view(num_tokens, HQ, D), k.view(num_tokens, HKV, D), v.view(num_tokens, HKV, D)
+
+
+def paged_cache(lens: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    needed = [(n + BLOCK - 1) // BLOCK for n in lens]
+    num_blocks = sum(needed) + 1
+    ids = torch.randperm(num_blocks, device="cuda").int()
+    tables = torch.zeros((len(lens), width), dtype=torch.int32, device="cuda")
+    start = 0
+    for b, n in enumerate(needed):
+        tables[b, :n] = ids[start:start + n]
+        start += n
+    k_cache = torch.randn(num_blocks, HKV, BLOCK, D, device="cuda", dtype=BF16)
+    return k_cache, torch.randn_like(k_cache), tables
+
+
+def test_rms_norm_and_add_rms_norm_bf16():
+    x, res = torch.randn(2, 300, HIDDEN, device="cuda", dtype=BF16)
+    w = torch.rand(HIDDEN, device="cuda", dtype=BF16) + 0.5
+    assert_close_rel(rms_norm(x, w, 1e-6), rms_norm_ref(*fp32(x, w), 1e-6))
+    out, new_res = add_rms_norm(x, res, w, 1e-6)
+    ref_out, ref_res = add_rms_norm_ref(*fp32(x, res, w), 1e-6)
+    assert_close_rel(out, ref_out)
+    assert_close_rel(new_res, ref_res)
+
+
+def test_silu_and_mul_bf16():
+    x = torch.randn(300, 2 * INTER, device="cuda", dtype=BF16)
+    assert_close_rel(silu_and_mul(x), silu_and_mul_ref(x.float()))
+
+
+def test_rope_store_kv_and_store_kv_bf16_from_fused_qkv():
+    q, k, v = qkv_views(257)
+    pos = torch.randint(0, 32768, (257,), device="cuda")
+    slots = torch.randperm(64 * BLOCK, device="cuda")[:257]
+    slots[::7] = -1
+    cos_sin = make_cos_sin(32768, D, 1e6, "cuda")
+    k_cache, v_cache = (torch.zeros(64, HKV, BLOCK, D, device="cuda", dtype=BF16) for _ in range(2))
+    ref_k, ref_v = torch.zeros_like(k_cache, dtype=torch.float32), torch.zeros_like(v_cache, dtype=torch.float32)
+    q_rot = rope_store_kv(q, k, v, pos, cos_sin, k_cache, v_cache, slots)
+    ref_q = rope_store_kv_ref(*fp32(q, k, v), pos, cos_sin, ref_k, ref_v, slots)
+    assert_close_rel(q_rot, ref_q)
+    assert_close_rel(k_cache, ref_k)
+    assert_close_rel(v_cache, ref_v)
+    store_kv(k, v, k_cache, v_cache, slots)
+    store_kv_ref(*fp32(k, v), ref_k, ref_v, slots)
+    assert torch.equal(k_cache.float(), ref_k) and torch.equal(v_cache.float(), ref_v)
+
+
+def test_decode_attention_bf16_long_contexts():
+    lens = [32768, 0, 1, 16, 1000, 17, 20000, 4095]
+    k_cache, v_cache, tables = paged_cache(lens, width=32768 // BLOCK)
+    q = qkv_views(len(lens))[0]
+    ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    out = paged_decode_attention(q, k_cache, v_cache, tables, ctx, D ** -0.5)
+    ref = paged_decode_attention_ref(*fp32(q, k_cache, v_cache), tables, ctx, D ** -0.5)
+    assert_close_rel(out, ref)
+    assert out[1].abs().max() == 0
+
+
+def test_decode_attention_replays_in_a_cuda_graph_with_new_lengths():
+    k_cache, v_cache, tables = paged_cache([4096] * 4, width=4096 // BLOCK)
+    q = torch.randn(4, HQ, D, device="cuda", dtype=BF16)
+    ctx = torch.tensor([4096, 1, 100, 0], dtype=torch.int32, device="cuda")
+    paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.1)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.1)
+    ctx.copy_(torch.tensor([7, 3000, 0, 4096], dtype=torch.int32))
+    graph.replay()
+    assert_close_rel(out, paged_decode_attention_ref(*fp32(q, k_cache, v_cache), tables, ctx, 0.1))
+
+
+def test_prefill_attention_bf16_with_cached_prefixes():
+    lens, qlens = [1000, 4096, 17, 2500, 300], [1000, 512, 17, 1, 45]
+    k_cache, v_cache, tables = paged_cache(lens, width=4096 // BLOCK)
+    q = qkv_views(sum(qlens))[0]
+    cu = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    out = paged_prefill_attention(q, k_cache, v_cache, tables, cu, ctx, D ** -0.5, max(qlens))
+    ref = paged_prefill_attention_ref(*fp32(q, k_cache, v_cache), tables, cu, ctx, D ** -0.5, max(qlens))
+    assert_close_rel(out, ref)
+
+
+def test_kernels_address_a_cache_larger_than_int32_offsets():
+    num_blocks = 2 ** 31 // (HKV * BLOCK * D) + 8  # element offsets of the last blocks exceed 2^31
+    k_cache, v_cache = (torch.zeros(num_blocks, HKV, BLOCK, D, device="cuda", dtype=BF16) for _ in range(2))
+    _, k, v = qkv_views(BLOCK)
+    last = num_blocks - 1
+    store_kv(k, v, k_cache, v_cache, torch.arange(BLOCK, device="cuda") + last * BLOCK)
+    assert torch.equal(k_cache[last], k.transpose(0, 1)) and torch.equal(v_cache[last], v.transpose(0, 1))
+    q = torch.randn(1, HQ, D, device="cuda", dtype=BF16)
+    tables = torch.tensor([[last]], dtype=torch.int32, device="cuda")
+    ctx = torch.tensor([BLOCK], dtype=torch.int32, device="cuda")
+    out = paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.1)
+    ref = paged_decode_attention_ref(*fp32(q, k_cache[last:], v_cache[last:]), tables - last, ctx, 0.1)
+    assert_close_rel(out, ref)
+    cu = torch.tensor([0, 1], dtype=torch.int32, device="cuda")
+    assert_close_rel(paged_prefill_attention(q, k_cache, v_cache, tables, cu, ctx, 0.1, 1), ref)
