@@ -16,13 +16,14 @@ from worker.model_runner import ModelRunner
 pytestmark = pytest.mark.gpu
 
 
-def _generate(config: EngineConfig, prompts: list[list[int]], steps: int, params=None) -> dict[int, list[int]]:
+def _generate(config: EngineConfig, prompts: list[list[int]], steps: int, params=None,
+              overlap: bool = False) -> dict[int, list[int]]:
     runner = ModelRunner(config, rank=0, tp_size=1)
     assert (runner.graphs is None) == config.enforce_eager
     sched = MiniScheduler(runner, chunk=config.max_num_batched_tokens)
     for row, prompt in enumerate(prompts):
         sched.add(row, prompt, params(row) if params else None)
-    out = sched.generate(steps)
+    out = sched.generate(steps, overlap=overlap)
     del sched, runner
     gc.collect()
     torch.cuda.empty_cache()
@@ -30,7 +31,8 @@ def _generate(config: EngineConfig, prompts: list[list[int]], steps: int, params
 
 
 def _graphs_vs_eager(config_kw: dict, prompts, steps: int, params=None) -> None:
-    graphs = _generate(EngineConfig(**config_kw, enforce_eager=False), prompts, steps, params)
+    """Graphs with step N+1 launched before step N is collected, against plain eager steps."""
+    graphs = _generate(EngineConfig(**config_kw, enforce_eager=False), prompts, steps, params, overlap=True)
     eager = _generate(EngineConfig(**config_kw, enforce_eager=True), prompts, steps, params)
     assert graphs == eager
 

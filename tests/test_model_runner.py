@@ -29,7 +29,7 @@ class MiniScheduler:
             generated: list[int] = ()) -> None:
         tokens = list(prompt) + list(generated)
         blocks = self._blocks(len(tokens))
-        self.rows[row] = {"tokens": tokens, "sent": len(tokens), "computed": 0, "blocks": blocks, "out": []}
+        self.rows[row] = {"sent": len(tokens), "known": len(tokens), "computed": 0, "blocks": blocks, "out": []}
         self.pending_new.append(NewRow(row, i32(tokens), len(prompt), 0, i32(blocks),
                                        (params or SamplingParams(temperature=0.0)).to_dict()))
 
@@ -42,10 +42,11 @@ class MiniScheduler:
         self.next_block += n
         return list(range(self.next_block - n, self.next_block))
 
-    def run_step(self, logprobs: bool = False):
+    def plan(self) -> tuple[StepPlan, list[bool]]:
+        """The next step, counted as done; which of its rows sample (their tokens come with the result)."""
         decode = [r for r, s in self.rows.items() if s["computed"] >= s["sent"]]
         prefill = [r for r, s in self.rows.items() if s["computed"] < s["sent"]]
-        rows, counts, appends = [], [], []
+        rows, counts, appends, samples = [], [], [], []
         for r in decode + prefill:
             s = self.rows[r]
             n = 1 if r in decode else min(self.chunk, s["sent"] - s["computed"])
@@ -53,25 +54,43 @@ class MiniScheduler:
             if extra:
                 s["blocks"] += extra
                 appends.append((r, i32(extra)))
+            s["computed"] += n
+            samples.append(s["computed"] == s["known"])
+            s["known"] += samples[-1]
             rows.append(r)
             counts.append(n)
         self.step += 1
         plan = StepPlan(self.step, i32(rows), i32(counts), self.pending_new, appends, i32(self.pending_free))
         self.pending_new, self.pending_free = [], []
-        result = self.runner.execute(plan)
-        for r, n, tok in zip(rows, counts, result.token_ids.tolist()):
-            s = self.rows[r]
-            s["computed"] += n
-            if s["computed"] == len(s["tokens"]):
-                s["tokens"].append(tok)
-                s["out"].append(tok)
+        return plan, samples
+
+    def take(self, plan: StepPlan, samples: list[bool], result) -> None:
+        for r, sampled, tok in zip(plan.rows.tolist(), samples, result.token_ids.tolist()):
+            if sampled:
+                self.rows[r]["out"].append(tok)
             else:
                 assert tok == -1
+
+    def run_step(self):
+        plan, samples = self.plan()
+        result = self.runner.execute(plan)
+        self.take(plan, samples, result)
         return result
 
-    def generate(self, num_tokens: int) -> dict[int, list[int]]:
-        while any(len(s["out"]) < num_tokens for s in self.rows.values()):
-            self.run_step()
+    def generate(self, num_tokens: int, overlap: bool = False) -> dict[int, list[int]]:
+        """With overlap, step N+1 is launched before step N is collected, as a pipelining worker does."""
+        pending = None
+        while any(s["known"] - s["sent"] < num_tokens for s in self.rows.values()):
+            if not overlap:
+                self.run_step()
+                continue
+            plan, samples = self.plan()
+            launched = self.runner.launch(plan)
+            if pending is not None:
+                self.take(pending[0], pending[1], self.runner.collect(pending[2]))
+            pending = (plan, samples, launched)
+        if pending is not None:
+            self.take(pending[0], pending[1], self.runner.collect(pending[2]))
         return {r: s["out"][:num_tokens] for r, s in self.rows.items()}
 
 
@@ -145,6 +164,17 @@ def test_row_resumed_after_preemption_continues_the_same_tokens(runner, hf_greed
     assert sched.generate(5)[0] == want[3:]
 
 
+def test_launching_the_next_step_before_collecting_gives_the_same_tokens(tiny_ckpt):
+    prompts = {0: _prompt(12, seed=12), 1: _prompt(20, seed=13)}
+    outs = []
+    for overlap in (False, True):
+        sched = MiniScheduler(_runner(tiny_ckpt), chunk=8)
+        for row, prompt in prompts.items():
+            sched.add(row, prompt, SamplingParams(temperature=0.9, seed=row, presence_penalty=0.5))
+        outs.append(sched.generate(6, overlap=overlap))
+    assert outs[0] == outs[1]
+
+
 def test_seeded_row_samples_the_same_alone_or_beside_others(tiny_ckpt):
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, repetition_penalty=1.2)
     alone = MiniScheduler(_runner(tiny_ckpt))
@@ -173,7 +203,7 @@ def test_plan_beyond_known_tokens_is_rejected(runner):
     sched = _fresh(runner)
     sched.add(3, _prompt(4, seed=10))
     plan = StepPlan(sched.step + 1, i32([3]), i32([5]), sched.pending_new, [], i32(sched.pending_free))
-    with pytest.raises(ValueError, match="knows only 4"):
+    with pytest.raises(ValueError, match="do not fit the mirror"):
         runner.execute(plan)
 
 

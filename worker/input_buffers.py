@@ -7,6 +7,7 @@ captured for size b reads the same addresses on every replay.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,27 +30,26 @@ _FIELDS = (
     ("delta_val", np.int32, "D"),
 )
 _TORCH = {np.int64: torch.int64, np.int32: torch.int32}
+_DECODE_READS = ("rows", "positions", "slot_mapping", "context_lens", "sample_pos")
 
 
-def _layout(sizes: dict[str, int]) -> tuple[dict[str, tuple[int, int, type]], int]:
-    """Byte offset, element count and dtype of every field; each field starts 8-byte aligned."""
+@functools.lru_cache(maxsize=4096)
+def _layout(tokens: int, seqs: int, samples: int, deltas: int) -> tuple[dict[str, tuple[int, int, type]], int]:
+    """Byte offset, byte length and dtype of every field, and the end; each field starts 8-byte aligned."""
+    sizes = {"T": tokens, "B": seqs, "B1": seqs + 1, "S": samples, "D": deltas}
     out, offset = {}, 0
     for name, dtype, key in _FIELDS:
-        count = sizes[key]
-        out[name] = (offset, count, dtype)
-        offset += -(-count * np.dtype(dtype).itemsize // 8) * 8
+        nbytes = sizes[key] * np.dtype(dtype).itemsize
+        out[name] = (offset, nbytes, dtype)
+        offset += -(-nbytes // 8) * 8
     return out, offset
-
-
-def _sizes(tokens: int, seqs: int, samples: int, deltas: int) -> dict[str, int]:
-    return {"T": tokens, "B": seqs, "B1": seqs + 1, "S": samples, "D": deltas}
 
 
 class StepBuffers:
     """Two pinned host staging buffers (alternating, so one may be in flight) and one device buffer."""
 
     def __init__(self, max_tokens: int, max_seqs: int, max_deltas: int, device: torch.device) -> None:
-        _, capacity = _layout(_sizes(max_tokens, max_seqs, max_seqs, max_deltas))
+        _, capacity = _layout(max_tokens, max_seqs, max_seqs, max_deltas)
         pin = device.type == "cuda"
         self._host = [torch.zeros(capacity, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
         self._host_np = [h.numpy() for h in self._host]
@@ -57,18 +57,24 @@ class StepBuffers:
         self._turn = 0
         self._layout: dict = {}
         self._end = 0
+        self._host_views: dict[tuple, dict[str, np.ndarray]] = {}
 
     def stage(self, tokens: int, seqs: int, samples: int, deltas: int) -> dict[str, np.ndarray]:
         """Numpy views of the next host buffer under this step's layout, to fill."""
-        layout, end = _layout(_sizes(tokens, seqs, samples, deltas))
+        layout, end = _layout(tokens, seqs, samples, deltas)
         if end > self.device_buf.numel():
             raise ValueError(f"a step of {tokens} tokens over {seqs} rows is over the worker's buffers: the "
                              f"scheduler must keep within max_num_batched_tokens and max_num_seqs")
         self._turn ^= 1
         self._layout, self._end = layout, end
-        buf = self._host_np[self._turn]
-        return {name: buf[off:off + count * np.dtype(dt).itemsize].view(dt)
-                for name, (off, count, dt) in self._layout.items()}
+        key = (self._turn, tokens, seqs, samples, deltas)
+        views = self._host_views.get(key)
+        if views is None:  # a step shape seen before (every decode step of a batch size) costs nothing here
+            if len(self._host_views) > 4096:
+                self._host_views.clear()
+            buf = self._host_np[self._turn]
+            views = self._host_views[key] = {name: buf[off:off + n].view(dt) for name, (off, n, dt) in layout.items()}
+        return views
 
     def upload(self) -> None:
         """The one host->device copy of the step (asynchronous from pinned memory)."""
@@ -76,42 +82,45 @@ class StepBuffers:
 
     def write(self, step: HostStep, size: int, host_ids: np.ndarray, deltas: tuple[np.ndarray, np.ndarray],
               dummy_row: int) -> None:
-        """Stage and upload a step; a decode step is padded to `size` lanes that write nothing."""
+        """Stage and upload a step; a decode step is padded to `size` lanes that store and attend nothing.
+
+        A decode step leaves input_ids, sample_idx and sample_rows unwritten: its reads are _DECODE_READS.
+        """
         b, t, pad = len(step.rows), len(step.positions), size - len(step.rows)
-        sampled = np.flatnonzero(step.samples)
-        v = self.stage(t + pad, size, len(sampled) + pad, len(deltas[0]))
+        sampled = slice(None) if step.is_decode else np.flatnonzero(step.samples)
+        v = self.stage(t + pad, size, (b if step.is_decode else len(sampled)) + pad, len(deltas[0]))
         _put(v["rows"], step.rows, dummy_row)
         _put(v["positions"], step.positions, 0)
         _put(v["slot_mapping"], step.slot_mapping, -1)
         _put(v["context_lens"], step.context_lens, 0)
-        _put(v["cu_seqlens_q"], step.cu_seqlens_q, 0)
-        v["cu_seqlens_q"][b + 1:] = np.arange(t + 1, t + pad + 1)
-        v["input_ids"][step.num_device_tokens:t] = host_ids
-        _put(v["sample_idx"], step.cu_seqlens_q[1:][sampled] - 1, 0)
-        _put(v["sample_rows"], step.rows[sampled], dummy_row)
         _put(v["sample_pos"], step.sample_pos[sampled], 0)
-        v["delta_idx"][:] = deltas[0]
-        v["delta_val"][:] = deltas[1]
+        if not step.is_decode:
+            v["cu_seqlens_q"][:] = step.cu_seqlens_q
+            v["input_ids"][step.num_device_tokens:] = host_ids
+            v["sample_idx"][:] = step.cu_seqlens_q[1:][sampled] - 1
+            v["sample_rows"][:] = step.rows[sampled]
+        if len(deltas[0]):
+            v["delta_idx"][:] = deltas[0]
+            v["delta_val"][:] = deltas[1]
         self.upload()
 
     def view(self, name: str) -> torch.Tensor:
         """Device view of one field under the staged layout."""
-        off, count, dt = self._layout[name]
-        return self._device_view(off, count, dt)
+        return self._device_view(*self._layout[name])
 
     def decode_views(self, size: int) -> dict[str, torch.Tensor]:
         """The static device views a decode graph of batch `size` reads (the same for every step of it)."""
-        layout, _ = _layout(_sizes(size, size, size, 0))
-        return {name: self._device_view(*layout[name]) for name in ("rows", "positions", "slot_mapping",
-                                                                   "context_lens", "sample_pos")}
+        layout, _ = _layout(size, size, size, 0)
+        return {name: self._device_view(*layout[name]) for name in _DECODE_READS}
 
-    def _device_view(self, off: int, count: int, dt: type) -> torch.Tensor:
-        return self.device_buf[off:off + count * np.dtype(dt).itemsize].view(_TORCH[dt])
+    def _device_view(self, off: int, nbytes: int, dt: type) -> torch.Tensor:
+        return self.device_buf[off:off + nbytes].view(_TORCH[dt])
 
 
 def _put(dst: np.ndarray, values: np.ndarray, pad_value: int) -> None:
     dst[:len(values)] = values
-    dst[len(values):] = pad_value
+    if len(values) < len(dst):
+        dst[len(values):] = pad_value
 
 
 @dataclass(slots=True)
@@ -147,8 +156,10 @@ class RowMirror:
         self.computed = np.zeros(max_rows, np.int64)
         self.total = np.zeros(max_rows, np.int64)  # known tokens, sampled ones included
         self.num_blocks = np.zeros(max_rows, np.int64)
-        self.block_table = np.zeros((max_rows, max_blocks_per_seq), np.int32)
+        self.block_table = np.zeros((max_rows, max_blocks_per_seq), np.int64)
         self.active = np.zeros(max_rows, bool)
+        self._mark = np.zeros(max_rows, np.int64)  # scratch of the duplicate-row check
+        self._arange = np.arange(max_rows + 1, dtype=np.int64)
         self._deltas: list[tuple[np.ndarray, np.ndarray]] = []  # for the device copy of the block table
 
     def add(self, new: NewRow) -> None:
@@ -184,6 +195,7 @@ class RowMirror:
             self._check_row(row, "free row")
             self.active[row] = False
             self.tokens[row] = None
+            self.computed[row] = self.total[row] = self.num_host[row] = 0
 
     def take_deltas(self) -> tuple[np.ndarray, np.ndarray]:
         """Block-table entries changed since the last call: flat indices into [max_rows, M] and values."""
@@ -200,47 +212,49 @@ class RowMirror:
     # ---- one step -----------------------------------------------------------------------------------
 
     def plan(self, plan: StepPlan) -> HostStep:
-        """Positions, slots and lengths of the plan's tokens, checked against the mirror."""
-        rows = np.asarray(plan.rows, np.int64)
-        n = np.asarray(plan.num_tokens, np.int64)
-        self._check_plan(rows, n)
-        start = self.computed[rows]
-        cu = np.zeros(len(rows) + 1, np.int64)
-        np.cumsum(n, out=cu[1:])
-        if cu[-1] == len(rows):  # all single tokens: the common decode step, without np.repeat
-            tok_rows, positions = rows, start
+        """Positions, slots and lengths of the plan's tokens, checked against the mirror (numpy, no loops).
+
+        Checks use np.count_nonzero: on arrays this small it costs a third of .any() or .min().
+        """
+        rows = plan.rows.astype(np.int64)
+        n = plan.num_tokens.astype(np.int64)
+        start, total = self._gather_checked(rows, n)
+        ctx = start + n
+        b = len(rows)
+        nd = np.count_nonzero(start >= self.num_host[rows])
+        if not np.count_nonzero(n != 1):  # single tokens only (every decode step): no repeat, no cumsum
+            tok_rows, positions, cu = rows, start, self._arange[:b + 1]
         else:
+            cu = np.zeros(b + 1, np.int64)
+            np.cumsum(n, out=cu[1:])
             tok_rows = np.repeat(rows, n)
             positions = np.arange(cu[-1]) - np.repeat(cu[:-1] - start, n)
-        block_idx = positions // self.block_size
-        if (block_idx >= self.num_blocks[tok_rows]).any():
-            bad = int(np.flatnonzero(block_idx >= self.num_blocks[tok_rows])[0])
-            raise ValueError(f"row {tok_rows[bad]} has no block for position {positions[bad]} "
-                             f"({self.num_blocks[tok_rows[bad]]} blocks): append its blocks first")
-        slots = self.block_table[tok_rows, block_idx].astype(np.int64) * self.block_size \
-            + positions % self.block_size
-        ctx = start + n
-        on_device = start >= self.num_host[rows]
-        return HostStep(rows, n, positions, slots, ctx, cu, ctx == self.total[rows], self.total[rows],
-                        int(on_device.sum()))
-
-    def _check_plan(self, rows: np.ndarray, n: np.ndarray) -> None:
-        if rows.shape != n.shape or len(rows) == 0:
-            raise ValueError(f"StepPlan has {len(rows)} rows and {len(n)} token counts: they must match, >= 1")
-        if (rows < 0).any() or (rows >= self.max_rows).any() or not self.active[rows].all():
-            raise ValueError(f"StepPlan schedules rows {rows.tolist()}, not all of them active in the mirror")
-        if len(np.unique(rows)) != len(rows) or (n < 1).any():
-            raise ValueError(f"StepPlan rows {rows.tolist()} / num_tokens {n.tolist()}: rows must be unique, "
-                             f"each with at least one token")
-        over = self.computed[rows] + n > self.total[rows]
-        if over.any():
-            row = int(rows[over][0])
-            raise ValueError(f"StepPlan asks row {row} for {int(n[over][0])} tokens from {self.computed[row]}, "
-                             f"but the row knows only {self.total[row]}")
-        on_device = self.computed[rows] >= self.num_host[rows]
-        nd = int(on_device.sum())
-        if on_device[nd:].any() or (n[:nd] != 1).any():
+        if nd < b and (np.count_nonzero(start[nd:] >= self.num_host[rows[nd:]]) or np.count_nonzero(n[:nd] != 1)):
             raise ValueError("StepPlan must list decode rows (one token, past the row's known tokens) first")
+        short = ctx > self.num_blocks[rows] * self.block_size
+        if np.count_nonzero(short):
+            row = int(rows[np.argmax(short)])
+            raise ValueError(f"row {row} has {self.num_blocks[row]} blocks, too few for its tokens after this "
+                             f"step: append its blocks first")
+        slots = self.block_table[tok_rows, positions // self.block_size] * self.block_size \
+            + positions % self.block_size
+        return HostStep(rows, n, positions, slots, ctx, cu, ctx == total, total, int(nd))
+
+    def _gather_checked(self, rows: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """computed and total of the plan's rows; every row active, listed once, asked for known tokens."""
+        b = len(rows)
+        # Viewed unsigned, a negative row is huge: one comparison checks both ends.
+        if b == 0 or n.shape != rows.shape or np.count_nonzero(rows.view(np.uint64) >= self.max_rows):
+            raise ValueError(f"StepPlan rows {rows.tolist()} with num_tokens {n.tolist()}: give one count per "
+                             f"row, rows in [0, {self.max_rows})")
+        start, total = self.computed[rows], self.total[rows]
+        self._mark[rows] = self._arange[:b]  # a row listed twice keeps only its last index here
+        # An inactive row has total 0, so asking it for any token fails the known-tokens check too.
+        if np.count_nonzero((n < 1) | (start + n > total) | (self._mark[rows] != self._arange[:b])):
+            raise ValueError(f"StepPlan rows {rows.tolist()} / num_tokens {n.tolist()} do not fit the mirror "
+                             f"(computed {start.tolist()}, known {total.tolist()}): rows must be active, "
+                             f"unique, and ask for at least one and at most their known tokens")
+        return start, total
 
     def host_input_ids(self, step: HostStep) -> np.ndarray:
         """Token ids of the rows after the decode prefix, which the host holds (prompt chunks)."""

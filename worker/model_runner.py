@@ -7,6 +7,7 @@ chunk runs eagerly.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -75,7 +76,10 @@ class ModelRunner:
             self.decode_cu = torch.arange(max(sizes + [self.max_rows]) + 1, dtype=torch.int32, device=self.device)
             self.buffers = StepBuffers(max(sizes + [config.max_num_batched_tokens]), max(sizes + [self.max_rows]),
                                        self.max_rows * max_blocks, self.device)
-            self._host_tokens = torch.zeros(self.max_rows, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+            pin = self.device.type == "cuda"
+            self._host_tokens = [torch.zeros(self.max_rows, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+            self._done_events = [torch.cuda.Event() for _ in range(2)] if pin else []
+            self._out_turn = 0
             self.num_kv_blocks = self._num_kv_blocks()
             self.kv_caches = self._allocate_kv_cache(self.num_kv_blocks)
             self.graphs = DecodeGraphs(sizes, self.buffers, self._decode_forward, self.dummy_row) if sizes else None
@@ -156,9 +160,17 @@ class ModelRunner:
 
     # ---- one step -----------------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
-        """Apply the plan's deltas, run the step, sample; returns the tokens of plan.rows (-1: mid-prompt)."""
+        """Run one step and wait for its tokens: collect(launch(plan))."""
+        return self.collect(self.launch(plan))
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> Launched:
+        """Apply the plan's deltas and queue the step's work; nothing here waits for the device.
+
+        The host never needs the sampled values, so step N+1 may be launched before step N is collected
+        (at most one step may stay uncollected: the staging and output buffers alternate between two).
+        """
         if plan.step != self.step + 1:
             raise ValueError(f"StepPlan step {plan.step} after step {self.step}: plans must come one by one")
         self.step = plan.step
@@ -177,11 +189,38 @@ class ModelRunner:
         out = self._run_decode(step, size) if step.is_decode else self._run_mixed(step)
         if events is not None:
             events[1].record()
-        result = self._result(plan, step, out)
+        launched = self._copy_out(plan.step, step.samples, out)
         self.mirror.finish(step)
         if plan.trace:
-            result.timings = _timings(start_ns, events, step.is_decode)
+            launched.trace = (start_ns, time.perf_counter_ns(), events, step.is_decode)
+        return launched
+
+    def collect(self, launched: Launched) -> StepResult:
+        """Wait for a launched step's tokens; they are aligned with plan.rows (-1: a row still mid-prompt)."""
+        if launched.done is not None:
+            launched.done.synchronize()
+        token_ids = np.full(len(launched.samples), -1, np.int32)
+        if launched.tokens is not None:
+            token_ids[launched.samples] = launched.tokens.numpy()
+        result = StepResult(launched.step, token_ids, _logprobs(launched.logprobs, launched.samples))
+        if launched.trace is not None:
+            result.timings = _timings(*launched.trace)
         return result
+
+    def _copy_out(self, step_no: int, samples: np.ndarray, out: SamplerOutput | None) -> Launched:
+        """Queue the device->host copies of the sampled tokens (and logprobs) behind the step's work."""
+        self._out_turn ^= 1
+        launched = Launched(step_no, samples)
+        if out is not None:
+            launched.tokens = self._host_tokens[self._out_turn][:out.token_ids.shape[0]]
+            launched.tokens.copy_(out.token_ids, non_blocking=True)
+            if out.logprobs is not None:  # rare: fresh host tensors are fine here
+                launched.logprobs = tuple(None if t is None else t.to("cpu", non_blocking=True)
+                                          for t in (out.logprobs, out.top_ids, out.top_logprobs))
+        if self.device.type == "cuda":
+            launched.done = self._done_events[self._out_turn]
+            launched.done.record()
+        return launched
 
     def _start_gpu_timer(self) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
         if self.device.type != "cuda":
@@ -253,22 +292,22 @@ class ModelRunner:
         self.last_token.index_copy_(0, sample_rows, out.token_ids)
         return out
 
-    def _result(self, plan: StepPlan, step: HostStep, out: SamplerOutput | None) -> StepResult:
-        token_ids = np.full(len(step.rows), -1, np.int32)
-        if out is None:
-            return StepResult(plan.step, token_ids)
-        n = out.token_ids.shape[0]
-        host = self._host_tokens[:n]
-        host.copy_(out.token_ids, non_blocking=True)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()
-        token_ids[step.samples] = host.numpy()
-        return StepResult(plan.step, token_ids, _logprobs(out, step.samples))
+
+@dataclass(slots=True)
+class Launched:
+    """A step queued on the device; ModelRunner.collect turns it into its StepResult."""
+
+    step: int
+    samples: np.ndarray  # [B] bool: rows whose token is real
+    tokens: torch.Tensor | None = None  # pinned host [S] int64, filled by an asynchronous copy
+    logprobs: tuple | None = None  # host (sampled [S], top ids [S, k] | None, top logprobs | None)
+    done: torch.cuda.Event | None = None  # recorded after the copies (CUDA only)
+    trace: tuple | None = None  # (start_ns, launched_ns, GPU events, is decode) when the plan asks for timings
 
 
-def _timings(start_ns: int, events: tuple | None, decode: bool) -> dict:
-    """Host span of the step; with CUDA events, the GPU's time and when the host saw it finish."""
-    timings = {"start_ns": start_ns, "end_ns": time.perf_counter_ns(), "decode": bool(decode)}
+def _timings(start_ns: int, launched_ns: int, events: tuple | None, decode: bool) -> dict:
+    """The host's launch span; with CUDA events, the GPU's time and when the host saw it finish."""
+    timings = {"start_ns": start_ns, "end_ns": launched_ns, "decode": bool(decode)}
     if events is not None:
         events[1].synchronize()
         timings["synced_ns"] = time.perf_counter_ns()
@@ -276,16 +315,17 @@ def _timings(start_ns: int, events: tuple | None, decode: bool) -> dict:
     return timings
 
 
-def _logprobs(out: SamplerOutput, samples: np.ndarray) -> dict | None:
+def _logprobs(host: tuple | None, samples: np.ndarray) -> dict | None:
     """StepResult.logprobs aligned with plan.rows (rows without a sample get 0 and id -1)."""
-    if out.logprobs is None:
+    if host is None:
         return None
-    k = 0 if out.top_ids is None else out.top_ids.shape[1]
+    logprobs, ids, top = host
+    k = 0 if ids is None else ids.shape[1]
     sampled = np.zeros(len(samples), np.float32)
     top_ids = np.full((len(samples), k), -1, np.int32)
     top_lps = np.zeros((len(samples), k), np.float32)
-    sampled[samples] = out.logprobs.float().cpu().numpy()
+    sampled[samples] = logprobs.numpy()
     if k:
-        top_ids[samples] = out.top_ids.cpu().numpy()
-        top_lps[samples] = out.top_logprobs.float().cpu().numpy()
+        top_ids[samples] = ids.numpy()
+        top_lps[samples] = top.numpy()
     return {"sampled": sampled, "top_ids": top_ids.reshape(-1), "top_logprobs": top_lps.reshape(-1), "k": k}

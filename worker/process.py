@@ -64,22 +64,41 @@ def _build_runner(config: EngineConfig, addresses: Addresses, rank: int):
 
 
 def _serve(runner, plans: zmq.Socket, results: zmq.Socket, rank: int, tracer: Tracer) -> None:
+    """Launch each plan; when the next plan is already waiting, launch it before collecting this one.
+
+    A scheduler that sends plan N+1 before it has result N thus keeps the GPU busy while the host
+    prepares; a synchronous one finds no plan waiting and each step is collected at once.
+    """
+    pending = None
     while True:
-        msg = decode(plans.recv())
+        try:
+            frame = plans.recv(zmq.NOBLOCK if pending is not None else 0)
+        except zmq.Again:
+            _finish(runner, pending, results, rank, tracer)
+            pending = None
+            continue
+        msg = decode(frame)
         if isinstance(msg, Shutdown):
             return
         if not isinstance(msg, StepPlan):
             raise ValueError(f"worker received a {type(msg).__name__}: only StepPlan and Shutdown are expected")
-        result = runner.execute(msg)
-        if msg.trace:
-            _trace(tracer, result)
-        if rank == 0:
-            results.send(encode(result), copy=False)
+        launched = runner.launch(msg)
+        if pending is not None:
+            _finish(runner, pending, results, rank, tracer)
+        pending = launched
+
+
+def _finish(runner, launched, results: zmq.Socket, rank: int, tracer: Tracer) -> None:
+    result = runner.collect(launched)
+    if result.timings:
+        _trace(tracer, result)
+    if rank == 0:
+        results.send(encode(result), copy=False)
 
 
 def _trace(tracer: Tracer, result: StepResult) -> None:
     t = result.timings
-    tracer.add("worker.execute", t["start_ns"], t["end_ns"] - t["start_ns"], result.step)
+    tracer.add("worker.launch", t["start_ns"], t["end_ns"] - t["start_ns"], result.step)
     if "gpu_ns" in t:  # the GPU finished about when the host's wait for it returned
         name = DECODE_GPU_SPAN if t["decode"] else "gpu.step"
         tracer.add(name, t["synced_ns"] - t["gpu_ns"], t["gpu_ns"], result.step, GPU_TRACK)
