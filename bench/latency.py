@@ -1,0 +1,98 @@
+"""Batch-1 decode speed and time to first token at several prompt lengths, beside the roofline (and HF).
+
+Method (shared/anchors/hf_baseline.py's): time a generate of 1 new token (the time to first token: the
+prompt's prefill and one token) and one of N new tokens; (t_N - t_1) / (N - 1) is one decode step with
+the prefill taken out. A warm-up generate runs first at each length, and every call gets a fresh random
+prompt, so that the prefix cache never skips a prefill.
+
+    python -m bench.latency --baseline hf                  # qwen2.5-1.5b, dummy weights, 32/1024/32768
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+from collections.abc import Callable
+
+from bench.common import (COPY_TBPS, dtype_name, engine_parser, print_table, random_ids, record, roofline,
+                          start_engine, timed)
+from protocol.model_config import resolve_model
+
+Generate = Callable[[list[int], int], object]  # (prompt ids, new tokens) -> returns when they are done
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = engine_parser(__doc__.splitlines()[0])
+    p.add_argument("--prompt-lens", type=int, nargs="+", default=[32, 1024, 32768],
+                   help="prompt lengths; each is cut to fit the model's length with --max-tokens")
+    p.add_argument("--max-tokens", type=int, default=257, help="N, the new tokens of the long generate")
+    p.add_argument("--repeats", type=int, default=3, help="timed pairs per length (the median is kept)")
+    p.add_argument("--hf-repeats", type=int, default=1, help="the same for the HF baseline (slow: 56 ms/step)")
+    p.add_argument("--baseline", choices=["hf"], default=None, help="also run Hugging Face generate")
+    p.add_argument("--copy-tbps", type=float, default=COPY_TBPS, help="copy bandwidth of the roofline")
+    args = p.parse_args(argv)
+    if args.max_tokens < 2:
+        p.error(f"--max-tokens {args.max_tokens}: use at least 2 (the step time is (t_N - t_1) / (N - 1))")
+    return args
+
+
+def measure(generate: Generate, prompt_len: int, args: argparse.Namespace, vocab: int, repeats: int) -> dict:
+    """Time to first token and decode step time at one prompt length (medians of `repeats` pairs)."""
+    rng = random.Random(args.seed + prompt_len)
+    generate(random_ids(rng, prompt_len, vocab), min(8, args.max_tokens))  # warm-up: kernels, allocator
+    firsts, longs = [], []
+    for _ in range(repeats):
+        firsts.append(timed(generate, random_ids(rng, prompt_len, vocab), 1))
+        longs.append(timed(generate, random_ids(rng, prompt_len, vocab), args.max_tokens))
+    t1, tn = statistics.median(firsts), statistics.median(longs)
+    step = (tn - t1) / (args.max_tokens - 1)
+    return {"ttft_ms": t1 * 1e3, "ms_per_step": step * 1e3, "tok_s": 1 / step if step > 0 else None}
+
+
+def run_ours(args: argparse.Namespace, lens: list[int], vocab: int) -> list[dict]:
+    from frontend import SamplingParams
+
+    def generate(ids: list[int], n: int) -> object:
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        return llm.generate(ids, params, use_tqdm=False)
+
+    with start_engine(args, max_model_len=max(lens) + args.max_tokens, max_num_seqs=1) as llm:
+        return [measure(generate, n, args, vocab, args.repeats) for n in lens]
+
+
+def run_hf(args: argparse.Namespace, lens: list[int], config, model_path: str | None) -> list[dict]:
+    from bench.hf import hf_generate, load_hf_model
+
+    model = load_hf_model(args, config, model_path)
+    return [measure(lambda ids, n: hf_generate(model, [ids], n), length, args, config.vocab_size,
+                    args.hf_repeats) for length in lens]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    config, model_path = resolve_model(args.model, args.load_format)
+    # Prompt + N new tokens must fit the model (32768 for Qwen2.5): the longest prompt gives way.
+    lens = [min(n, config.max_position_embeddings - args.max_tokens) for n in args.prompt_lens]
+    ours = run_ours(args, lens, config.vocab_size)
+    hf = run_hf(args, lens, config, model_path) if args.baseline == "hf" else [{}] * len(lens)
+    dtype = dtype_name(args, config)
+    rows = []
+    for n, mine, theirs in zip(lens, ours, hf):
+        roof = roofline(config, dtype, args.copy_tbps, n, args.tensor_parallel_size)
+        rows.append({"prompt_len": n, **mine,
+                     "hf_ttft_ms": theirs.get("ttft_ms"), "hf_tok_s": theirs.get("tok_s"),
+                     "vs_hf": mine["tok_s"] / theirs["tok_s"] if theirs.get("tok_s") and mine["tok_s"] else None,
+                     "roofline_ms": roof["roofline_ms"], "roofline_tok_s": roof["roofline_tok_s"],
+                     "roofline_kv_tok_s": roof["roofline_kv_tok_s"],
+                     "of_roofline": mine["tok_s"] / roof["roofline_tok_s"] if mine["tok_s"] else None})
+    name = "latency-eager" if args.enforce_eager else "latency"
+    print_table(f"{name}: batch 1, {args.max_tokens} new tokens, {args.model} {dtype}, "
+                f"roofline {roof['weight_gb']:.3f} GB of weights at {args.copy_tbps} TB/s "
+                "(roofline_kv: + the context's KV)", rows)
+    record(name, args, {"rows": rows, "weight_gb": roof["weight_gb"]})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

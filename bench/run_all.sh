@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The recorded run on one H200: the GPU tests, then every benchmark with the Qwen2.5-1.5B shape and dummy
+# weights (about 7 minutes). Each result JSON goes to $OUT (default bench/results/), beside run_all.log.
+#
+#   bash bench/run_all.sh                       # every step, in this order:
+#   bash bench/run_all.sh latency serving       # tests latency throughput startup serving latency-eager trace
+#
+# It fetches nothing. Python packages the machine lacks travel as wheels in .whl/ (carried) and are
+# installed from there. Where the tree has no .git, set BENCH_COMMIT=<hash> so that results name their commit.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-bench/results}"
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/run_all.log") 2>&1
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/*.whl || exit 1
+  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONUNBUFFERED=1
+MODEL=(--model qwen2.5-1.5b --load-format dummy --out "$OUT")
+FAILED=()
+
+step() {  # name, time limit in seconds, command...: a step that fails or overruns does not stop the others
+  local name=$1 limit=$2 start=$SECONDS rc
+  shift 2
+  echo "=== $name ($(date -u +%H:%M:%S)): $*"
+  timeout -k 10 "$limit" "$@"
+  rc=$?
+  echo "=== $name: rc=$rc after $((SECONDS - start)) s"
+  [ "$rc" -eq 0 ] || FAILED+=("$name")
+  return "$rc"
+}
+
+for name in ${*:-tests latency throughput startup serving latency-eager trace}; do
+  case $name in
+    tests) step tests 150 python3 -m pytest -q -m gpu tests ;;
+    latency) step latency 150 python3 -m bench.latency "${MODEL[@]}" --baseline hf ;;
+    throughput) step throughput 180 python3 -m bench.throughput "${MODEL[@]}" --baseline hf --hf-batch 256 ;;
+    startup) step startup 90 python3 -m bench.startup "${MODEL[@]}" ;;
+    serving) step serving 120 python3 -m bench.serving "${MODEL[@]}" ;;
+    latency-eager) step latency-eager 90 python3 -m bench.latency "${MODEL[@]}" --enforce-eager ;;
+    # Batch-1 decode traced: only summary.txt comes back (the device returns at most 8 files).
+    trace) step trace 60 python3 -m bench.latency "${MODEL[@]}" --prompt-lens 32 --max-tokens 129 --repeats 1 \
+             --trace-dir /tmp/bench-trace --out /tmp/bench-trace-results \
+           && cp /tmp/bench-trace/summary.txt "$OUT/trace_summary.txt" ;;
+    *) echo "unknown step '$name': use tests latency throughput startup serving latency-eager trace"; exit 2 ;;
+  esac
+done
+
+[ ${#FAILED[@]} -eq 0 ] || { echo "FAILED: ${FAILED[*]}"; exit 1; }
+echo "all steps passed; results in $OUT"

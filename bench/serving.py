@@ -1,0 +1,139 @@
+"""The OpenAI server under load: `launch.py` in a subprocess, /v1/completions streamed at concurrency 1, 16
+and 64, random token-id prompts, a fixed output length, ignore_eos.
+
+Per level: output tokens/s over the level's wall time; time to first token and inter-token latency (the
+gaps between streamed chunks) at p50 and p99. Each level sends --rounds x concurrency requests.
+
+    python -m bench.serving
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from bench.common import REPO_DIR, engine_flags, engine_parser, print_table, random_ids, record
+from protocol.model_config import resolve_model
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = engine_parser(__doc__.splitlines()[0])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=4, help="requests per level = rounds x concurrency")
+    p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for /health")
+    p.add_argument("--request-timeout", type=float, default=300.0, help="seconds a stream may stay silent")
+    return p.parse_args(argv)
+
+
+@contextlib.contextmanager
+def running_server(args: argparse.Namespace) -> Iterator[str]:
+    """launch.py serving on a free port, its output in a log shown only when it fails; yields the base URL."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "launch.py", "--model", args.model, *engine_flags(args), "--port", str(port),
+           "--max-model-len", str(args.prompt_len + args.output_len)]
+    with tempfile.TemporaryDirectory() as tmp:
+        log_path = Path(tmp) / "server.log"
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(cmd, cwd=REPO_DIR, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            wait_healthy(proc, url, args.startup_timeout, log_path)
+            yield url
+        finally:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, log_path: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(f"{url}/health", timeout=5, trust_env=False).status_code == 200:
+                return
+        time.sleep(0.5)
+    raise RuntimeError(f"the server was not healthy after {timeout:.0f} s:\n{log_path.read_text()[-3000:]}")
+
+
+async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], args: argparse.Namespace) -> dict:
+    """One streamed completion: arrival times of its chunks and its completion token count."""
+    body = {"model": args.model, "prompt": prompt, "max_tokens": args.output_len, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    start, arrivals, tokens = time.perf_counter(), [], 0
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:500]!r}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            if "error" in chunk:
+                raise RuntimeError(f"the stream failed: {chunk['error']}")
+            if chunk.get("choices"):
+                arrivals.append(time.perf_counter())
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    return {"ttft": arrivals[0] - start, "itl": np.diff(arrivals).tolist(), "tokens": tokens}
+
+
+async def run_level(url: str, prompts: list[list[int]], concurrency: int, args: argparse.Namespace) -> dict:
+    """All prompts, at most `concurrency` in flight."""
+    gate = asyncio.Semaphore(concurrency)
+    timeout = httpx.Timeout(args.request_timeout, pool=None)  # a stalled stream fails instead of hanging
+    limits = httpx.Limits(max_connections=concurrency)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
+        async def gated(prompt: list[int]) -> dict:
+            async with gate:
+                return await one_request(client, url, prompt, args)
+
+        start = time.perf_counter()
+        results = await asyncio.gather(*(gated(p) for p in prompts))
+        wall = time.perf_counter() - start
+    ttft = [r["ttft"] * 1e3 for r in results]
+    itl = [gap * 1e3 for r in results for gap in r["itl"]] or [float("nan")]
+    return {"concurrency": concurrency, "requests": len(results),
+            "output_tok_s": sum(r["tokens"] for r in results) / wall,
+            "ttft_p50_ms": float(np.percentile(ttft, 50)), "ttft_p99_ms": float(np.percentile(ttft, 99)),
+            "itl_p50_ms": float(np.percentile(itl, 50)), "itl_p99_ms": float(np.percentile(itl, 99))}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    vocab = resolve_model(args.model, args.load_format)[0].vocab_size
+    rng = random.Random(args.seed)
+    rows = []
+    with running_server(args) as url:
+        asyncio.run(run_level(url, [random_ids(rng, args.prompt_len, vocab)], 1, args))  # warm-up
+        for concurrency in args.concurrency:
+            prompts = [random_ids(rng, args.prompt_len, vocab) for _ in range(args.rounds * concurrency)]
+            rows.append(asyncio.run(run_level(url, prompts, concurrency, args)))
+    print_table(f"serving: {args.model}, prompts of {args.prompt_len} random tokens, {args.output_len} "
+                "output tokens each", rows)
+    record("serving", args, {"rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

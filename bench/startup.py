@@ -1,0 +1,39 @@
+"""Launch to first token: importing the frontend, LLM(...) until the engine is ready, one 1-token generate;
+and the worker's own parts (weights, KV profiling, graph capture) when its Ready info reports them.
+
+    python -m bench.startup
+"""
+from __future__ import annotations
+
+import random
+import sys
+import time
+
+from bench.common import engine_parser, print_table, random_ids, record, start_engine, timed
+from protocol.model_config import resolve_model
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = engine_parser(__doc__.splitlines()[0])
+    p.add_argument("--prompt-len", type=int, default=32)
+    args = p.parse_args(argv)
+    config, _ = resolve_model(args.model, args.load_format)
+    prompt = random_ids(random.Random(args.seed), args.prompt_len, config.vocab_size)
+
+    start = time.perf_counter()
+    from frontend import SamplingParams  # the frontend's imports (transformers) are part of a launch
+    imported = time.perf_counter()
+    with start_engine(args) as llm:  # defaults, as `launch.py --model M` starts
+        ready = time.perf_counter()
+        first = timed(llm.generate, prompt, SamplingParams(temperature=0, max_tokens=1), False)
+        parts = llm.client.info.get("startup") or {}  # the worker's own timings, when it reports them
+    numbers = {"launch_to_first_token_s": ready - start + first, "import_s": imported - start,
+               "engine_ready_s": ready - imported, "first_token_s": first, **parts}
+    print_table(f"startup: {args.model}" + ("" if parts else " (the engine reports no parts: totals only)"),
+                [numbers])
+    record("startup", args, numbers)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

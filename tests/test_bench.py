@@ -1,0 +1,65 @@
+"""The benchmarks run end to end on a tiny checkpoint (CPU) and record what a result must hold."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from transformers import Qwen2ForCausalLM
+
+from bench.common import param_count, roofline
+from bench.hf import hf_config
+from protocol.model_config import config_from_dir, short_model
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_bench(module: str, ckpt: Path, out: Path, *flags: str) -> dict:
+    """`python -m bench.<module>` on the tiny checkpoint; the one JSON it wrote under `out`."""
+    cmd = [sys.executable, "-m", f"bench.{module}", "--model", str(ckpt), "--device", "cpu", "--out", str(out),
+           *flags]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (path,) = out.glob(f"*-{module}.json")
+    result = json.loads(path.read_text())
+    assert path.name.startswith(result["date"][:10]) and result["commit"].split("-")[0][:12] in path.name
+    assert result["command"] == " ".join(["python", "-m", f"bench.{module}", *cmd[3:]])
+    assert result["gpu"] == ("cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name())
+    assert len(result["commit"].split("-")[0]) == 40
+    assert all(result["versions"][k] for k in ("python", "torch", "triton", "transformers"))
+    assert result["args"]["model"] == str(ckpt)
+    return result
+
+
+def test_latency_records_decode_speed_ttft_and_hf_ratio(tiny_ckpt, tmp_path):
+    result = run_bench("latency", tiny_ckpt, tmp_path, "--prompt-lens", "8", "16", "--max-tokens", "16",
+                       "--baseline", "hf")
+    rows = result["numbers"]["rows"]
+    assert [row["prompt_len"] for row in rows] == [8, 16]
+    for row in rows:
+        for key in ("ttft_ms", "ms_per_step", "tok_s", "hf_ttft_ms", "hf_tok_s", "vs_hf", "roofline_tok_s"):
+            assert row[key] > 0, (key, row)
+        assert row["roofline_kv_tok_s"] < row["roofline_tok_s"]  # reading the context's KV costs time
+
+
+def test_throughput_records_output_tokens_per_second_beside_hf(tiny_ckpt, tmp_path):
+    result = run_bench("throughput", tiny_ckpt, tmp_path, "--num-seqs", "8", "--min-len", "4",
+                       "--max-input-len", "16", "--max-output-len", "8", "--baseline", "hf", "--hf-batch", "4")
+    ours, hf = result["numbers"]["rows"]
+    assert 8 * 4 <= result["numbers"]["output_tokens"] <= 8 * 8
+    assert ours["output_tok_s"] > 0 and ours["wall_s"] > 0 and ours["vs_hf"] > 0
+    assert hf["output_tok_s"] > 0 and 0 < hf["padding_waste"] < 1
+
+
+def test_roofline_counts_every_parameter_of_the_model(tiny_ckpt):
+    tiny = config_from_dir(tiny_ckpt)
+    hf = Qwen2ForCausalLM.from_pretrained(tiny_ckpt)
+    assert param_count(tiny) == sum(p.numel() for p in hf.parameters())
+    _, qwen = short_model("qwen2.5-1.5b")
+    with torch.device("meta"):
+        hf = Qwen2ForCausalLM(hf_config(qwen))
+    assert param_count(qwen) == sum(p.numel() for p in hf.parameters())
+    roof = roofline(qwen, "bfloat16", 4.24)  # shared/anchors/README.md: 3.087 GB, 0.728 ms, ~1373 tok/s
+    assert round(roof["weight_gb"], 3) == 3.087 and round(roof["roofline_ms"], 3) == 0.728
