@@ -3,9 +3,10 @@
 Invariants:
 - A block is in `_free` iff its reference count is 0. `_free` is ordered for eviction: blocks without a
   hash at the head (nothing to lose), then hashed blocks least recently freed first.
-- A hash in `_hash_to_block` names a FULL block whose KV is computed (or is being computed by a step
-  already planned, which the worker runs before any later step that could read it). Such a block stays
-  reusable at reference count 0 until it is taken for another request.
+- A hash in `_hash_to_block` names a FULL block of known tokens whose KV is computed or is being
+  computed by a planned step. Workers run steps in order, and within a step each layer stores every
+  token's KV before any attention reads the cache, so even a request of the same step may share it.
+  Such a block stays reusable at reference count 0 until it is taken for another request.
 - Only blocks below a request's `num_computed_tokens` are ever shared, and every write goes at or past
   it, so no request writes into a block another one reads.
 """

@@ -11,6 +11,7 @@ step number and drops tokens of rows that changed meanwhile, so overlap means se
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import signal
 import sys
@@ -48,14 +49,16 @@ def run_scheduler(config_dict: dict, addresses_dict: dict) -> None:
         raise _Exit(0, "the scheduler got SIGTERM")
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    code = serve(EngineConfig.from_dict(config_dict), Addresses(**addresses_dict))
+    # The pid that spawned us, not os.getppid() now: the parent may have died while we were importing.
+    parent = multiprocessing.parent_process()
+    code = serve(EngineConfig.from_dict(config_dict), Addresses(**addresses_dict), parent.pid if parent else None)
     if code:
         sys.exit(code)
 
 
-def serve(config: EngineConfig, addresses: Addresses) -> int:
-    """Run the scheduler loop on `addresses`; return the exit code."""
-    server = SchedulerServer(config, addresses)
+def serve(config: EngineConfig, addresses: Addresses, parent_pid: int | None = None) -> int:
+    """Run the scheduler loop on `addresses` until told to stop or `parent_pid` dies; return the exit code."""
+    server = SchedulerServer(config, addresses, parent_pid or os.getppid())
     try:
         return server.run()
     finally:
@@ -63,9 +66,9 @@ def serve(config: EngineConfig, addresses: Addresses) -> int:
 
 
 class SchedulerServer:
-    def __init__(self, config: EngineConfig, addresses: Addresses) -> None:
+    def __init__(self, config: EngineConfig, addresses: Addresses, parent_pid: int) -> None:
         self.config = config
-        self.parent = os.getppid()
+        self.parent = parent_pid
         self.ctx = zmq.Context()
         self.engine = self._bind(zmq.ROUTER, addresses.engine)
         self.plans = [self._bind(zmq.PUSH, addr) for addr in addresses.plans]

@@ -64,7 +64,7 @@ class Scheduler:
         """Queue a request; a bad one is answered at once with an error TokenBatch."""
         try:
             req = self._make_request(msg, client)
-        except (TypeError, ValueError) as e:
+        except Exception as e:  # untrusted input, checked before any state changes: it fails alone
             return [(client, self._batch([_Update(msg.request_id, -1, "error", str(e), None)]))]
         self.requests[req.key] = req
         self.waiting.append(req)
@@ -187,6 +187,7 @@ class Scheduler:
                 if new_blocks:
                     appends.append((req.row, i32(new_blocks)))
                 req.num_computed_tokens += 1
+                bm.cache_blocks(req, min(req.num_computed_tokens, req.num_tokens))
                 decodes.append(req)
         return decodes, appends, preempted
 
@@ -208,10 +209,11 @@ class Scheduler:
             budget -= self._take_chunk(req, budget, chunks)
         return chunks, new_rows
 
-    @staticmethod
-    def _take_chunk(req: Request, budget: int, chunks: list) -> int:
+    def _take_chunk(self, req: Request, budget: int, chunks: list) -> int:
         n = min(req.num_row_tokens - req.num_computed_tokens, budget)
         req.num_computed_tokens += n
+        # Registered now, a block this step fills can serve a request admitted later in the same step.
+        self.block_manager.cache_blocks(req, req.num_computed_tokens)
         chunks.append((req, n))
         return n
 
@@ -248,17 +250,19 @@ class Scheduler:
         if tokens.shape != (len(scheduled),):
             raise ValueError(f"StepResult for step {result.step} has {tokens.shape} token ids for "
                              f"{len(scheduled)} scheduled rows")
+        sampled = tokens[[s.samples for s in scheduled]]
+        if ((sampled < 0) | (sampled >= self.vocab_size)).any():
+            raise ValueError(f"StepResult for step {result.step} samples token ids {sampled.tolist()} outside "
+                             f"the vocabulary [0, {self.vocab_size})")
         logprobs = _split_logprobs(result.logprobs, len(scheduled))
         del self._in_flight[result.step]
         updates: dict[bytes, list[_Update]] = {}
         for i, (req, epoch, samples) in enumerate(scheduled):
             if req.status is not Status.RUNNING or req.num_preemptions != epoch:
                 continue  # finished, aborted or preempted since this step was planned
-            if samples:
-                req.token_ids.append(int(tokens[i]))
-            self.block_manager.cache_blocks(req, min(req.num_computed_tokens, req.num_tokens))
             if not samples:
                 continue
+            req.token_ids.append(int(tokens[i]))
             reason = self._stop_reason(req)
             if reason is not None:
                 self._finish(req, reason)

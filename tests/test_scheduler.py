@@ -71,24 +71,30 @@ class FakeWorker:
                                        nr.block_table.tolist(), nr.params)
         for row, ids in plan.block_appends:  # ids: an array in process, raw int32 bytes over the wire
             self.rows[row].table.extend(np.frombuffer(ids, "<i4") if isinstance(ids, bytes) else ids)
-        # Rows the scheduler has freed (announced now, or replaced by a NewRow) no longer read their blocks.
-        self.dying = set(plan.free_rows.tolist())
         decoding = [self.rows[r].computed >= self.rows[r].num_row_tokens for r in plan.rows.tolist()]
         assert decoding == sorted(decoding, reverse=True), "decode rows must come first"
-        out = [self._run_row(r, n) for r, n in zip(plan.rows.tolist(), plan.num_tokens.tolist())]
+        self.dying = set(plan.free_rows.tolist())  # freed rows read nothing any more
+        work = list(zip(plan.rows.tolist(), plan.num_tokens.tolist()))
+        # Like each layer of the model: every token's KV is stored before any attention reads the cache.
+        for row, n in work:
+            self._store(row, n)
+        out = [self._sample(row) for row, _ in work]
         for r in plan.free_rows.tolist():
             assert r not in plan.rows.tolist(), f"row {r} scheduled and freed in one plan"
             assert r not in {nr.row for nr in plan.new_rows}, f"row {r} reused and freed in one plan"
             del self.rows[r]
         return StepResult(plan.step, i32(out))
 
-    def _run_row(self, row: int, n: int) -> int:
+    def _store(self, row: int, n: int) -> None:
         m = self.rows[row]
         assert n >= 1 and m.computed + n <= len(m.tokens), "a step may only feed tokens the mirror knows"
         assert len(m.table) * self.bs >= m.computed + n, "block table too short for the step"
         for pos in range(m.computed, m.computed + n):
             self._write(row, pos, m.tokens[pos])
         m.computed += n
+
+    def _sample(self, row: int) -> int:
+        m = self.rows[row]
         if m.computed < len(m.tokens):
             return GARBAGE
         slots = [m.table[p // self.bs] * self.bs + p % self.bs for p in range(m.computed)]
@@ -98,11 +104,15 @@ class FakeWorker:
         return m.tokens[-1]
 
     def _write(self, row: int, pos: int, token: int) -> None:
-        block = self.rows[row].table[pos // self.bs]
+        """Store a token's KV; it must not change a slot that another live row has counted as its own."""
+        block, offset = self.rows[row].table[pos // self.bs], pos % self.bs
         for other_row, o in self.rows.items():
-            if other_row not in (row, *self.dying) and block in o.table[:-(-o.computed // self.bs)]:
-                raise AssertionError(f"row {row} writes block {block}, which row {other_row} reads")
-        self.cache[block * self.bs + pos % self.bs] = token
+            if other_row in (row, *self.dying) or block not in o.table:
+                continue
+            their_pos = o.table.index(block) * self.bs + offset
+            if their_pos < o.computed and o.tokens[their_pos] != token:
+                raise AssertionError(f"row {row} overwrites block {block}, which row {other_row} reads")
+        self.cache[block * self.bs + offset] = token
 
 
 @dataclass
@@ -258,12 +268,16 @@ def test_generated_tokens_fill_blocks_that_later_requests_share():
     assert h.outs[rid].tokens == reference(follow, 2)
 
 
-def test_identical_prompts_admitted_together_stay_correct():
+def test_requests_admitted_in_one_step_share_the_blocks_that_step_fills():
     h = Harness()
     prompt = list(range(40))
-    rids = [h.add(prompt, max_tokens=8) for _ in range(4)]
+    rids = [h.add(prompt + [i], max_tokens=8) for i in range(4)]
+    plan = h.step()
+    assert [nr.num_computed for nr in plan.new_rows] == [0, 40, 40, 40]
+    assert plan.num_tokens.tolist() == [41, 1, 1, 1]
+    assert h.sched.stats()["num_cached_tokens"] == 3 * 40
     outs = h.run()
-    assert all(outs[r].tokens == reference(prompt, 8) for r in rids)
+    assert all(outs[r].tokens == reference(prompt + [i], 8) for i, r in enumerate(rids))
 
 
 def test_rows_stay_below_max_num_seqs_and_are_freed_in_the_next_plan():
@@ -376,6 +390,7 @@ def test_result_for_an_aborted_row_is_dropped():
     ([1, 2], {"bogus": 1}, "bogus"),
     ([1, 2], {"stop": 5}, ""),
     ([1, 2], {1: 2}, ""),
+    ([1, 2], {"stop_token_ids": [float("inf")]}, ""),
     ([], {}, "non-empty"),
     ([1, VOCAB], {}, f"token id {VOCAB}"),
     ([-3, 1], {}, "token id -3"),
@@ -440,6 +455,8 @@ def test_mismatched_result_is_rejected_without_side_effects():
         h.sched.on_result(StepResult(plan.step + 5, i32([1])))
     with pytest.raises(ValueError, match="token ids"):
         h.sched.on_result(StepResult(plan.step, i32([1, 2])))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        h.sched.on_result(StepResult(plan.step, i32([VOCAB])))
     h.collect(h.sched.on_result(h.worker.execute(plan)))
     h.run()
 
@@ -456,8 +473,10 @@ def test_stats_report_the_contract_keys():
 
 # ---- robustness: whatever a decoded AddRequest holds, add() answers ---------------------------------
 
-_values = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True),
-                    st.text(max_size=5), st.binary(max_size=5), st.lists(st.integers(-5, 200), max_size=3))
+_scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True),
+                     st.text(max_size=5), st.binary(max_size=5))
+_values = st.one_of(_scalars, st.lists(st.one_of(st.integers(-5, 200), _scalars), max_size=3),
+                    st.dictionaries(st.text(max_size=3), _scalars, max_size=2))
 _param_names = st.sampled_from(["n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens",
                                 "min_tokens", "stop", "stop_token_ids", "ignore_eos", "logprobs", "junk"])
 
@@ -692,9 +711,7 @@ def test_scheduler_exits_when_its_parent_dies():
     parent = subprocess.Popen([sys.executable, "-c", script, args], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         child = int(parent.stdout.readline())
-        time.sleep(0.5)
-        assert not _gone(child)
-        os.kill(parent.pid, signal.SIGKILL)
+        os.kill(parent.pid, signal.SIGKILL)  # at once: the child may not even have imported the scheduler
         deadline = time.monotonic() + 10
         while not _gone(child) and time.monotonic() < deadline:
             time.sleep(0.1)
