@@ -41,9 +41,11 @@ for name in ${*:-tests latency throughput startup serving latency-eager trace}; 
     startup) step startup 90 python3 -m bench.startup "${MODEL[@]}" ;;
     serving) step serving 120 python3 -m bench.serving "${MODEL[@]}" ;;
     latency-eager) step latency-eager 90 python3 -m bench.latency "${MODEL[@]}" --enforce-eager ;;
-    # Batch-1 decode traced: only summary.txt comes back (the device returns at most 8 files).
-    trace) step trace 60 python3 -m bench.latency "${MODEL[@]}" --prompt-lens 32 --max-tokens 129 --repeats 1 \
+    # Batch-1 decode traced; merged here (idempotent) and only summary.txt kept: the device returns 8 files.
+    trace) rm -rf /tmp/bench-trace
+           step trace 60 python3 -m bench.latency "${MODEL[@]}" --prompt-lens 32 --max-tokens 129 --repeats 1 \
              --trace-dir /tmp/bench-trace --out /tmp/bench-trace-results \
+           && python3 -c "from protocol.tracing import merge_traces; merge_traces('/tmp/bench-trace')" \
            && cp /tmp/bench-trace/summary.txt "$OUT/trace_summary.txt" ;;
     *) echo "unknown step '$name': use tests latency throughput startup serving latency-eager trace"; exit 2 ;;
   esac
