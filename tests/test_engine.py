@@ -70,8 +70,9 @@ def test_chunked_prefill_gives_the_same_tokens(tiny_ckpt, prompts, hf_tokens):
 
 
 def test_preempted_requests_resume_with_the_same_tokens(tiny_ckpt, prompts, hf_tokens):
-    # 40 blocks of 16 hold the longest request (212 tokens = 14 blocks) but not all eight at once.
-    with LLM(str(tiny_ckpt), device="cpu", num_kv_blocks=40, block_size=16) as llm:
+    # 28 blocks of 8 hold the longest request (211 cached tokens = 27 blocks), but the first six admitted
+    # (22 blocks of prompt) need 30 by their last step.
+    with LLM(str(tiny_ckpt), device="cpu", num_kv_blocks=28, block_size=8) as llm:
         assert _generate(llm, prompts) == hf_tokens
         assert llm.stats()["num_preemptions"] > 0
         _assert_all_blocks_free(llm)
