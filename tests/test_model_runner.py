@@ -210,8 +210,8 @@ def test_plan_beyond_known_tokens_is_rejected(runner):
 # ---- the worker process ------------------------------------------------------------------------------
 
 @pytest.fixture
-def worker_sockets(tiny_ckpt, tmp_path):
-    """A fake scheduler's two sockets and a started rank-0 worker process."""
+def workers(request, tiny_ckpt):
+    """A fake scheduler's sockets (results PULL, one plans PUSH per rank) and started worker processes."""
     import multiprocessing as mp
 
     import zmq
@@ -219,52 +219,63 @@ def worker_sockets(tiny_ckpt, tmp_path):
     from protocol.addresses import make_addresses, remove_ipc_dir
     from worker.process import run_worker
 
-    addresses = make_addresses(1)
+    tp = getattr(request, "param", 1)
+    addresses = make_addresses(tp)
     ctx = zmq.Context()
-    results, plans = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    results = ctx.socket(zmq.PULL)
     results.bind(addresses.results)
-    plans.bind(addresses.plans[0])
-    config = EngineConfig(model=str(tiny_ckpt), device="cpu", block_size=BLOCK, num_kv_blocks=16, max_num_seqs=2,
-                          max_num_batched_tokens=32)
-    proc = mp.get_context("spawn").Process(target=run_worker, args=(config.to_dict(), addresses.to_dict(), 0))
-    proc.start()
     results.RCVTIMEO = 60_000
-    yield plans, results, proc
-    proc.join(10)
-    if proc.is_alive():
-        proc.kill()
-    results.close(0)
-    plans.close(0)
+    plans = [ctx.socket(zmq.PUSH) for _ in range(tp)]
+    for sock, address in zip(plans, addresses.plans):
+        sock.bind(address)
+    config = EngineConfig(model=str(tiny_ckpt), device="cpu", block_size=BLOCK, num_kv_blocks=16, max_num_seqs=2,
+                          max_num_batched_tokens=32, tensor_parallel_size=tp)
+    spawn = mp.get_context("spawn")
+    procs = [spawn.Process(target=run_worker, args=(config.to_dict(), addresses.to_dict(), rank))
+             for rank in range(tp)]
+    for proc in procs:
+        proc.start()
+    yield plans, results, procs
+    for proc in procs:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+    for sock in [results, *plans]:
+        sock.close(0)
     ctx.term()
     remove_ipc_dir(addresses)
 
 
-def test_worker_process_says_ready_answers_plans_and_exits_on_shutdown(worker_sockets, hf_greedy):
+@pytest.mark.parametrize("workers", [1, 2], indirect=True, ids=["tp1", "tp2"])
+def test_worker_process_says_ready_answers_plans_and_exits_on_shutdown(workers, hf_greedy):
     from protocol.codec import decode, encode
     from protocol.messages import Ready, Shutdown, StepResult
 
-    plans, results, proc = worker_sockets
-    ready = decode(results.recv())
-    assert isinstance(ready, Ready) and ready.role == "worker" and ready.info == {"num_kv_blocks": 16}
+    plans, results, procs = workers
+    readies = sorted((decode(results.recv()) for _ in procs), key=lambda r: r.rank)
+    want = [("worker", rank, {"num_kv_blocks": 16}) for rank in range(len(procs))]
+    assert [(r.role, r.rank, r.info) for r in readies] == want
     prompt = _prompt(7, seed=11)
     new = NewRow(0, i32(prompt), len(prompt), 0, i32([0]), SamplingParams(temperature=0.0).to_dict())
-    plans.send(encode(StepPlan(1, i32([0]), i32([7]), [new], [])))
-    plans.send(encode(StepPlan(2, i32([0]), i32([1]), [], [[0, i32([1]).tobytes()]])))
-    tokens = [decode(results.recv()) for _ in range(2)]
+    for msg in (StepPlan(1, i32([0]), i32([7]), [new], []),
+                StepPlan(2, i32([0]), i32([1]), [], [[0, i32([1]).tobytes()]]), Shutdown()):
+        for sock in plans:
+            sock.send(encode(msg))
+    tokens = [decode(results.recv()) for _ in range(2)]  # rank 0 answers for all ranks
     assert all(isinstance(t, StepResult) for t in tokens)
     assert [int(t.token_ids[0]) for t in tokens] == hf_greedy(prompt, 2)
-    plans.send(encode(Shutdown()))
-    proc.join(30)
-    assert proc.exitcode == 0
+    for proc in procs:
+        proc.join(30)
+    assert [proc.exitcode for proc in procs] == [0] * len(procs)
 
 
-def test_worker_process_reports_a_malformed_plan_and_exits_nonzero(worker_sockets):
+def test_worker_process_reports_a_malformed_plan_and_exits_nonzero(workers):
     from protocol.codec import decode
     from protocol.messages import Ready, WorkerError
 
-    plans, results, proc = worker_sockets
+    plans, results, (proc,) = workers
     assert isinstance(decode(results.recv()), Ready)
-    plans.send(b"\x93not a plan")
+    plans[0].send(b"\x93not a plan")
     error = decode(results.recv())
     assert isinstance(error, WorkerError) and error.rank == 0 and "ProtocolError" in error.reason
     proc.join(30)

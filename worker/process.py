@@ -79,6 +79,8 @@ def _serve(runner, plans: zmq.Socket, results: zmq.Socket, rank: int, tracer: Tr
             continue
         msg = decode(frame)
         if isinstance(msg, Shutdown):
+            if pending is not None:
+                _finish(runner, pending, results, rank, tracer)
             return
         if not isinstance(msg, StepPlan):
             raise ValueError(f"worker received a {type(msg).__name__}: only StepPlan and Shutdown are expected")
