@@ -4,7 +4,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-import logging
 from collections.abc import AsyncIterator
 
 import zmq.asyncio
@@ -13,12 +12,10 @@ from frontend.engine_client import EngineClient, EngineDeadError
 from frontend.inputs import Prompt, prepare_prompt
 from frontend.output_processor import OutputProcessor, RequestState
 from frontend.outputs import RequestOutput
-from protocol.codec import ProtocolError, decode
 from protocol.config import EngineConfig
 from protocol.messages import Abort, EngineDead, TokenBatch
 from protocol.sampling import SamplingParams
 
-log = logging.getLogger("pico_vllm.frontend")
 
 
 class EngineRequestError(RuntimeError):
@@ -60,12 +57,7 @@ class AsyncLLM:
     async def _recv_loop(self) -> None:
         sock = zmq.asyncio.Socket.from_socket(self.client.sock)
         while True:
-            frame = await sock.recv()
-            try:
-                msg = decode(frame)
-            except ProtocolError as e:
-                log.warning("dropped a malformed frame from the engine: %s", e)
-                continue
+            msg = self.client.decode(await sock.recv())
             if isinstance(msg, TokenBatch):
                 self._apply(msg)
             elif isinstance(msg, EngineDead):
@@ -75,7 +67,8 @@ class AsyncLLM:
     def _apply(self, batch: TokenBatch) -> None:
         if batch.stats:
             self.client.latest_stats = batch.stats
-        changed, to_abort = self.processor.process(batch)
+        with self.client.tracer.span("frontend.detokenize", batch.step):
+            changed, to_abort = self.processor.process(batch)
         if to_abort:
             self.client.send(Abort(to_abort))
         for state in changed:
@@ -107,18 +100,23 @@ class AsyncLLM:
             raise EngineDeadError(self.dead_reason)
         self._ensure_started()
         request_id = request_id or f"req-{next(self._ids)}"
-        text, ids, params = prepare_prompt(self.tokenizer, prompt, params or SamplingParams(),
-                                           self.max_model_len, self.model_config.vocab_size)
+        tracer = self.client.tracer
+        with tracer.span("frontend.tokenize"):
+            text, ids, params = prepare_prompt(self.tokenizer, prompt, params or SamplingParams(),
+                                               self.max_model_len, self.model_config.vocab_size)
         state, msgs = self.processor.add(request_id, text, ids, params)
         event = self._events[request_id] = asyncio.Event()
         try:
-            for msg in msgs:
-                self.client.send(msg)
+            with tracer.span("frontend.send"):
+                for msg in msgs:
+                    self.client.send(msg)
             while True:
                 await event.wait()
                 event.clear()
                 self._raise_if_failed(state)
-                yield _snapshot(state.output)
+                with tracer.span("frontend.stream"):
+                    out = _snapshot(state.output)
+                yield out
                 if state.finished:
                     return
         finally:

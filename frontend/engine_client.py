@@ -15,6 +15,7 @@ from frontend.tokenizer import load_tokenizer
 from protocol.codec import ProtocolError, decode, encode
 from protocol.config import EngineConfig, ModelConfig
 from protocol.messages import EngineDead, GetStats, Ready, Shutdown, TokenBatch
+from protocol.tracing import Tracer, merge_traces
 
 log = logging.getLogger("pico_vllm.frontend")
 READY_TIMEOUT_S = 900.0  # loading a large checkpoint and capturing graphs can take minutes
@@ -31,6 +32,8 @@ class EngineClient:
                  ready_timeout: float = READY_TIMEOUT_S) -> None:
         self.procs: EngineProcesses | None = None
         self.latest_stats: dict = {}
+        self.trace_dir = config.trace_dir if config is not None else None
+        self.tracer = Tracer("frontend", self.trace_dir)
         if config is not None:
             config = resolve_config(config)
             self.procs = EngineProcesses(config, address)
@@ -73,12 +76,15 @@ class EngineClient:
 
     def recv(self):
         """One message, or None when the frame is malformed (logged, never fatal)."""
-        frame = self.sock.recv()
-        try:
-            return decode(frame)
-        except ProtocolError as e:
-            log.warning("dropped a malformed frame from the engine: %s", e)
-            return None
+        return self.decode(self.sock.recv())
+
+    def decode(self, frame: bytes):
+        with self.tracer.span("frontend.receive"):
+            try:
+                return decode(frame)
+            except ProtocolError as e:
+                log.warning("dropped a malformed frame from the engine: %s", e)
+                return None
 
     def recv_blocking(self):
         """The next message; EngineDeadError when the engine dies meanwhile (no hang)."""
@@ -109,3 +115,7 @@ class EngineClient:
             self.procs.shutdown(timeout)
             self.procs = None
         self.ctx.term()
+        if self.trace_dir is not None:
+            self.tracer.flush()
+            merge_traces(self.trace_dir)  # every child has flushed its own file by now
+            self.trace_dir = None

@@ -34,14 +34,17 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts: give one or one each")
-        prepared = [prepare_prompt(self.client.tokenizer, p, sp or SamplingParams(), self.client.max_model_len,
-                                   self.client.model_config.vocab_size) for p, sp in zip(prompts, params)]
+        tracer = self.client.tracer
+        with tracer.span("frontend.tokenize"):
+            prepared = [prepare_prompt(self.client.tokenizer, p, sp or SamplingParams(), self.client.max_model_len,
+                                       self.client.model_config.vocab_size) for p, sp in zip(prompts, params)]
         states = []
-        for text, ids, sp in prepared:
-            state, msgs = self.processor.add(f"llm-{next(self._ids)}", text, ids, sp)
-            states.append(state)
-            for msg in msgs:
-                self.client.send(msg)
+        with tracer.span("frontend.send"):
+            for text, ids, sp in prepared:
+                state, msgs = self.processor.add(f"llm-{next(self._ids)}", text, ids, sp)
+                states.append(state)
+                for msg in msgs:
+                    self.client.send(msg)
         with tqdm(total=len(states), desc="generate", disable=not use_tqdm) as bar:
             while self.processor.num_pending:
                 done = self._step()
@@ -60,7 +63,8 @@ class LLM:
             raise
         if not isinstance(msg, TokenBatch):
             return 0
-        changed, to_abort = self.processor.process(msg)
+        with self.client.tracer.span("frontend.detokenize", msg.step):
+            changed, to_abort = self.processor.process(msg)
         if to_abort:
             self.client.send(Abort(to_abort))
         return sum(state.finished for state in changed)
