@@ -169,3 +169,10 @@ def test_any_valid_seed_is_accepted(seed):
     s = _sampler([SamplingParams(temperature=1.0, seed=seed)])
     token = _run(s, _logits(1), [0], [0]).token_ids
     assert 0 <= token.item() < V
+
+
+def test_profile_runs_every_stage_and_leaves_no_row_behind():
+    s = Sampler(max_rows=4, vocab_size=V, device=torch.device("cpu"))
+    s.profile(_logits(4))
+    assert s.simple_greedy
+    assert _run(s, _logits(1), [0], [0]).logprobs is None
