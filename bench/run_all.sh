@@ -35,15 +35,15 @@ step() {  # name, time limit in seconds, command...: a step that fails or overru
 
 for name in ${*:-tests latency throughput startup serving latency-eager trace}; do
   case $name in
-    tests) step tests 150 python3 -m pytest -q -m gpu tests ;;
-    latency) step latency 150 python3 -m bench.latency "${MODEL[@]}" --baseline hf ;;
-    throughput) step throughput 180 python3 -m bench.throughput "${MODEL[@]}" --baseline hf --hf-batch 256 ;;
-    startup) step startup 90 python3 -m bench.startup "${MODEL[@]}" ;;
-    serving) step serving 120 python3 -m bench.serving "${MODEL[@]}" ;;
-    latency-eager) step latency-eager 90 python3 -m bench.latency "${MODEL[@]}" --enforce-eager ;;
+    tests) step tests 100 python3 -m pytest -q -m gpu tests ;;
+    latency) step latency 160 python3 -m bench.latency "${MODEL[@]}" --baseline hf ;;
+    throughput) step throughput 140 python3 -m bench.throughput "${MODEL[@]}" --baseline hf --hf-batch 256 ;;
+    startup) step startup 45 python3 -m bench.startup "${MODEL[@]}" ;;
+    serving) step serving 75 python3 -m bench.serving "${MODEL[@]}" ;;
+    latency-eager) step latency-eager 45 python3 -m bench.latency "${MODEL[@]}" --enforce-eager --prompt-lens 32 ;;
     # Batch-1 decode traced; merged here (idempotent) and only summary.txt kept: the device returns 8 files.
     trace) rm -rf /tmp/bench-trace
-           step trace 60 python3 -m bench.latency "${MODEL[@]}" --prompt-lens 32 --max-tokens 129 --repeats 1 \
+           step trace 40 python3 -m bench.latency "${MODEL[@]}" --prompt-lens 32 --max-tokens 129 --repeats 1 \
              --trace-dir /tmp/bench-trace --out /tmp/bench-trace-results \
            && python3 -c "from protocol.tracing import merge_traces; merge_traces('/tmp/bench-trace')" \
            && cp /tmp/bench-trace/summary.txt "$OUT/trace_summary.txt" ;;
