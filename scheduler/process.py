@@ -112,12 +112,17 @@ class SchedulerServer:
         frame = encode(EngineDead(e.reason))
         for identity in self.clients:
             self.engine.send_multipart([identity, frame])
-        for sock in self.plans:
-            try:
-                sock.send(encode(Shutdown()), zmq.NOBLOCK)
-            except zmq.ZMQError:  # that worker is gone or stuck: the launcher reaps it
-                pass
+        self._stop_workers()
         return e.code
+
+    def _stop_workers(self) -> None:
+        """Send Shutdown to every rank that takes it within a second; the launcher reaps the others."""
+        frame, deadline = encode(Shutdown()), time.monotonic() + 1.0
+        for rank, sock in enumerate(self.plans):
+            if sock.poll(max(0.0, deadline - time.monotonic()) * 1000, zmq.POLLOUT):
+                sock.send(frame, zmq.NOBLOCK)
+            else:
+                log.warning("worker %d took no Shutdown: it is gone or stuck", rank)
 
     def close(self) -> None:
         self.tracer.flush()

@@ -677,10 +677,10 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def test_scheduler_process_exits_non_zero_when_a_worker_fails():
+@pytest.mark.parametrize("ending", ["worker error", "SIGTERM"])
+def test_scheduler_process_exit_code_says_how_it_ended(ending):
     addresses, log = make_addresses(1), []
-    config = make_config()
-    proc = mp.get_context("spawn").Process(target=run_scheduler, args=(config.to_dict(), addresses.to_dict()))
+    proc = mp.get_context("spawn").Process(target=run_scheduler, args=(make_config().to_dict(), addresses.to_dict()))
     proc.start()
     worker = threading.Thread(target=socket_worker, args=(addresses, 32, 8, 1, log), daemon=True)
     worker.start()
@@ -689,14 +689,18 @@ def test_scheduler_process_exits_non_zero_when_a_worker_fails():
         sock = ctx.socket(zmq.DEALER)
         sock.connect(addresses.engine)
         hello(sock)
-        sock.send(encode(AddRequest("x", i32([1]), {})))
+        if ending == "SIGTERM":
+            proc.terminate()
+        else:
+            sock.send(encode(AddRequest("x", i32([1]), {})))
         assert isinstance(recv(sock), EngineDead)
         proc.join(10)
-        assert proc.exitcode == 1
+        assert proc.exitcode == (0 if ending == "SIGTERM" else 1)
+        worker.join(10)
+        assert isinstance(log[-1], Shutdown)
     finally:
         proc.kill()
         ctx.destroy(linger=0)
-        worker.join(10)
         remove_ipc_dir(addresses)
 
 
