@@ -75,9 +75,9 @@ class BlockManager:
 
     def cache_blocks(self, req: Request, num_tokens: int) -> None:
         """Register the full blocks among the first `num_tokens` (computed and known) tokens."""
-        if not self.enable_prefix_caching:
-            return
         full = min(num_tokens // self.block_size, len(req.block_table))
+        if not self.enable_prefix_caching or full <= req.num_cached_blocks:
+            return  # the common case of a decode step: no block filled
         self._compute_hashes(req, full)
         for i in range(req.num_cached_blocks, full):
             b, h = req.block_table[i], req.block_hashes[i]
@@ -85,7 +85,7 @@ class BlockManager:
             if h not in self._hash_to_block and self._hashes[b] is None:
                 self._hash_to_block[h] = b
                 self._hashes[b] = h
-        req.num_cached_blocks = max(req.num_cached_blocks, full)
+        req.num_cached_blocks = full
 
     def free(self, req: Request) -> None:
         # Last blocks first, so that a sequence's tail (least likely shared) is evicted before its head.
