@@ -82,6 +82,7 @@ class SchedulerServer:
         self.tracer = Tracer("scheduler", config.trace_dir)
         self.scheduler: Scheduler | None = None
         self.info: dict = {}
+        self.early: list[tuple[bytes, object]] = []  # frontend messages from before the workers were ready
 
     def _bind(self, kind: int, address: str) -> zmq.Socket:
         sock = self.ctx.socket(kind)
@@ -90,13 +91,13 @@ class SchedulerServer:
         return sock
 
     def run(self) -> int:
-        early: list[tuple[bytes, object]] = []  # frontend messages that came before the workers were ready
         try:
-            self.scheduler = Scheduler(self.config, self._wait_workers(early))
+            self.scheduler = Scheduler(self.config, self._wait_workers())
             self.info = self._engine_info()
             log.info("scheduler ready: %s", {k: self.info[k] for k in ("num_kv_blocks", "max_model_len")})
-            for identity, msg in early:
+            for identity, msg in self.early:
                 self._handle(identity, msg)
+            self.early.clear()
             while True:
                 busy = self.scheduler.has_work() and self._step()
                 self._poll(0 if busy else POLL_MS)
@@ -108,6 +109,7 @@ class SchedulerServer:
             log.error("engine dead: %s", e.reason)
         else:
             log.info("scheduler stopping: %s", e.reason)
+        self.clients.update(identity for identity, _ in self.early)
         self._drain_identities()
         frame = encode(EngineDead(e.reason))
         for identity in self.clients:
@@ -130,7 +132,7 @@ class SchedulerServer:
 
     # ---- startup ---------------------------------------------------------------------------------
 
-    def _wait_workers(self, early: list) -> int:
+    def _wait_workers(self) -> int:
         """Collect Ready from every rank; return the fewest KV blocks any rank has."""
         blocks: dict[int, int] = {}
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -141,8 +143,8 @@ class SchedulerServer:
                 raise _Exit(1, f"worker ranks {missing} sent no Ready within {READY_TIMEOUT_S:.0f} s")
             events = dict(self.poller.poll(POLL_MS))
             if self.engine in events:
-                early.extend(self._recv_clients())
-                if any(isinstance(msg, Shutdown) for _, msg in early):
+                self.early.extend(self._recv_clients())
+                if any(isinstance(msg, Shutdown) for _, msg in self.early):
                     raise _Exit(0, "Shutdown before the workers were ready")
             msg = self._recv(self.results, "a worker") if self.results in events else None
             if isinstance(msg, WorkerError):

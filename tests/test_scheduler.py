@@ -509,12 +509,17 @@ from scheduler.process import serve  # noqa: E402
 
 
 def socket_worker(addresses, num_blocks: int, block_size: int, fail_at: int | None, log: list) -> None:
-    """Rank 0: Ready, then plans in, results out; WorkerError at step `fail_at`; silence after -1."""
+    """Rank 0: Ready, then plans in, results out; WorkerError at step `fail_at` (0: instead of Ready);
+    silence after -1."""
     ctx = zmq.Context()
     plans, results = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     plans.connect(addresses.plans[0])
     results.connect(addresses.results)
-    results.send(encode(Ready(role="worker", rank=0, info={"num_kv_blocks": num_blocks})))
+    if fail_at == 0:
+        time.sleep(0.3)  # let the client's hello arrive first
+        results.send(encode(WorkerError(rank=0, reason="out of memory while loading")))
+    else:
+        results.send(encode(Ready(role="worker", rank=0, info={"num_kv_blocks": num_blocks})))
     fake = FakeWorker(num_blocks, block_size)
     while plans.poll(10_000):
         msg = decode(plans.recv())
@@ -635,6 +640,18 @@ def test_worker_error_fails_every_client_with_engine_dead():
         sock.send(encode(AddRequest("x", i32([1, 2]), {})))
         dead = recv(sock)
         assert isinstance(dead, EngineDead) and "CUDA error: out of luck" in dead.reason
+    finally:
+        engine.close()
+    assert engine.code == [1]
+
+
+def test_a_worker_failing_at_startup_fails_clients_waiting_for_ready():
+    engine = Engine(fail_at=0)
+    try:
+        sock = engine.client()
+        sock.send(encode(GetStats()))
+        dead = recv(sock)
+        assert isinstance(dead, EngineDead) and "failed to start: out of memory while loading" in dead.reason
     finally:
         engine.close()
     assert engine.code == [1]
