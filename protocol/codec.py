@@ -10,6 +10,7 @@ from protocol.messages import F32, I32, MESSAGE_TYPES
 
 VERSION = 1
 MAX_FRAME_BYTES = 64 * 1024 * 1024
+MAX_NESTING = 1  # a StepPlan's NewRows; deeper nesting is malformed (and would exhaust the stack)
 _DTYPES = {I32: np.dtype("<i4"), F32: np.dtype("<f4")}
 
 
@@ -58,7 +59,9 @@ def _to_wire(obj, top: bool = False):
     return obj
 
 
-def _from_wire(obj: dict):
+def _from_wire(obj: dict, depth: int = 0):
+    if depth > MAX_NESTING:
+        raise ProtocolError(f"messages nested more than {MAX_NESTING} deep (only StepPlan holds NewRows)")
     name = obj.get("type")
     cls = MESSAGE_TYPES.get(name) if isinstance(name, str) else None
     if cls is None:
@@ -67,18 +70,18 @@ def _from_wire(obj: dict):
     for field_name, kind in cls.WIRE.items():
         if field_name not in obj:
             raise ProtocolError(f"{name} lacks field {field_name!r}")
-        kwargs[field_name] = _field(name, field_name, kind, obj[field_name])
+        kwargs[field_name] = _field(name, field_name, kind, obj[field_name], depth)
     return cls(**kwargs)
 
 
-def _field(msg: str, name: str, kind, value):
+def _field(msg: str, name: str, kind, value, depth: int):
     if kind in _DTYPES:
         dtype = _DTYPES[kind]
         if not isinstance(value, bytes) or len(value) % dtype.itemsize:
             raise ProtocolError(f"{msg}.{name} must be raw {kind} bytes")
         return np.frombuffer(value, dtype=dtype)
     if kind is list and isinstance(value, list):
-        return [_from_wire(v) if isinstance(v, dict) and "type" in v else v for v in value]
+        return [_from_wire(v, depth + 1) if isinstance(v, dict) and "type" in v else v for v in value]
     if kind is int and isinstance(value, bool):
         raise ProtocolError(f"{msg}.{name} must be int, got bool")
     if not isinstance(value, kind):

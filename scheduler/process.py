@@ -4,9 +4,9 @@ No torch and no CUDA here. Every frame is decoded with protocol.codec; a malform
 dropped. A worker that reports an error, a step that makes no progress for `step_timeout` seconds, or a
 dead parent ends the process: every client gets EngineDead first, and the exit code is 1.
 
-The loop is synchronous (plan N, result N, plan N+1). The Scheduler already matches results to plans by
-step number and drops tokens of rows that changed meanwhile, so overlap means sending plan N+1 in
-`_step` before waiting for result N.
+Overlap: up to two plans are in flight, so plan N+1 is on its way to the workers before result N is
+awaited and the GPU never waits for this process. The Scheduler matches results to plans by step number
+and drops tokens of rows that finished or were preempted meanwhile.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import time
+from collections import deque
 
 import zmq
 
@@ -31,6 +32,7 @@ log = logging.getLogger("pico_vllm.scheduler")
 POLL_MS = 100  # the idle poll, and so how often the parent is checked
 READY_TIMEOUT_S = 900.0  # loading a large checkpoint and capturing graphs can take minutes
 LINGER_MS = 1000  # time for the last EngineDead / Shutdown to leave at exit
+MAX_IN_FLIGHT = 2  # the worker keeps two staging buffers: step N+1 may launch before N is collected
 
 
 class _Exit(Exception):
@@ -83,6 +85,7 @@ class SchedulerServer:
         self.scheduler: Scheduler | None = None
         self.info: dict = {}
         self.early: list[tuple[bytes, object]] = []  # frontend messages from before the workers were ready
+        self.in_flight: deque[int] = deque()  # steps sent and not yet answered, oldest first
 
     def _bind(self, kind: int, address: str) -> zmq.Socket:
         sock = self.ctx.socket(kind)
@@ -99,7 +102,7 @@ class SchedulerServer:
                 self._handle(identity, msg)
             self.early.clear()
             while True:
-                busy = self.scheduler.has_work() and self._step()
+                busy = self._step()
                 self._poll(0 if busy else POLL_MS)
         except _Exit as e:
             return self._exit(e)
@@ -172,7 +175,7 @@ class SchedulerServer:
         if self.engine in events:
             for identity, msg in self._recv_clients():
                 self._handle(identity, msg)
-        if self.results in events:
+        if self.results in events and not self.in_flight:  # results of steps in flight: _wait_result's
             msg = self._recv(self.results, "a worker")
             if isinstance(msg, WorkerError):
                 raise _Exit(1, f"worker {msg.rank} failed: {msg.reason}")
@@ -224,7 +227,21 @@ class SchedulerServer:
     # ---- steps -----------------------------------------------------------------------------------
 
     def _step(self) -> bool:
-        """Plan, run and account one step; False when nothing could be scheduled."""
+        """Top up the plans in flight, then wait for the oldest one's result; False when idle."""
+        while len(self.in_flight) < MAX_IN_FLIGHT and self.scheduler.has_work() and self._send_plan():
+            pass
+        if not self.in_flight:
+            return False
+        step = self.in_flight.popleft()
+        with self.tracer.span("scheduler.wait_result", step):
+            batches = self._wait_result(step)
+        with self.tracer.span("scheduler.send_tokens", step):
+            for client, batch in batches:
+                self._send(client, batch)
+        return True
+
+    def _send_plan(self) -> bool:
+        """Plan one step and send it to every rank; False when nothing can be scheduled."""
         with self.tracer.span("scheduler.schedule", self.scheduler.step + 1):
             plan = self.scheduler.schedule()
             if plan is None:
@@ -235,11 +252,7 @@ class SchedulerServer:
                     sock.send(frame)
                 except zmq.Again:
                     raise _Exit(1, f"worker {rank} took no plan for {self.config.step_timeout} s") from None
-        with self.tracer.span("scheduler.wait_result", plan.step):
-            batches = self._wait_result(plan.step)
-        with self.tracer.span("scheduler.send_tokens", plan.step):
-            for client, batch in batches:
-                self._send(client, batch)
+        self.in_flight.append(plan.step)
         return True
 
     def _wait_result(self, step: int) -> list[tuple[bytes, TokenBatch]]:
@@ -283,8 +296,6 @@ def _decode(frame: bytes, source: str):
         return decode(frame)
     except ProtocolError as e:
         log.warning("dropped a malformed frame from %s: %s", source, e)
-    except RecursionError:  # messages nested deeper than Python's stack: malformed too
-        log.warning("dropped a malformed frame from %s: messages nested too deeply", source)
     return None
 
 

@@ -174,7 +174,7 @@ class Scheduler:
         for req in list(self.running):
             if len(decodes) >= budget:
                 break
-            if req.status is not Status.RUNNING or req.is_prefill:
+            if req.status is not Status.RUNNING or req.is_prefill or self._will_be_done(req):
                 continue
             while not bm.may_append(req, req.num_computed_tokens + 1):
                 victim = self.running[-1]
@@ -190,6 +190,12 @@ class Scheduler:
                 bm.cache_blocks(req, min(req.num_computed_tokens, req.num_tokens))
                 decodes.append(req)
         return decodes, appends, preempted
+
+    def _will_be_done(self, req: Request) -> bool:
+        """True when the steps in flight already sample the request's last token (overlap planning
+        runs ahead of the results: this keeps it from planning a token nobody can use)."""
+        total = req.num_computed_tokens + 1  # tokens once every planned step has sampled
+        return total - req.num_prompt_tokens >= req.max_tokens or total >= self.max_model_len
 
     def _schedule_prefills(self, budget: int, admit: bool) -> tuple[list[tuple[Request, int]], list[NewRow]]:
         """Chunks of partly prefilled rows, then of waiting requests admitted first come, first served."""

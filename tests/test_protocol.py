@@ -117,9 +117,6 @@ def _nested_plans(depth: int) -> bytes:
     return top + msgpack.packb("new_rows") + b"\x91" + inner
 
 
-@pytest.mark.xfail(strict=True, raises=RecursionError,
-                   reason="codec bug (protocol/codec.py, not ours): _from_wire recurses into nested messages "
-                          "without a depth limit; the scheduler process catches RecursionError meanwhile")
 def test_deeply_nested_messages_raise_protocol_error():
     with pytest.raises(ProtocolError):
         decode(_nested_plans(400))

@@ -520,7 +520,7 @@ def socket_worker(addresses, num_blocks: int, block_size: int, fail_at: int | No
         results.send(encode(WorkerError(rank=0, reason="out of memory while loading")))
     else:
         results.send(encode(Ready(role="worker", rank=0, info={"num_kv_blocks": num_blocks})))
-    fake = FakeWorker(num_blocks, block_size)
+    fake, failed = FakeWorker(num_blocks, block_size), False
     while plans.poll(10_000):
         msg = decode(plans.recv())
         log.append(msg)
@@ -528,7 +528,8 @@ def socket_worker(addresses, num_blocks: int, block_size: int, fail_at: int | No
             break
         if msg.step == fail_at:
             results.send(encode(WorkerError(rank=0, reason="CUDA error: out of luck")))
-        elif fail_at != -1:
+            failed = True  # plans already in flight behind the failed one are never run
+        elif fail_at != -1 and not failed:
             results.send(encode(fake.execute(msg)))
     ctx.destroy(linger=1000)
 

@@ -195,6 +195,10 @@ class ModelRunner:
             launched.trace = (start_ns, time.perf_counter_ns(), events, step.is_decode)
         return launched
 
+    def is_done(self, launched: Launched) -> bool:
+        """Whether collect() would return without waiting for the device."""
+        return launched.done is None or launched.done.query()
+
     def collect(self, launched: Launched) -> StepResult:
         """Wait for a launched step's tokens; they are aligned with plan.rows (-1: a row still mid-prompt)."""
         if launched.done is not None:

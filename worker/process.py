@@ -64,20 +64,19 @@ def _build_runner(config: EngineConfig, addresses: Addresses, rank: int):
 
 
 def _serve(runner, plans: zmq.Socket, results: zmq.Socket, rank: int, tracer: Tracer) -> None:
-    """Launch each plan; when the next plan is already waiting, launch it before collecting this one.
+    """Launch each plan as it comes; collect a launched step once its GPU work is done.
 
-    A scheduler that sends plan N+1 before it has result N thus keeps the GPU busy while the host
-    prepares; a synchronous one finds no plan waiting and each step is collected at once.
+    The scheduler sends plan N+1 before it has result N, so plan N+1 usually arrives while step N runs:
+    it is launched at once, queued behind step N, and the GPU never waits for the host.
     """
     pending = None
     while True:
-        try:
-            frame = plans.recv(zmq.NOBLOCK if pending is not None else 0)
-        except zmq.Again:
-            _finish(runner, pending, results, rank, tracer)
-            pending = None
+        if pending is not None and not plans.poll(0):
+            if runner.is_done(pending):  # spin: a poll is a few microseconds, a step a millisecond
+                _finish(runner, pending, results, rank, tracer)
+                pending = None
             continue
-        msg = decode(frame)
+        msg = decode(plans.recv())
         if isinstance(msg, Shutdown):
             if pending is not None:
                 _finish(runner, pending, results, rank, tracer)
