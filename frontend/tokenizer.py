@@ -14,10 +14,12 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
-from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 QWEN25_SHORT_NAMES = frozenset(f"qwen2.5-{size}{kind}" for size in ("0.5b", "1.5b", "3b", "7b")
                                for kind in ("", "-base"))
@@ -105,7 +107,7 @@ def qwen25_chat_template(instruct: bool = True) -> str:
 def load_tokenizer(model: str, model_dir: str | None) -> PreTrainedTokenizerBase:
     """The tokenizer (with chat template) of `model`, read from model_dir; Qwen2.5 short names work offline."""
     if model_dir is not None and has_tokenizer_files(model_dir):
-        return AutoTokenizer.from_pretrained(model_dir)
+        return _from_pretrained(model_dir)
     name = model.lower()
     if name in QWEN25_SHORT_NAMES:
         return load_qwen25_tokenizer(instruct=not name.endswith("-base"))
@@ -113,6 +115,13 @@ def load_tokenizer(model: str, model_dir: str | None) -> PreTrainedTokenizerBase
     raise ValueError(f"no tokenizer for model {model!r}: found no tokenizer.json, vocab.json + merges.txt or "
                      f"tokenizer.model {where}, and there is no offline fallback for it; use a model directory "
                      f"with tokenizer files or one of {sorted(QWEN25_SHORT_NAMES)}")
+
+
+def _from_pretrained(path, **kwargs) -> PreTrainedTokenizerBase:
+    # Imported here: transformers takes seconds to import, and the launcher starts the engine first.
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, **kwargs)
 
 
 def has_tokenizer_files(model_dir: str | os.PathLike) -> bool:
@@ -128,9 +137,9 @@ def load_qwen25_tokenizer(instruct: bool = True, cache_dir: str | os.PathLike | 
     if not has_tokenizer_files(path):
         _build_into(path)
     if instruct:
-        return AutoTokenizer.from_pretrained(path)
+        return _from_pretrained(path)
     # The base repos end documents with <|endoftext|>, not the chat turn's <|im_end|>.
-    return AutoTokenizer.from_pretrained(path, eos_token="<|endoftext|>", chat_template=qwen25_chat_template(False))
+    return _from_pretrained(path, eos_token="<|endoftext|>", chat_template=qwen25_chat_template(False))
 
 
 def default_cache_dir() -> Path:
@@ -192,6 +201,8 @@ def recover_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
 
 def build_qwen25_tokenizer(ranks: dict[bytes, int]) -> Tokenizer:
     """Qwen2's byte-level BPE (NFC, Qwen2 split pattern) with Qwen2.5's added tokens at their real ids."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
     to_unicode = bytes_to_unicode()  # the printable alphabet byte-level vocabularies are written in
 
     def unicode(b: bytes) -> str:

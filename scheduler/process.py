@@ -84,6 +84,7 @@ class SchedulerServer:
         self.tracer = Tracer("scheduler", config.trace_dir)
         self.scheduler: Scheduler | None = None
         self.info: dict = {}
+        self.worker_startup: dict = {}  # rank 0's seconds per start-up phase, passed on to frontends
         self.early: list[tuple[bytes, object]] = []  # frontend messages from before the workers were ready
         self.in_flight: deque[int] = deque()  # steps sent and not yet answered, oldest first
 
@@ -156,6 +157,8 @@ class SchedulerServer:
                 num = msg.info.get("num_kv_blocks")
                 if isinstance(num, int) and num >= 2:
                     blocks[msg.rank] = num
+                    if msg.rank == 0:
+                        self.worker_startup = msg.info.get("startup", {})
                 else:
                     log.warning("dropped Ready from worker %d: num_kv_blocks=%r is not an int >= 2", msg.rank, num)
         return min(blocks.values())
@@ -165,7 +168,7 @@ class SchedulerServer:
         return {"num_kv_blocks": sched.block_manager.num_blocks, "max_model_len": sched.max_model_len,
                 "vocab_size": sched.vocab_size, "eos_token_ids": sorted(sched.eos_token_ids),
                 "block_size": self.config.block_size, "model": self.config.model,
-                "model_path": self.config.model_path, "model_config": mc.to_dict()}
+                "model_path": self.config.model_path, "model_config": mc.to_dict(), "startup": self.worker_startup}
 
     # ---- frontends -------------------------------------------------------------------------------
 

@@ -68,8 +68,10 @@ class ModelRunner:
         self.step = 0
         use_graphs = self.device.type == "cuda" and not config.enforce_eager
         sizes = graph_batch_sizes(self.max_rows) if use_graphs else []
+        started = time.perf_counter()
         with torch.inference_mode():
             self.model = self._build_model(model_dir)
+            weights_done = time.perf_counter()
             self.sampler = Sampler(self.max_rows, self.model_config.vocab_size, self.device, config.seed)
             self.last_token = torch.zeros(self.max_rows + 1, dtype=torch.int64, device=self.device)
             self.block_tables = torch.zeros(self.max_rows + 1, max_blocks, dtype=torch.int32, device=self.device)
@@ -82,9 +84,13 @@ class ModelRunner:
             self._out_turn = 0
             self.num_kv_blocks = self._num_kv_blocks()
             self.kv_caches = self._allocate_kv_cache(self.num_kv_blocks)
+            kv_done = time.perf_counter()
             self.graphs = DecodeGraphs(sizes, self.buffers, self._decode_forward, self.dummy_row) if sizes else None
             if self.graphs is not None:
                 self.graphs.capture()
+        # Seconds per start-up phase, reported in Ready for bench/startup.py.
+        self.startup = {"weights_s": weights_done - started, "kv_cache_s": kv_done - weights_done,
+                        "graph_capture_s": time.perf_counter() - kv_done}
 
     # ---- set-up -------------------------------------------------------------------------------------
 

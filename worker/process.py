@@ -34,7 +34,8 @@ def run_worker(config_dict: dict, addresses_dict: dict, rank: int) -> None:
     failed = False
     try:
         runner = _build_runner(config, addresses, rank)
-        results.send(encode(Ready(role="worker", rank=rank, info={"num_kv_blocks": runner.num_kv_blocks})))
+        info = {"num_kv_blocks": runner.num_kv_blocks, "startup": runner.startup}
+        results.send(encode(Ready(role="worker", rank=rank, info=info)))
         _serve(runner, plans, results, rank, tracer)
     except Exception as e:  # anything that stops this rank must reach the scheduler as a reason
         log.exception("worker rank %d failed", rank)
