@@ -23,6 +23,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.6, help="nano-vllm's; 0 is greedy")
     p.add_argument("--baseline", choices=["hf"], default=None, help="also run Hugging Face generate")
     p.add_argument("--hf-batch", type=int, default=64, help="sequences per left-padded HF generate")
+    p.add_argument("--hf-num-seqs", type=int, default=None,
+                   help="run HF on only the first N sequences of the same workload (its host-bound steps are slow)")
     args = p.parse_args(argv)
     if not 1 <= args.min_len <= min(args.max_input_len, args.max_output_len):
         p.error(f"--min-len {args.min_len}: use 1..min(--max-input-len, --max-output-len)")
@@ -80,8 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts, outputs = workload(args, config.vocab_size)
     rows = [{"engine": "pico-vllm", **run_ours(args, prompts, outputs)}]
     if args.baseline == "hf":
-        rows.append({"engine": f"hf (batch {args.hf_batch})",
-                     **run_hf(args, prompts, outputs, config, model_path)})
+        rows.append({"engine": f"hf (batch {args.hf_batch}, {args.hf_num_seqs or args.num_seqs} seqs)",
+                     **run_hf(args, prompts[:args.hf_num_seqs], outputs[:args.hf_num_seqs], config, model_path)})
         rows[0]["vs_hf"] = rows[0]["output_tok_s"] / rows[1]["output_tok_s"]
     print_table(f"throughput: {args.num_seqs} seqs, inputs {sum(map(len, prompts))} tokens, outputs "
                 f"{sum(outputs)} tokens, {args.model}"
