@@ -28,9 +28,10 @@ def _child_main(module: str, func: str, *args) -> None:
 
 def resolve_config(config: EngineConfig) -> EngineConfig:
     """Resolve the model name once, here, so that child processes start from files and numbers."""
-    from protocol.model_config import resolve_model
+    from protocol.model_config import check_tp_size, resolve_model
 
     model_config, model_path = resolve_model(config.model, config.load_format)
+    check_tp_size(model_config, config.tensor_parallel_size)
     config.model_config, config.model_path = model_config, model_path
     limit = model_config.max_position_embeddings
     if config.max_model_len is None:
@@ -76,7 +77,7 @@ class EngineProcesses:
         if self._stopping:
             return
         role, proc = by_sentinel[ready[0]]
-        proc.join(0)
+        proc.join(1.0)  # its sentinel fired: reap it so that the exit code is known
         self.dead_reason = f"engine process {role} (pid {proc.pid}) exited with code {proc.exitcode}"
         log.error("%s", self.dead_reason)
         for callback in self._on_death:
