@@ -407,8 +407,9 @@ class CompletionRenderer(Renderer):
             for token_text, _, _ in rows:
                 offsets.append(pos)
                 pos += len(token_text)
+            # reversed: of top tokens that decode to the same text, the likeliest is written last and kept
             logprobs = CompletionLogprobs(tokens=[r[0] for r in rows], token_logprobs=[r[1] for r in rows],
-                                          top_logprobs=[dict(r[2]) for r in rows], text_offset=offsets)
+                                          top_logprobs=[dict(reversed(r[2])) for r in rows], text_offset=offsets)
         return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=o.finish_reason)
 
     def _wrap(self, choices: list[CompletionChoice], info: UsageInfo | None = None) -> CompletionResponse:

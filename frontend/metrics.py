@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
+                               disable_created_metrics, generate_latest)
 
 # vLLM's bucket edges (seconds), so that histograms from both engines can be compared directly.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -23,6 +24,7 @@ class Metrics:
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self, model_name: str):
+        disable_created_metrics()  # as vLLM does: no `*_created` series beside every counter and histogram
         self.registry = r = CollectorRegistry()
         label = ["model_name"]
         self.model_name = model_name

@@ -33,6 +33,7 @@ from frontend.launcher import resolve_config
 from frontend.metrics import Metrics
 from frontend.outputs import RequestOutput
 from protocol.config import EngineConfig
+from protocol.sampling import SamplingParams
 
 log = logging.getLogger("pico_vllm.server")
 MAX_BODY_BYTES = 4 << 20  # a 128k-token prompt is well under 1 MB of text; far larger bodies are abuse
@@ -73,7 +74,14 @@ class ServerState:
             raise APIError(404, f"this server serves {self.names}; model {name[:100]!r} does not exist",
                            param="model", code="model_not_found")
 
-    def job(self, engine: AsyncLLM, request_id: str, prompt: str | list[int], params, param: str) -> Job:
+    async def accept(self, request: Request, model: type[BaseModel]) -> tuple:
+        """The validated request, for a model this server serves, and the engine ready to take it."""
+        req = parse_request(model, await read_body(request))
+        self.check_model(req.model)
+        return req, self.ready_engine()
+
+    def job(self, engine: AsyncLLM, request_id: str, prompt: str | list[int], params: SamplingParams,
+            param: str) -> Job:
         return prepare(request_id, engine.tokenizer, prompt, params, engine.max_model_len,
                        engine.model_config.vocab_size, param)
 
@@ -111,8 +119,10 @@ def engine_error(exc: Exception) -> APIError:
         return exc
     if isinstance(exc, EngineDeadError):
         return APIError(503, f"the engine is dead: {exc}", code="engine_dead")
-    if isinstance(exc, EngineRequestError):
-        return APIError(503, f"the engine could not take the request: {exc}", code="engine_overloaded")
+    if isinstance(exc, EngineRequestError):  # the scheduler refused this one request
+        if "overloaded" in str(exc):
+            return APIError(503, str(exc), code="engine_overloaded")
+        return bad_request(f"the engine refused the request: {exc}")
     log.error("engine fault", exc_info=exc)
     return APIError(500, f"engine fault: {type(exc).__name__}: {exc}", code="engine_error")
 
@@ -175,11 +185,13 @@ async def until_disconnected(request: Request, work: Awaitable):
     watch = asyncio.create_task(_client_gone(request))
     try:
         await asyncio.wait([task, watch], return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # we are cancelled ourselves (shutdown): so is the work
+        task.cancel()
+        raise
     finally:
         watch.cancel()
-        if not task.done():
-            task.cancel()
-    if task.cancelled():
+    if not task.done():  # the client left first; cancel() lets the work clean up (abort) when it next runs
+        task.cancel()
         raise ClientGone()
     return task.result()
 
@@ -350,9 +362,7 @@ def _info_routes(state: ServerState) -> APIRouter:
 
     @router.post("/tokenize")
     async def tokenize(request: Request) -> dict:
-        req = parse_request(TokenizeRequest, await read_body(request))
-        state.check_model(req.model)
-        engine = state.ready_engine()
+        req, engine = await state.accept(request, TokenizeRequest)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("send exactly one of prompt and messages", "prompt")
         ids = (chat_prompt(req.messages, engine.tokenizer, req.add_generation_prompt) if req.messages is not None
@@ -361,9 +371,7 @@ def _info_routes(state: ServerState) -> APIRouter:
 
     @router.post("/detokenize")
     async def detokenize(request: Request) -> dict:
-        req = parse_request(DetokenizeRequest, await read_body(request))
-        state.check_model(req.model)
-        engine = state.ready_engine()
+        req, engine = await state.accept(request, DetokenizeRequest)
         vocab = engine.model_config.vocab_size
         bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
         if bad is not None:
@@ -378,9 +386,7 @@ def _generation_routes(state: ServerState) -> APIRouter:
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = parse_request(CompletionRequest, await read_body(request))
-        state.check_model(req.model)
-        engine = state.ready_engine()
+        req, engine = await state.accept(request, CompletionRequest)
         check_stream_options(req)
         if req.echo and req.logprobs is not None:
             raise bad_request("echo with logprobs is not supported: prompt logprobs are not computed", "echo")
@@ -393,9 +399,7 @@ def _generation_routes(state: ServerState) -> APIRouter:
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = parse_request(ChatCompletionRequest, await read_body(request))
-        state.check_model(req.model)
-        engine = state.ready_engine()
+        req, engine = await state.accept(request, ChatCompletionRequest)
         check_stream_options(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = sampling_params(req, state.defaults, max_tokens, chat_logprobs(req))

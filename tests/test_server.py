@@ -1,0 +1,405 @@
+"""The OpenAI server end to end: `launch.py` as a real subprocess on a tiny checkpoint, the official client.
+
+One server per module (starting an engine costs seconds); the LLM references are computed while it starts.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from frontend import LLM, SamplingParams
+from frontend.api_models import (APIError, ChatCompletionRequest, CompletionRequest, generation_defaults,
+                                 parse_request, sampling_params)
+
+REPO = Path(__file__).resolve().parent.parent
+KEY = "test-key"
+MODEL = "tiny"
+MAX_MODEL_LEN = 256
+PROMPTS = ["Hello world! The quick", "Paged attention stores", "def main(): return", "Numbers 0123"]
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello world!"}]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+LONG = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+
+@dataclass
+class Server:
+    url: str
+    proc: subprocess.Popen
+    refs: dict  # name -> RequestOutput of LLM.generate
+    prompt_mode: subprocess.CompletedProcess
+    health_seen: list[int]  # /health statuses while the server started
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _poll_health(url: str, proc: subprocess.Popen, log: Path, done, timeout: float = 240.0) -> list[int]:
+    """Poll /health until done(status); return every status seen (503 while the engine loads)."""
+    deadline, seen = time.monotonic() + timeout, []
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
+        try:
+            seen.append(httpx.get(f"{url}/health", timeout=2).status_code)
+            if done(seen[-1]):
+                return seen
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"server not healthy after {timeout} s:\n{log.read_text()[-3000:]}")
+
+
+def _references(ckpt: Path) -> dict:
+    with LLM(str(ckpt), device="cpu", max_model_len=MAX_MODEL_LEN, num_kv_blocks=64) as llm:
+        tok = llm.get_tokenizer()
+        chat_ids = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)["input_ids"]
+        outs = llm.generate(PROMPTS + [chat_ids, PROMPTS[0]], [GREEDY] * 5 + [LONG], use_tqdm=False)
+    refs = {p: o for p, o in zip(PROMPTS, outs)}
+    refs["chat"], refs["long"] = outs[4], outs[5]
+    return refs
+
+
+@pytest.fixture(scope="module")
+def server(tiny_ckpt, tmp_path_factory) -> Server:
+    port, log = _free_port(), tmp_path_factory.mktemp("server") / "server.log"
+    cmd = [sys.executable, "launch.py", "--model", str(tiny_ckpt), "--device", "cpu", "--max-model-len",
+           str(MAX_MODEL_LEN)]
+    with open(log, "w") as log_file:
+        proc = subprocess.Popen(cmd + ["--port", str(port), "--api-key", KEY, "--served-model-name", MODEL,
+                                       "--num-kv-blocks", "1024"], cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        health_seen = _poll_health(url, proc, log, lambda status: True)  # listening: the engine loads now
+        prompt_mode = subprocess.Popen(cmd + ["--prompt", PROMPTS[0], "--max-tokens", "24"], cwd=REPO,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        refs = _references(tiny_ckpt)
+        out, err = prompt_mode.communicate(timeout=240)
+        health_seen += _poll_health(url, proc, log, lambda status: status == 200)
+        yield Server(url, proc, refs, subprocess.CompletedProcess(prompt_mode.args, prompt_mode.returncode, out, err),
+                     health_seen)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def _async_client(server: Server) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def _post(server: Server, path: str, body, key: str | None = KEY, **kw) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if isinstance(body, bytes):
+        return httpx.post(server.url + path, content=body, headers=headers, timeout=60, **kw)
+    return httpx.post(server.url + path, json=body, headers=headers, timeout=60, **kw)
+
+
+# ---- the official client: greedy text, streams, usage, stop strings -----------------------------------------
+
+def test_health_is_503_while_the_engine_loads_then_200(server):
+    assert server.health_seen[0] == 503 and server.health_seen[-1] == 200
+
+
+def test_prompt_mode_prints_llm_generates_greedy_text(server):
+    assert server.prompt_mode.returncode == 0, server.prompt_mode.stderr[-2000:]
+    assert server.prompt_mode.stdout == server.refs[PROMPTS[0]].outputs[0].text + "\n"
+
+
+def test_completion_of_a_prompt_batch_equals_llm_generate_with_usage(server):
+    resp = _client(server).completions.create(model=MODEL, prompt=PROMPTS, max_tokens=24, temperature=0)
+    assert [c.index for c in resp.choices] == list(range(len(PROMPTS)))
+    for choice, prompt in zip(resp.choices, PROMPTS):
+        ref = server.refs[prompt].outputs[0]
+        assert (choice.text, choice.finish_reason) == (ref.text, ref.finish_reason)
+    prompt_tokens = sum(len(server.refs[p].prompt_token_ids) for p in PROMPTS)
+    completion_tokens = sum(len(server.refs[p].outputs[0].token_ids) for p in PROMPTS)
+    assert (resp.usage.prompt_tokens, resp.usage.completion_tokens, resp.usage.total_tokens) == (
+        prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
+
+
+def test_completion_from_token_ids_equals_text_prompt(server):
+    ref = server.refs[PROMPTS[1]]
+    resp = _client(server).completions.create(model=MODEL, prompt=ref.prompt_token_ids, max_tokens=24, temperature=0)
+    assert resp.choices[0].text == ref.outputs[0].text
+
+
+def test_completion_stream_chunks_join_to_the_non_streamed_text(server):
+    ref = server.refs[PROMPTS[2]]
+    chunks = list(_client(server).completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=24, temperature=0,
+                                                     stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.outputs[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == ref.outputs[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref.outputs[0].token_ids)
+    assert chunks[-1].usage.prompt_tokens == len(ref.prompt_token_ids)
+
+
+def test_chat_sync_and_async_streamed_and_not_equal_llm_generate(server):
+    ref = server.refs["chat"]
+    resp = _client(server).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0)
+    assert resp.choices[0].message.content == ref.outputs[0].text
+    assert resp.choices[0].finish_reason == ref.outputs[0].finish_reason
+    assert (resp.usage.prompt_tokens, resp.usage.completion_tokens) == (len(ref.prompt_token_ids),
+                                                                       len(ref.outputs[0].token_ids))
+
+    async def stream_both() -> tuple[list, list]:
+        client = _async_client(server)
+        chat = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=24,
+                                                    temperature=0, stream=True, stream_options={"include_usage": True})
+        text = await client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=24, temperature=0,
+                                               stream=True)
+        return [c async for c in chat], [c async for c in text]
+
+    chat_chunks, text_chunks = asyncio.run(stream_both())
+    assert chat_chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chat_chunks if c.choices) == ref.outputs[0].text
+    assert chat_chunks[-1].usage.completion_tokens == len(ref.outputs[0].token_ids)
+    assert "".join(c.choices[0].text for c in text_chunks) == server.refs[PROMPTS[3]].outputs[0].text
+
+
+def test_stop_string_cuts_the_text_and_finishes_with_stop(server):
+    full = server.refs["long"].outputs[0].text
+    stop = full[4:7]
+    expected = full[:full.find(stop)]
+    kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=40, temperature=0, stop=[stop],
+              extra_body={"ignore_eos": True})
+    resp = _client(server).completions.create(**kw)
+    assert (resp.choices[0].text, resp.choices[0].finish_reason) == (expected, "stop")
+    chunks = [c for c in _client(server).completions.create(**kw, stream=True)]
+    assert "".join(c.choices[0].text for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_n_seeded_samples_are_reproducible_and_counted(server):
+    kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=1.0, n=3, seed=11,
+              extra_body={"ignore_eos": True})
+    first, second = (_client(server).completions.create(**kw) for _ in range(2))
+    assert sorted(c.index for c in first.choices) == [0, 1, 2]
+    assert [c.text for c in first.choices] == [c.text for c in second.choices]
+    assert first.usage.completion_tokens == 3 * 8 and first.usage.prompt_tokens == len(
+        server.refs[PROMPTS[0]].prompt_token_ids)
+
+
+def test_logprobs_have_one_entry_per_token_with_top_k(server):
+    ref = server.refs[PROMPTS[0]].outputs[0]
+    text = _client(server).completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0,
+                                              logprobs=3).choices[0]
+    lp = text.logprobs
+    assert text.text == ref.text and len(lp.tokens) == len(lp.token_logprobs) == len(ref.token_ids)
+    # tokens that decode to the same text share a key, hence <= 3
+    assert all(1 <= len(top) <= 3 and max(top.values()) <= 0.0 for top in lp.top_logprobs)
+    # greedy: the sampled token is the most likely one
+    assert all(abs(max(top.values()) - p) < 1e-4 for top, p in zip(lp.top_logprobs, lp.token_logprobs))
+    chat = _client(server).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0,
+                                                   logprobs=True, top_logprobs=2).choices[0]
+    assert len(chat.logprobs.content) == len(server.refs["chat"].outputs[0].token_ids)
+    assert all(len(t.top_logprobs) == 2 for t in chat.logprobs.content)
+
+
+def test_echo_prepends_the_prompt(server):
+    resp = _client(server).completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=24, temperature=0,
+                                              echo=True)
+    assert resp.choices[0].text == PROMPTS[1] + server.refs[PROMPTS[1]].outputs[0].text
+
+
+# ---- the other routes -------------------------------------------------------------------------------------
+
+def test_models_version_health_tokenize_detokenize(server):
+    assert [m.id for m in _client(server).models.list().data] == [MODEL]
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert "version" in httpx.get(f"{server.url}/version").json()
+    ids = server.refs[PROMPTS[0]].prompt_token_ids
+    tokens = _post(server, "/tokenize", {"prompt": PROMPTS[0]}).json()
+    assert tokens == {"count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids}
+    chat = _post(server, "/tokenize", {"messages": MESSAGES}).json()
+    assert chat["tokens"] == server.refs["chat"].prompt_token_ids
+    assert _post(server, "/detokenize", {"tokens": ids}).json() == {"prompt": PROMPTS[0]}
+
+
+def test_metrics_use_vllm_names_and_count_requests(server):
+    _client(server).completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=5, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    text = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:num_preemptions_total",
+                 "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
+                 "vllm:e2e_request_latency_seconds_count"):
+        assert name in text, name
+    assert _metric(text, f'vllm:request_success_total{{finished_reason="length",model_name="{MODEL}"}}') >= 1
+    assert _metric(text, f'vllm:generation_tokens_total{{model_name="{MODEL}"}}') >= 5
+
+
+def _metric(text: str, name: str) -> float:
+    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    assert match, f"{name} not in /metrics"
+    return float(match.group(1))
+
+
+def _engine_idle(server: Server) -> bool:
+    text = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    running = _metric(text, f'vllm:num_requests_running{{model_name="{MODEL}"}}')
+    return running == 0 and _metric(text, f'vllm:kv_cache_usage_perc{{model_name="{MODEL}"}}') == 0.0
+
+
+# ---- bad input: each answered with its code and OpenAI's error body; the server keeps serving ---------------
+
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+OK_C = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
+OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+BAD_INPUTS = [  # (name, path, body, status, param)
+    ("max_tokens zero", C, {**OK_C, "max_tokens": 0}, 400, "max_tokens"),
+    ("max_tokens negative", C, {**OK_C, "max_tokens": -5}, 400, "max_tokens"),
+    ("max_tokens huge", C, {**OK_C, "max_tokens": 10**12}, 400, "max_tokens"),
+    ("chat max_completion_tokens huge", CHAT, {**OK_CHAT, "max_completion_tokens": 10**6}, 400, "max_tokens"),
+    ("temperature negative", C, {**OK_C, "temperature": -0.1}, 400, "temperature"),
+    ("top_p zero", C, {**OK_C, "top_p": 0}, 400, "top_p"),
+    ("top_p over one", CHAT, {**OK_CHAT, "top_p": 1.5}, 400, "top_p"),
+    ("top_k below -1", C, {**OK_C, "top_k": -2}, 400, "top_k"),
+    ("min_p over one", C, {**OK_C, "min_p": 1.5}, 400, "min_p"),
+    ("min_p negative", C, {**OK_C, "min_p": -0.5}, 400, "min_p"),
+    ("presence_penalty over 2", C, {**OK_C, "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ("frequency_penalty under -2", CHAT, {**OK_CHAT, "frequency_penalty": -3}, 400, "frequency_penalty"),
+    ("repetition_penalty zero", C, {**OK_C, "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("n too large", C, {**OK_C, "n": 17}, 400, "n"),
+    ("logprobs over 20", C, {**OK_C, "logprobs": 21}, 400, "logprobs"),
+    ("top_logprobs over 20", CHAT, {**OK_CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ("top_logprobs without logprobs", CHAT, {**OK_CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("seed too large", C, {**OK_C, "seed": 2**70}, 400, "seed"),
+    ("min_tokens over max_tokens", C, {**OK_C, "min_tokens": 5}, 400, "min_tokens"),
+    ("empty prompt", C, {**OK_C, "prompt": ""}, 400, "prompt"),
+    ("empty prompt list", C, {**OK_C, "prompt": []}, 400, "prompt"),
+    ("empty token list in a batch", C, {**OK_C, "prompt": [[1, 2], []]}, 400, "prompt"),
+    ("empty messages", CHAT, {**OK_CHAT, "messages": []}, 400, "messages"),
+    ("unknown role", CHAT, {**OK_CHAT, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
+    ("image content part", CHAT, {**OK_CHAT, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "messages"),
+    ("token id over the vocabulary", C, {**OK_C, "prompt": [1, 99999]}, 400, "prompt"),
+    ("negative token id", C, {**OK_C, "prompt": [-1, 3]}, 400, "prompt"),
+    ("prompt over max_model_len", C, {**OK_C, "prompt": [5] * (MAX_MODEL_LEN + 10)}, 400, "prompt"),
+    ("prompt + max_tokens over max_model_len", C, {**OK_C, "prompt": [5] * 200, "max_tokens": 100}, 400,
+     "max_tokens"),
+    ("invalid UTF-8", C, b'{"prompt": "\xff\xfe"}', 400, None),
+    ("malformed JSON", C, b'{"prompt": "hi", ', 400, None),
+    ("JSON array body", C, b"[1, 2]", 400, None),
+    ("max_tokens a string", C, {**OK_C, "max_tokens": "ten"}, 400, "max_tokens"),
+    ("temperature a list", C, {**OK_C, "temperature": [1]}, 400, "temperature"),
+    ("prompt a number", C, {**OK_C, "prompt": 5}, 400, "prompt"),
+    ("messages a string", CHAT, {**OK_CHAT, "messages": "hi"}, 400, "messages"),
+    ("stop a number", C, {**OK_C, "stop": 3}, 400, "stop"),
+    ("10 MB body", C, b'{"prompt": "' + b"a" * (10 << 20) + b'"}', 413, None),
+    ("unknown model", C, {**OK_C, "model": "gpt-4" * 1000}, 404, "model"),
+    ("stream_options without stream", C, {**OK_C, "stream_options": {"include_usage": True}}, 400,
+     "stream_options"),
+    ("empty stop string", C, {**OK_C, "stop": ["ok", ""]}, 400, "stop"),
+    ("too many stop strings", CHAT, {**OK_CHAT, "stop": [f"s{i}" for i in range(17)]}, 400, "stop"),
+    ("echo with logprobs", C, {**OK_C, "echo": True, "logprobs": 1}, 400, "echo"),
+    ("tokenize with neither prompt nor messages", "/tokenize", {"model": MODEL}, 400, "prompt"),
+    ("detokenize outside the vocabulary", "/detokenize", {"tokens": [1, 10**6]}, 400, "tokens"),
+]
+
+
+def _assert_error(resp: httpx.Response, status: int, param: str | None) -> None:
+    assert resp.status_code == status, resp.text[:500]
+    assert len(resp.content) < 2000  # never the whole input back
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+
+
+@pytest.mark.parametrize("name, path, body, status, param", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
+def test_bad_input_gets_its_error_and_the_server_keeps_serving(server, name, path, body, status, param):
+    _assert_error(_post(server, path, body), status, param)
+    ok = _post(server, C, {**OK_C, "max_tokens": 3, "temperature": 0})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_at_least_thirty_kinds_of_bad_input_are_covered():
+    assert len(BAD_INPUTS) >= 30
+
+
+@pytest.mark.parametrize("key", [None, "wrong-key", KEY + "x"])
+def test_wrong_or_missing_api_key_is_401_except_on_health_and_version(server, key):
+    _assert_error(_post(server, C, OK_C, key=key), 401, None)
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    assert httpx.get(f"{server.url}/v1/models", headers=headers).status_code == 401
+    assert httpx.get(f"{server.url}/metrics", headers=headers).status_code == 401
+    assert httpx.get(f"{server.url}/health", headers=headers).status_code == 200
+    assert httpx.get(f"{server.url}/version", headers=headers).status_code == 200
+
+
+def test_unknown_route_is_404_in_the_same_error_body(server):
+    resp = httpx.get(f"{server.url}/v1/nothing", headers={"Authorization": f"Bearer {KEY}"})
+    _assert_error(resp, 404, None)
+
+
+# ---- disconnects -------------------------------------------------------------------------------------------
+
+def test_fifty_clients_hanging_up_mid_stream_free_every_block(server):
+    async def hang_up_after_first_chunk(client: openai.AsyncOpenAI, i: int) -> None:
+        stream = await client.completions.create(model=MODEL, prompt=PROMPTS[i % 4], max_tokens=200,
+                                                 temperature=0, stream=True, extra_body={"ignore_eos": True})
+        async for _ in stream:
+            break
+        await stream.close()
+
+    async def hang_up_before_the_answer(i: int) -> None:
+        async with httpx.AsyncClient(timeout=0.5) as client:
+            with pytest.raises(httpx.ReadTimeout):
+                await client.post(server.url + C, headers={"Authorization": f"Bearer {KEY}"},
+                                  json={**OK_C, "max_tokens": 200, "ignore_eos": True})
+
+    async def main() -> None:
+        client = _async_client(server)
+        await asyncio.gather(*(hang_up_after_first_chunk(client, i) for i in range(50)),
+                             *(hang_up_before_the_answer(i) for i in range(5)))
+
+    asyncio.run(main())
+    deadline = time.monotonic() + 10
+    while not _engine_idle(server):
+        assert time.monotonic() < deadline, "blocks still in use 10 s after every client hung up"
+        time.sleep(0.2)
+    resp = _client(server).completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0)
+    assert resp.choices[0].text == server.refs[PROMPTS[0]].outputs[0].text
+
+
+# ---- request -> SamplingParams, without a server --------------------------------------------------------------
+
+def test_generation_config_fills_only_what_the_request_leaves_out(tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05, "eos_token_id": 2}))
+    defaults = generation_defaults(str(tmp_path))
+    assert defaults == {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
+    req = parse_request(ChatCompletionRequest, b'{"messages": [{"role": "user", "content": "x"}], "top_p": 0.5}')
+    params = sampling_params(req, defaults, None, None)
+    assert (params.temperature, params.top_p, params.top_k, params.repetition_penalty) == (0.7, 0.5, 20, 1.05)
+    assert sampling_params(req, {}, 16, None).temperature == SamplingParams().temperature
+    assert generation_defaults(None) == {} and generation_defaults(str(tmp_path / "missing")) == {}
+
+
+def test_unknown_fields_are_ignored_and_errors_are_truncated():
+    req = parse_request(CompletionRequest, b'{"prompt": "x", "suffix": "y", "best_of": 3, "user": "u"}')
+    assert req.prompt == "x"
+    with pytest.raises(APIError) as exc:
+        sampling_params(parse_request(CompletionRequest, json.dumps({"prompt": "x", "stop": ["s" * 5000, ""]})
+                                      .encode()), {}, 16, None)
+    assert exc.value.param == "stop" and len(exc.value.body()["error"]["message"]) < 500
