@@ -118,13 +118,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
     config, options = _split(parser, ns)
-    if ns.prompt is not None:
-        return run_prompt(config, ns.prompt, ns.max_tokens, ns.temperature)
-    if ns.headless:
-        from frontend.launcher import run_headless
-        return run_headless(config, ns.engine_address) or 0
-    from frontend.server import run_server
-    return run_server(config, options)
+    try:
+        if ns.prompt is not None:
+            return run_prompt(config, ns.prompt, ns.max_tokens, ns.temperature)
+        if ns.headless:
+            from frontend.launcher import run_headless
+            return run_headless(config, ns.engine_address) or 0
+        from frontend.server import run_server
+        return run_server(config, options)
+    except ValueError as exc:  # a model that does not resolve, a too-long --max-model-len, a bad --prompt
+        parser.error(str(exc))
 
 
 def run_prompt(config: EngineConfig, prompt: str, max_tokens: int, temperature: float) -> int:

@@ -106,3 +106,10 @@ def test_main_dispatches_to_one_mode(argv, mode, monkeypatch):
         assert calls[0][1] == ("hi", 3, 0.0)
     if mode == "headless":
         assert calls[0][1] == "tcp://:5555"
+
+
+def test_a_model_that_cannot_serve_the_length_exits_2_before_starting(tiny_ckpt, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--model", str(tiny_ckpt), "--device", "cpu", "--max-model-len", "99999"])
+    assert exc.value.code == 2
+    assert "max_model_len=99999" in capsys.readouterr().err
