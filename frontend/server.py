@@ -420,5 +420,8 @@ def run_server(config: EngineConfig, options: ServerOptions) -> int:
     server = uvicorn.Server(uvicorn.Config(app, host=options.host, port=options.port, loop="uvloop",
                                            timeout_graceful_shutdown=options.shutdown_timeout))
     state.stop = lambda: setattr(server, "should_exit", True)
-    server.run()
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it has already shut down on
+        return 130
     return state.exit_code
