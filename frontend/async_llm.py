@@ -12,8 +12,9 @@ from frontend.engine_client import EngineClient, EngineDeadError
 from frontend.inputs import Prompt, prepare_prompt
 from frontend.output_processor import OutputProcessor, RequestState
 from frontend.outputs import RequestOutput
+from protocol.codec import encode
 from protocol.config import EngineConfig
-from protocol.messages import Abort, EngineDead, TokenBatch
+from protocol.messages import Abort, EngineDead, GetStats, TokenBatch
 from protocol.sampling import SamplingParams
 
 
@@ -46,18 +47,25 @@ class AsyncLLM:
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
+        self._asock: zmq.asyncio.Socket | None = None
+        self._stats_waiters: list[asyncio.Future] = []
         if client.procs is not None:
             client.procs.on_death(self._on_death_from_thread)
 
     def _ensure_started(self) -> None:
         if self._task is None:
             self._loop = asyncio.get_running_loop()
+            # Every send and receive goes through this one asyncio socket: a plain send on the same zmq
+            # socket can consume the wake-up that the asyncio receive waits for, and replies sit unread.
+            self._asock = zmq.asyncio.Socket.from_socket(self.client.sock)
             self._task = self._loop.create_task(self._recv_loop())
 
+    def _send(self, msg) -> None:
+        self._asock.send(encode(msg))
+
     async def _recv_loop(self) -> None:
-        sock = zmq.asyncio.Socket.from_socket(self.client.sock)
         while True:
-            msg = self.client.decode(await sock.recv())
+            msg = self.client.decode(await self._asock.recv())
             if isinstance(msg, TokenBatch):
                 self._apply(msg)
             elif isinstance(msg, EngineDead):
@@ -67,10 +75,15 @@ class AsyncLLM:
     def _apply(self, batch: TokenBatch) -> None:
         if batch.stats:
             self.client.latest_stats = batch.stats
+        if not batch.request_ids:  # the answer to a GetStats
+            waiters, self._stats_waiters = self._stats_waiters, []
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(batch.stats)
         with self.client.tracer.span("frontend.detokenize", batch.step):
             changed, to_abort = self.processor.process(batch)
         if to_abort:
-            self.client.send(Abort(to_abort))
+            self._send(Abort(to_abort))
         for state in changed:
             event = self._events.get(state.output.request_id)
             if event is not None:
@@ -109,7 +122,7 @@ class AsyncLLM:
         try:
             with tracer.span("frontend.send"):
                 for msg in msgs:
-                    self.client.send(msg)
+                    self._send(msg)
             while True:
                 await event.wait()
                 event.clear()
@@ -135,7 +148,7 @@ class AsyncLLM:
     def _abort_now(self, request_id: str) -> None:
         engine_ids = self.processor.abort(request_id)
         if engine_ids and self.dead_reason is None:
-            self.client.send(Abort(engine_ids))
+            self._send(Abort(engine_ids))
 
     async def abort(self, request_id: str) -> None:
         self._abort_now(request_id)
@@ -146,6 +159,16 @@ class AsyncLLM:
     def stats(self) -> dict:
         """The engine's counters as of its latest step (they ride on every TokenBatch)."""
         return dict(self.client.latest_stats)
+
+    async def get_stats(self, timeout: float = 5.0) -> dict:
+        """Fresh engine counters: a round trip to the scheduler (stats() may predate the last abort)."""
+        if self.dead_reason:
+            raise EngineDeadError(self.dead_reason)
+        self._ensure_started()
+        waiter = self._loop.create_future()
+        self._stats_waiters.append(waiter)
+        self._send(GetStats())
+        return dict(await asyncio.wait_for(waiter, timeout))
 
     def shutdown(self) -> None:
         if self._task is not None:

@@ -356,8 +356,8 @@ def _info_routes(state: ServerState) -> APIRouter:
 
     @router.get("/metrics")
     async def metrics() -> Response:
-        if state.engine is not None:
-            state.metrics.observe_engine(state.engine.stats())
+        if state.engine is not None and state.engine.is_alive:  # a dead engine: the last gauges stand
+            state.metrics.observe_engine(await state.engine.get_stats())
         return Response(state.metrics.render(), media_type=Metrics.content_type)
 
     @router.post("/tokenize")
