@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -21,8 +20,8 @@ import pytest
 from frontend import LLM, SamplingParams
 from frontend.api_models import (APIError, ChatCompletionRequest, CompletionRequest, generation_defaults,
                                  parse_request, sampling_params)
+from tests.server_fixture import REPO, assert_error, launch, poll_health, post
 
-REPO = Path(__file__).resolve().parent.parent
 KEY = "test-key"
 MODEL = "tiny"
 MAX_MODEL_LEN = 256
@@ -41,27 +40,6 @@ class Server:
     health_seen: list[int]  # /health statuses while the server started
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _poll_health(url: str, proc: subprocess.Popen, log: Path, done, timeout: float = 240.0) -> list[int]:
-    """Poll /health until done(status); return every status seen (503 while the engine loads)."""
-    deadline, seen = time.monotonic() + timeout, []
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
-        try:
-            seen.append(httpx.get(f"{url}/health", timeout=2).status_code)
-            if done(seen[-1]):
-                return seen
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"server not healthy after {timeout} s:\n{log.read_text()[-3000:]}")
-
-
 def _references(ckpt: Path) -> dict:
     with LLM(str(ckpt), device="cpu", max_model_len=MAX_MODEL_LEN, num_kv_blocks=64) as llm:
         tok = llm.get_tokenizer()
@@ -74,29 +52,21 @@ def _references(ckpt: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def server(tiny_ckpt, tmp_path_factory) -> Server:
-    port, log = _free_port(), tmp_path_factory.mktemp("server") / "server.log"
-    cmd = [sys.executable, "launch.py", "--model", str(tiny_ckpt), "--device", "cpu", "--max-model-len",
-           str(MAX_MODEL_LEN)]
-    with open(log, "w") as log_file:
-        proc = subprocess.Popen(cmd + ["--port", str(port), "--api-key", KEY, "--served-model-name", MODEL,
-                                       "--num-kv-blocks", "1024"], cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT)
+    base = ["--model", str(tiny_ckpt), "--device", "cpu", "--max-model-len", str(MAX_MODEL_LEN)]
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    launched = launch(base + ["--api-key", KEY, "--served-model-name", MODEL, "--num-kv-blocks", "1024"], log)
     try:
-        url = f"http://127.0.0.1:{port}"
-        health_seen = _poll_health(url, proc, log, lambda status: True)  # listening: the engine loads now
-        prompt_mode = subprocess.Popen(cmd + ["--prompt", PROMPTS[0], "--max-tokens", "24"], cwd=REPO,
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        url, proc = launched.url, launched.proc
+        health_seen = poll_health(url, proc, log, lambda status: True)  # listening: the engine loads now
+        prompt_mode = subprocess.Popen([sys.executable, "launch.py", *base, "--prompt", PROMPTS[0], "--max-tokens",
+                                        "24"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         refs = _references(tiny_ckpt)
         out, err = prompt_mode.communicate(timeout=240)
-        health_seen += _poll_health(url, proc, log, lambda status: status == 200)
+        health_seen += poll_health(url, proc, log, lambda status: status == 200)
         yield Server(url, proc, refs, subprocess.CompletedProcess(prompt_mode.args, prompt_mode.returncode, out, err),
                      health_seen)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        launched.stop()
 
 
 def _client(server: Server) -> openai.OpenAI:
@@ -108,10 +78,7 @@ def _async_client(server: Server) -> openai.AsyncOpenAI:
 
 
 def _post(server: Server, path: str, body, key: str | None = KEY, **kw) -> httpx.Response:
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    if isinstance(body, bytes):
-        return httpx.post(server.url + path, content=body, headers=headers, timeout=60, **kw)
-    return httpx.post(server.url + path, json=body, headers=headers, timeout=60, **kw)
+    return post(server.url, path, body, key, **kw)
 
 
 # ---- the official client: greedy text, streams, usage, stop strings -----------------------------------------
@@ -317,18 +284,9 @@ BAD_INPUTS = [  # (name, path, body, status, param)
 ]
 
 
-def _assert_error(resp: httpx.Response, status: int, param: str | None) -> None:
-    assert resp.status_code == status, resp.text[:500]
-    assert len(resp.content) < 2000  # never the whole input back
-    error = resp.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    if param is not None:
-        assert error["param"] == param, error
-
-
 @pytest.mark.parametrize("name, path, body, status, param", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
 def test_bad_input_gets_its_error_and_the_server_keeps_serving(server, name, path, body, status, param):
-    _assert_error(_post(server, path, body), status, param)
+    assert_error(_post(server, path, body), status, param)
     ok = _post(server, C, {**OK_C, "max_tokens": 3, "temperature": 0})
     assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("length", "stop")
 
@@ -339,7 +297,7 @@ def test_at_least_thirty_kinds_of_bad_input_are_covered():
 
 @pytest.mark.parametrize("key", [None, "wrong-key", KEY + "x"])
 def test_wrong_or_missing_api_key_is_401_except_on_health_and_version(server, key):
-    _assert_error(_post(server, C, OK_C, key=key), 401, None)
+    assert_error(_post(server, C, OK_C, key=key), 401, None)
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     assert httpx.get(f"{server.url}/v1/models", headers=headers).status_code == 401
     assert httpx.get(f"{server.url}/metrics", headers=headers).status_code == 401
@@ -349,7 +307,7 @@ def test_wrong_or_missing_api_key_is_401_except_on_health_and_version(server, ke
 
 def test_unknown_route_is_404_in_the_same_error_body(server):
     resp = httpx.get(f"{server.url}/v1/nothing", headers={"Authorization": f"Bearer {KEY}"})
-    _assert_error(resp, 404, None)
+    assert_error(resp, 404, None)
 
 
 # ---- disconnects -------------------------------------------------------------------------------------------
