@@ -3,7 +3,8 @@
 Every parameter carries weight_loader(param, loaded, shard_id=None): it checks the full checkpoint tensor's
 shape and copies this rank's TP shard of it into place, so the loader knows nothing of parallelism.
 Parameters are created in torch's default dtype and device (build the model under them); math runs in
-that dtype, logits come out float32.
+that dtype, logits come out float32. Linears go through kernels.gemv.linear: for a few rows on the GPU, a
+split-K Triton GEMV wherever it was timed faster than cuBLAS.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import add_rms_norm, rms_norm
+from kernels.gemv import linear
 from worker.parallel import all_gather_last_dim, all_reduce, local_kv_heads
 
 
@@ -58,7 +60,7 @@ class QKVParallelLinear(nn.Module):
         _load_slice(param, self.offset[shard_id] * d, loaded, self.first_head[shard_id] * d, local * d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(nn.Module):
@@ -74,7 +76,7 @@ class MergedColumnParallelLinear(nn.Module):
         _load_slice(param, shard_id * self.local, loaded, self.tp_rank * self.local, self.local)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)
 
 
 class RowParallelLinear(nn.Module):
@@ -92,7 +94,7 @@ class RowParallelLinear(nn.Module):
         _load_slice(param, 0, loaded, self.tp_rank * local, local, dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(F.linear(x, self.weight), self.tp_size)
+        return all_reduce(linear(x, self.weight), self.tp_size)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -123,7 +125,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Vocab-parallel lm_head: each rank computes its vocab slice of the logits; all ranks get all logits."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight).float()
+        logits = linear(hidden, self.weight).float()
         return all_gather_last_dim(logits, self.tp_size)[:, : self.vocab_size]
 
 

@@ -1,0 +1,183 @@
+"""Linear layers of a few rows (batch-1 decode): a split-K Triton GEMV, used only where it beats cuBLAS.
+
+cuBLAS runs the small decode GEMVs far below memory bandwidth (too few thread blocks for 132 SMs). Here
+each program owns a BLOCK_N slice of output rows and a slice of K, reads its weight tile once for all
+M <= 16 rows (one tl.dot tile), and accumulates in float32; split-K partials are summed in a fixed order by
+a second small kernel, so results are bit-reproducible (a graph replay equals the eager run).
+
+linear() picks per (rows bucket, N, K, dtype, bias): the first eager call of a shape times cuBLAS and a few
+Triton configs on a cold L2 and caches the fastest, so the Triton path is never the slower one. A shape
+first met during CUDA-graph capture (no sync possible) runs cuBLAS and is chosen at its next eager call.
+"""
+from __future__ import annotations
+
+import functools
+import statistics
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from triton.runtime.errors import OutOfResources
+
+GEMV_MAX_M = 16  # rows the Triton path takes: one tl.dot tile (its M is at least 16 anyway)
+BLOCK_M = 16
+REDUCE_BLOCK = 1024
+TIMING_REPS = 20
+_HEAD_START_CYCLES = 6_000_000  # ~3 ms of GPU sleep: the host queues every timed rep before the GPU gets there
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x[M, K] @ w[N, K]^T + bias[N]: torch's linear (cuBLAS on the GPU)."""
+    return F.linear(x, w, bias)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_xk, stride_wn,
+                 stride_wk, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # Program (n, s, m): rows [m*BLOCK_M, +BLOCK_M) of x times output rows [n*BLOCK_N, +BLOCK_N) over split s
+    # of K. PARTIAL: write float32 partials [split, M, N] for the reduce kernel; else the output (+ bias).
+    pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(K, k_start + k_per_split)
+    w_rows = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn  # the tile is loaded as w^T: [BLOCK_K, BLOCK_N]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                    mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
+        w = tl.load(w_rows + offs_k[:, None] * stride_wk, mask=(offs_k[:, None] < K) & (offs_n[None, :] < N),
+                    other=0.0)
+        acc += tl.dot(x.to(w.dtype), w)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    if PARTIAL:
+        tl.store(out_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["MN", "SPLIT_K"])
+def _split_k_reduce_kernel(part_ptr, bias_ptr, out_ptr, MN, N, SPLIT_K, HAS_BIAS: tl.constexpr,
+                           BLOCK: tl.constexpr):
+    # Sums the partials split 0, 1, ... in this order: the same bits every run, unlike atomic adds.
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(SPLIT_K):
+        acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def gemv_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+                config: GemvConfig | None = None) -> torch.Tensor:
+    """linear_ref(x, w, bias) by the split-K kernel; x may be a strided view, the output is contiguous."""
+    m, k = x.shape
+    n = w.shape[0]
+    cfg = config or candidate_configs(n, k, _num_sms(x.device))[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    partial = cfg.split_k > 1
+    target = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device) if partial else out
+    grid = (triton.cdiv(n, cfg.block_n), cfg.split_k, triton.cdiv(m, BLOCK_M))
+    bias_arg = bias if bias is not None else w  # never read when there is no bias
+    _gemv_kernel[grid](x, w, bias_arg, target, m, n, k, k_per_split, x.stride(0), x.stride(1), w.stride(0),
+                       w.stride(1), HAS_BIAS=bias is not None and not partial, PARTIAL=partial, BLOCK_M=BLOCK_M,
+                       BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+                       num_stages=cfg.num_stages)
+    if partial:
+        _split_k_reduce_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](target, bias_arg, out, m * n, n, cfg.split_k,
+                                                                    HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK)
+    return out
+
+
+def candidate_configs(n: int, k: int, num_sms: int) -> list[GemvConfig]:
+    """Tile shapes worth timing for an [n, k] weight; K is split until there are >= 2 programs per SM."""
+    configs = []
+    for block_n, block_k, warps in ((64, 128, 4), (32, 256, 4), (128, 128, 8)):
+        chunks = triton.cdiv(k, block_k)
+        wanted = triton.cdiv(2 * num_sms, triton.cdiv(n, block_n))
+        per_split = max(1, chunks // wanted)  # whole chunks per split, rounded down: at least `wanted` splits
+        configs.append(GemvConfig(block_n, block_k, triton.cdiv(chunks, per_split), warps))
+    return configs
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the interpreter: any count gives the same result
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+# (rows bucket, N, K, dtype, has bias, device) -> the Triton config that beat cuBLAS, or None for cuBLAS.
+_CHOICES: dict[tuple, GemvConfig | None] = {}
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x[M, K] @ w[N, K]^T + bias: the Triton GEMV for few rows on CUDA where it was timed faster, else torch."""
+    few_rows = x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_M
+    if not (x.is_cuda and few_rows and x.dtype in (torch.float16, torch.bfloat16) and w.dtype == x.dtype):
+        return linear_ref(x, w, bias)
+    config = cached_choice(x, w, bias)
+    return linear_ref(x, w, bias) if config is None else gemv_triton(x, w, bias, config)
+
+
+def cached_choice(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> GemvConfig | None:
+    """The cached pick for this shape, timing it on first sight; cuBLAS (None) while a graph is captured."""
+    key = (triton.next_power_of_2(x.shape[0]), *w.shape, x.dtype, bias is not None, x.device)
+    if key not in _CHOICES:
+        if torch.cuda.is_current_stream_capturing():
+            return None  # timing needs a sync, which capture forbids: cuBLAS, and time it at the next eager call
+        _CHOICES[key] = fastest_config(x, w, bias)
+    return _CHOICES[key]
+
+
+def fastest_config(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> GemvConfig | None:
+    """Times cuBLAS and each candidate on these tensors with a cold L2; None unless a candidate is faster."""
+    flush = torch.empty(2 * _l2_bytes(x.device) // 4, dtype=torch.int32, device=x.device)
+    cublas_us = _median_us(functools.partial(linear_ref, x, w, bias), flush)
+    best, best_us = None, cublas_us * 0.97  # a 3% margin: timing noise must not flip a shape to Triton
+    for config in candidate_configs(w.shape[0], w.shape[1], _num_sms(x.device)):
+        try:
+            us = _median_us(functools.partial(gemv_triton, x, w, bias, config), flush)
+        except OutOfResources:  # a tile too big for this GPU's shared memory: not a candidate here
+            continue
+        if us < best_us:
+            best, best_us = config, us
+    return best
+
+
+def _median_us(fn, flush: torch.Tensor) -> float:
+    """Median µs of fn() over TIMING_REPS runs, each after reading `flush` (evicts the weights from L2)."""
+    fn()  # compiles a Triton candidate outside the timing
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(TIMING_REPS)]
+    torch.cuda.synchronize()
+    torch.cuda._sleep(_HEAD_START_CYCLES)  # else the host's launch overhead would be timed, not the kernel's
+    for start, end in events:
+        flush.sum()  # a read, not a write: dirty lines would cost write-backs inside the timed kernel
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return 1000 * statistics.median(start.elapsed_time(end) for start, end in events)
+
+
+def _l2_bytes(device: torch.device) -> int:
+    return getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 << 20)

@@ -1,0 +1,131 @@
+"""The split-K GEMV against torch's linear (CPU: Triton's interpreter), and the dispatcher's choice rules;
+on the GPU, Qwen2.5-1.5B's decode shapes in bfloat16, graph replay, and the chosen path's speed."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from kernels import gemv
+from kernels.gemv import GemvConfig, candidate_configs, gemv_triton, linear, linear_ref
+
+TOL = dict(atol=1e-4, rtol=1e-4)
+SMALL_CONFIGS = [GemvConfig(16, 16, split_k=3), GemvConfig(32, 16)]  # split-K with a short last split; direct
+# Qwen2.5-1.5B at TP=1: (N, K, bias) of qkv, o_proj, gate_up, down and the tied lm_head.
+QWEN_1_5B = {"qkv": (2048, 1536, True), "o_proj": (1536, 1536, False), "gate_up": (17920, 1536, False),
+             "down": (1536, 8960, False), "lm_head": (151936, 1536, False)}
+
+
+def strided_rows(m: int, k: int, device: str = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x[m, k] as a strided view (row stride 2k + 13, column stride 2): a non-contiguous slice, even of one row."""
+    x = torch.randn(m, 2 * k + 13, device=device, dtype=dtype)[:, 5:5 + 2 * k:2]
+    assert not x.is_contiguous()
+    return x
+
+
+@pytest.mark.parametrize("config", SMALL_CONFIGS, ids=["split-k", "direct"])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
+def test_gemv_triton_matches_linear_for_one_to_eight_rows(config, with_bias):
+    n, k = 45, 100  # neither a multiple of the block sizes
+    w = torch.randn(n, k)
+    bias = torch.randn(n) if with_bias else None
+    for m in range(1, 9):
+        x = strided_rows(m, k)
+        out = gemv_triton(x, w, bias, config)
+        assert out.shape == (m, n) and out.is_contiguous()
+        torch.testing.assert_close(out, linear_ref(x, w, bias), **TOL)
+
+
+def test_gemv_triton_default_config_takes_more_rows_than_one_tile():
+    w, bias = torch.randn(70, 300), torch.randn(70)
+    x = strided_rows(gemv.BLOCK_M + 3, 300)
+    torch.testing.assert_close(gemv_triton(x, w, bias), linear_ref(x, w, bias), **TOL)
+
+
+@pytest.mark.parametrize("shape", QWEN_1_5B.values(), ids=QWEN_1_5B.keys())
+def test_candidates_give_every_sm_two_programs_and_no_empty_split(shape):
+    n, k, _ = shape
+    for cfg in candidate_configs(n, k, num_sms=132):
+        chunks = -(-k // cfg.block_k)
+        per_split = -(-chunks // cfg.split_k)
+        assert (cfg.split_k - 1) * per_split < chunks  # the last split has work
+        assert -(-n // cfg.block_n) * cfg.split_k >= 2 * 132 or per_split == 1
+
+
+def test_linear_on_cpu_is_torch_linear_without_a_choice(monkeypatch):
+    monkeypatch.setattr(gemv, "cached_choice", lambda *a: pytest.fail("CPU tensors must not be timed"))
+    x, w, bias = torch.randn(2, 24), torch.randn(8, 24), torch.randn(8)
+    assert torch.equal(linear(x, w, bias), torch.nn.functional.linear(x, w, bias))
+
+
+def test_a_shape_first_met_during_capture_runs_cublas_and_is_chosen_at_the_next_eager_call(monkeypatch):
+    monkeypatch.setattr(gemv, "_CHOICES", {})
+    capturing, timed = [True], []
+    picked = GemvConfig(64, 128)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(gemv, "fastest_config", lambda x, w, bias: timed.append(x.shape[0]) or picked)
+    w = torch.randn(8, 24)
+    assert gemv.cached_choice(torch.randn(3, 24), w, None) is None  # cuBLAS while capturing, nothing timed
+    assert timed == [] and gemv._CHOICES == {}
+    capturing[0] = False
+    assert gemv.cached_choice(torch.randn(3, 24), w, None) == picked
+    assert gemv.cached_choice(torch.randn(4, 24), w, None) == picked  # 3 and 4 rows share the bucket of 4
+    capturing[0] = True
+    assert gemv.cached_choice(torch.randn(4, 24), w, None) == picked  # a graph replays the eager pick
+    assert timed == [3]
+
+
+# ---- GPU (the LEAD runs these: python -m pytest -q -s -m gpu tests/test_gemv.py) ----------------------
+
+def _weights(name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    n, k, has_bias = QWEN_1_5B[name]
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+    return w, (torch.randn(n, device="cuda", dtype=torch.bfloat16) if has_bias else None)
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", QWEN_1_5B, ids=QWEN_1_5B.keys())
+def test_every_candidate_matches_float32_at_qwen_shapes_in_bf16(name):
+    w, bias = _weights(name)
+    for m in (1, 4, 8, 16):
+        x = torch.randn(m, w.shape[1], device="cuda", dtype=torch.bfloat16)
+        ref = linear_ref(x.float(), w.float(), None if bias is None else bias.float())
+        for cfg in candidate_configs(*w.shape, gemv._num_sms(x.device)):
+            out = gemv_triton(x, w, bias, cfg)
+            assert _rel_err(out, ref) <= 1e-2, (name, m, cfg)
+            assert torch.equal(out, gemv_triton(x, w, bias, cfg)), "split-K sums must be reproducible"
+
+
+@pytest.mark.gpu
+def test_graph_replay_of_the_gemv_equals_the_eager_call():
+    w, bias = _weights("qkv")
+    x = strided_rows(4, w.shape[1], "cuda", torch.bfloat16)
+    cfg = candidate_configs(*w.shape, gemv._num_sms(x.device))[0]
+    eager = gemv_triton(x, w, bias, cfg)  # also compiles before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gemv_triton(x, w, bias, cfg)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert torch.equal(out, gemv_triton(x, w, bias, cfg)) and not torch.equal(out, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 8])
+def test_chosen_path_is_not_slower_than_cublas(m):
+    flush = torch.empty(2 * gemv._l2_bytes(torch.device("cuda")) // 4, dtype=torch.int32, device="cuda")
+    for name in QWEN_1_5B:
+        w, bias = _weights(name)
+        x = torch.randn(m, w.shape[1], device="cuda", dtype=torch.bfloat16)
+        choice = gemv.cached_choice(x, w, bias)
+        cublas = gemv._median_us(functools.partial(linear_ref, x, w, bias), flush)
+        chosen = gemv._median_us(functools.partial(linear, x, w, bias), flush)
+        mbytes = w.numel() * w.element_size() / 1e6  # MB per µs = TB/s
+        print(f"M={m} {name:8s} cuBLAS {cublas:7.2f} us {mbytes / cublas:5.2f} TB/s | chosen {chosen:7.2f} us "
+              f"{mbytes / chosen:5.2f} TB/s | {choice}")
+        assert chosen <= 1.10 * cublas, (name, choice, chosen, cublas)
