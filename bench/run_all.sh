@@ -33,14 +33,14 @@ step() {  # name, time limit in seconds, command...: a step that fails or overru
   return "$rc"
 }
 
-for name in ${*:-tests latency throughput trace startup serving latency-eager}; do
+for name in ${*:-tests latency throughput trace startup latency-eager serving}; do
   case $name in
     tests) step tests 100 python3 -m bench.gpu_tests --out "$OUT" ;;
     latency) step latency 110 python3 -m bench.latency "${MODEL[@]}" --baseline hf --max-tokens 129 ;;
     throughput) step throughput 110 python3 -m bench.throughput "${MODEL[@]}" --baseline hf --hf-batch 16 --hf-num-seqs 16 ;;
     startup) step startup 60 python3 -m bench.startup "${MODEL[@]}" ;;
     serving) step serving 90 python3 -m bench.serving "${MODEL[@]}" ;;
-    latency-eager) step latency-eager 45 python3 -m bench.latency "${MODEL[@]}" --enforce-eager --prompt-lens 32 ;;
+    latency-eager) step latency-eager 50 python3 -m bench.latency "${MODEL[@]}" --enforce-eager --prompt-lens 32 --max-tokens 65 --repeats 1 ;;
     # Batch-1 decode traced; merged here (idempotent) and only summary.txt kept: the device returns 8 files.
     trace) rm -rf /tmp/bench-trace
            step trace 40 python3 -m bench.latency "${MODEL[@]}" --prompt-lens 32 --max-tokens 129 --repeats 1 \
