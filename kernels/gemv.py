@@ -12,6 +12,7 @@ first met during CUDA-graph capture (no sync possible) runs cuBLAS and is chosen
 from __future__ import annotations
 
 import functools
+import logging
 import statistics
 from dataclasses import dataclass
 
@@ -40,6 +41,9 @@ class GemvConfig:
 def linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x[M, K] @ w[N, K]^T + bias[N]: torch's linear (cuBLAS on the GPU)."""
     return F.linear(x, w, bias)
+
+
+log = logging.getLogger("pico_vllm.kernels")
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -157,6 +161,9 @@ def fastest_config(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) 
         try:
             us = _median_us(functools.partial(gemv_triton, x, w, bias, config), flush)
         except OutOfResources:  # a tile too big for this GPU's shared memory: not a candidate here
+            continue
+        except Exception as e:  # a Triton that cannot build this variant must not stop the engine: cuBLAS stays
+            log.warning("GEMV candidate %s failed for %s: %s", config, tuple(w.shape), e)
             continue
         if us < best_us:
             best, best_us = config, us
