@@ -7,6 +7,7 @@ import multiprocessing as mp
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from multiprocessing.connection import wait
 
@@ -92,18 +93,25 @@ class EngineProcesses:
         return bool(wait([p.sentinel for p in self.procs.values()], timeout))
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        """Join children (the client has asked the scheduler to stop), then terminate, then kill."""
+        """Join children (the client has asked the scheduler to stop), then terminate, then kill.
+
+        After a child died nobody stops the others in order (a worker may be stuck), so they are
+        terminated at once: a supervisor waiting to restart us must not wait for a grace period.
+        """
         self._stopping = True
-        for proc in self.procs.values():
-            proc.join(timeout)
-        for proc in self.procs.values():
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(2.0)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(2.0)
+        self._join_all(0.0 if self.dead_reason else timeout)
+        for end in ("terminate", "kill"):
+            alive = [proc for proc in self.procs.values() if proc.is_alive()]
+            for proc in alive:
+                getattr(proc, end)()
+            self._join_all(2.0)
         remove_ipc_dir(self.addresses)
+
+    def _join_all(self, timeout: float) -> None:
+        """Join every child within one shared deadline (not `timeout` each)."""
+        deadline = time.monotonic() + timeout
+        for proc in self.procs.values():
+            proc.join(max(0.0, deadline - time.monotonic()))
 
 
 def run_headless(config: EngineConfig, address: str) -> int:
