@@ -12,6 +12,7 @@ import hmac
 import importlib.metadata
 import json
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager
@@ -306,8 +307,17 @@ def _lifespan(state: ServerState, load_engine: Callable[[], AsyncLLM]):
         yield
         loader.cancel()
         if state.engine is not None:
+            await _settle(state.engine)
             state.engine.shutdown()
     return lifespan
+
+
+async def _settle(engine: AsyncLLM, timeout: float = 1.0) -> None:
+    """Let the requests that uvicorn has just cancelled (shutdown timeout) run their clean-up first: it
+    sends their Aborts on the engine's socket, which shutdown() is about to close under them."""
+    deadline = time.monotonic() + timeout
+    while engine.processor.num_pending and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
 
 
 async def _load_and_watch(state: ServerState, load_engine: Callable[[], AsyncLLM]) -> None:
