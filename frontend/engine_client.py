@@ -19,6 +19,7 @@ from protocol.tracing import Tracer, merge_traces
 
 log = logging.getLogger("pico_vllm.frontend")
 READY_TIMEOUT_S = 900.0  # loading a large checkpoint and capturing graphs can take minutes
+SHUTDOWN_LINGER_MS = 1000  # time for our last message (Shutdown) to leave when we close
 
 
 class EngineDeadError(RuntimeError):
@@ -104,13 +105,17 @@ class EngineClient:
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the engine we started (nothing when attached to a remote one) and close the socket."""
+        linger_ms = 0
         if self.procs is not None and not self.sock.closed:
             try:
                 self.send(Shutdown())
+                # With no linger, close() may drop the Shutdown still queued: the scheduler would then
+                # only stop when terminated, after the whole join timeout. A dead one takes nothing.
+                linger_ms = 0 if self.dead_reason else SHUTDOWN_LINGER_MS
             except zmq.ZMQError:
                 pass
         if not self.sock.closed:
-            self.sock.close(linger=0)
+            self.sock.close(linger=linger_ms)
         if self.procs is not None:
             self.procs.shutdown(timeout)
             self.procs = None
