@@ -1,0 +1,136 @@
+"""Faults: a killed worker or scheduler, a killed or terminated launch.py, a step that never ends.
+
+Each test starts its own server (a fault ends it). Requests are made long (4000 tokens, about 15 s on
+the tiny model) so that they are surely pending when the fault strikes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.reliability.harness import AUTH, children, gone, running_server, tmp_of, wait_until
+from tests.test_server import MODEL
+
+LONG_CONTEXT = ("--max-model-len", "4096")
+LONG = 4000
+
+
+class Pending:
+    """A request running in a thread: its status, the lines of its body, and when it ended."""
+
+    def __init__(self, url: str, stream: bool, max_tokens: int = LONG) -> None:
+        self.body = {"model": MODEL, "prompt": "Hello world", "max_tokens": max_tokens, "temperature": 0,
+                     "ignore_eos": True, "stream": stream}
+        self.url, self.lines, self.status, self.error, self.ended = url, [], None, None, None
+        self.first_line = threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            with httpx.stream("POST", self.url + "/v1/completions", json=self.body, headers=AUTH, timeout=60) as resp:
+                self.status = resp.status_code
+                for line in resp.iter_lines():
+                    if line:
+                        self.lines.append(line)
+                        self.first_line.set()
+        except httpx.HTTPError as e:
+            self.error = e
+        finally:
+            self.ended = time.monotonic()
+            self.first_line.set()
+
+    def wait_started(self) -> None:
+        assert self.first_line.wait(60) and self.ended is None, f"request ended early: {self.lines[-2:]}"
+
+    def wait_ended(self, timeout: float) -> float:
+        return wait_until(lambda: self.ended is not None, timeout, "a pending request did not end")
+
+    def error_message(self) -> str:
+        """The error a failed request carried: its JSON body, or the error event of its stream."""
+        for line in reversed(self.lines):
+            body = json.loads(line.removeprefix("data: ")) if line != "data: [DONE]" else {}
+            if "error" in body:
+                return body["error"]["message"]
+        raise AssertionError(f"no error in the response: {self.lines[-2:]}")
+
+
+def test_launch_logs_each_child_role_and_pid_once(tiny_ckpt, tmp_path):
+    with running_server(tiny_ckpt, tmp_path) as server:
+        lines = re.findall(r"^.*\b(scheduler|worker\d+) pid=(\d+)$", server.log.read_text(), re.M)
+        assert [role for role, _ in lines] == ["scheduler", "worker0"]
+        assert {int(pid) for _, pid in lines} <= set(children(server.proc.pid))
+
+
+@pytest.mark.parametrize("role", ["worker0", "scheduler"])
+def test_sigkill_of_an_engine_process_fails_pending_requests_then_launch_exits_nonzero(tiny_ckpt, tmp_path, role):
+    with running_server(tiny_ckpt, tmp_path, *LONG_CONTEXT) as server:
+        pid = server.child_pids()[role]
+        stream = Pending(server.url, stream=True)
+        stream.wait_started()
+        plain = Pending(server.url, stream=False)
+        time.sleep(0.5)  # the plain request is in the engine too by now
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        for request in (stream, plain):
+            request.wait_ended(5)
+            assert request.ended - killed < 5
+            assert f"engine is dead: engine process {role} (pid {pid})" in request.error_message()
+        assert plain.status == 503 and stream.status == 200  # a stream's 200 was sent before the fault
+        assert httpx.get(server.url + "/health").status_code == 503
+        assert server.proc.wait(max(0.1, 10 - (time.monotonic() - killed))) == 1
+        assert wait_until(lambda: all(gone(p) for p in server.child_pids().values()), 2, "a child outlived launch.py")
+
+
+def test_sigkill_of_launch_py_ends_every_child_within_10_s(tiny_ckpt, tmp_path):
+    with running_server(tiny_ckpt, tmp_path) as server:
+        kids = children(server.proc.pid)
+        assert set(server.child_pids().values()) <= set(kids)
+        server.proc.kill()
+        server.proc.wait()
+        wait_until(lambda: all(gone(pid) for pid in kids), 10, "a child outlived launch.py's SIGKILL")
+
+
+def test_sigterm_refuses_new_requests_ends_in_flight_ones_and_leaves_nothing(tiny_ckpt, tmp_path):
+    shutdown_timeout = 2.0
+    with running_server(tiny_ckpt, tmp_path, *LONG_CONTEXT, "--shutdown-timeout", str(shutdown_timeout)) as server:
+        kids = children(server.proc.pid)
+        endless = Pending(server.url, stream=True)
+        endless.wait_started()
+        short = Pending(server.url, stream=False, max_tokens=100)  # finishes well within the shutdown timeout
+        time.sleep(0.1)
+        server.proc.terminate()
+        termed = time.monotonic()
+        time.sleep(0.5)
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(server.url + "/health")
+        endless.wait_ended(shutdown_timeout + 3)
+        assert endless.ended - termed < shutdown_timeout + 3
+        assert isinstance(endless.error, httpx.RemoteProtocolError)  # cut off, never passed off as complete
+        short.wait_ended(1)
+        assert short.status == 200 and json.loads(short.lines[0])["usage"]["completion_tokens"] == 100
+        server.proc.wait(max(0.1, shutdown_timeout + 8 - (time.monotonic() - termed)))
+        assert all(gone(pid) for pid in kids)
+        assert list(tmp_of(server).iterdir()) == []  # the ipc directory is gone
+        log = server.log.read_text()
+        assert "ZMQError" not in log  # the cut requests' Aborts left before the engine's socket closed
+        assert "scheduler stopping: a frontend asked to shut down" in log  # stopped in order, not terminated
+
+
+def test_a_stuck_worker_marks_the_engine_dead_after_step_timeout(tiny_ckpt, tmp_path):
+    with running_server(tiny_ckpt, tmp_path, *LONG_CONTEXT, "--step-timeout", "2") as server:
+        stream = Pending(server.url, stream=True)
+        stream.wait_started()
+        os.kill(server.child_pids()["worker0"], signal.SIGSTOP)  # alive, holding its sockets, doing nothing
+        stopped = time.monotonic()
+        stream.wait_ended(8)
+        assert 2 <= stream.ended - stopped < 6
+        assert "no progress for 2.0 s (step_timeout)" in stream.error_message()
+        assert httpx.get(server.url + "/health").status_code == 503
+        assert server.proc.wait(max(0.1, 12 - (time.monotonic() - stopped))) == 1
