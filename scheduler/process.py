@@ -21,7 +21,7 @@ from collections import deque
 import zmq
 
 from protocol.addresses import Addresses
-from protocol.codec import ProtocolError, decode, encode
+from protocol.codec import MAX_FRAME_BYTES, ProtocolError, decode, encode
 from protocol.config import EngineConfig
 from protocol.messages import (Abort, AddRequest, EngineDead, GetStats, Ready, Shutdown, StepResult, TokenBatch,
                                WorkerError, i32)
@@ -91,6 +91,8 @@ class SchedulerServer:
     def _bind(self, kind: int, address: str) -> zmq.Socket:
         sock = self.ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, LINGER_MS)
+        # The codec's cap, enforced by zmq: a bigger frame drops its sender before it is buffered.
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         sock.bind(address)
         return sock
 
