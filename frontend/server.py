@@ -25,9 +25,10 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from frontend.api_models import (
-    APIError, ChatCompletionRequest, ChatRenderer, CompletionRenderer, CompletionRequest, DetokenizeRequest, Job,
-    Renderer, TokenizeRequest, bad_request, chat_logprobs, chat_prompt, check_stream_options, completion_prompts,
-    generation_defaults, parse_request, prepare, sampling_params, usage)
+    APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, Job, TokenizeRequest, bad_request,
+    chat_logprobs, chat_prompt, check_stream_options, completion_prompts, generation_defaults, parse_request,
+    prepare, sampling_params)
+from frontend.api_render import ChatRenderer, CompletionRenderer, Renderer, usage
 from frontend.async_llm import AsyncLLM, EngineRequestError
 from frontend.engine_client import EngineDeadError
 from frontend.launcher import resolve_config

@@ -1,0 +1,225 @@
+"""OpenAI response bodies, and how a request's engine outputs become them (whole, or as stream chunks)."""
+from __future__ import annotations
+
+import time
+
+from pydantic import BaseModel
+
+from frontend.api_models import Job
+from frontend.outputs import CompletionOutput, RequestOutput
+
+
+# ---- responses ---------------------------------------------------------------------------------------------
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    """A whole completion, and also each streamed chunk (OpenAI uses one shape for both)."""
+
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+
+
+class ChatMessageOut(BaseModel):
+    role: str = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: str = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: str = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+# ---- engine outputs -> responses ---------------------------------------------------------------------------
+
+def usage(jobs: list[Job], finals: list[RequestOutput]) -> UsageInfo:
+    """Prompt tokens once per prompt (not per sample); completion tokens of every sample."""
+    prompt = sum(len(job.token_ids) for job in jobs)
+    completion = sum(len(o.token_ids) for out in finals for o in out.outputs)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+class Renderer:
+    """Turns a request's engine outputs into its response, or into stream chunks of what is new.
+
+    Choice index = prompt index * n + sample index. AsyncLLM's outputs are cumulative and their text only
+    grows (stop strings are held back, never retracted), so a delta is a suffix past what was sent.
+    """
+
+    def __init__(self, response_id: str, model: str, jobs: list[Job], tokenizer):
+        self.id, self.model, self.jobs, self.tokenizer = response_id, model, jobs, tokenizer
+        self.created = int(time.time())
+        self.n = jobs[0].params.n
+        self._sent: dict[int, tuple[int, int]] = {}  # choice -> (chars, tokens) already streamed
+        self._done: set[int] = set()
+
+    def deltas(self, job: int, out: RequestOutput) -> list[tuple[int, CompletionOutput, int, int]]:
+        """(choice index, output, chars sent before, tokens sent before) for each choice with news."""
+        news = []
+        for o in out.outputs:
+            index = job * self.n + o.index
+            chars, tokens = self._sent.get(index, (0, 0))
+            new_tokens = o.logprobs is not None and len(o.token_ids) > tokens
+            if index in self._done or not (len(o.text) > chars or o.finish_reason or new_tokens):
+                continue
+            news.append((index, o, chars, tokens))
+            self._sent[index] = (len(o.text), len(o.token_ids))
+            if o.finish_reason is not None:
+                self._done.add(index)
+        return news
+
+    def logprob_rows(self, o: CompletionOutput, start: int) -> list[tuple[str, float, list[tuple[str, float]]]]:
+        """(token text, its logprob, top-k (text, logprob)) for the tokens from `start` on."""
+        k = self.jobs[0].params.logprobs or 0
+        rows = []
+        for token, lps in zip(o.token_ids[start:], o.logprobs[start:]):
+            top = sorted(lps.items(), key=lambda kv: kv[1], reverse=True)[:k]
+            rows.append((self.tokenizer.decode([token]), lps[token], [(self.tokenizer.decode([t]), lp) for t, lp in top]))
+        return rows
+
+    def opening(self) -> list[BaseModel]:
+        return []
+
+    def chunks(self, job: int, out: RequestOutput) -> list[BaseModel]:
+        raise NotImplementedError
+
+    def response(self, finals: list[RequestOutput]) -> BaseModel:
+        raise NotImplementedError
+
+    def usage_chunk(self, info: UsageInfo) -> BaseModel:
+        raise NotImplementedError
+
+
+class CompletionRenderer(Renderer):
+    def __init__(self, response_id: str, model: str, jobs: list[Job], tokenizer, echo: bool):
+        super().__init__(response_id, model, jobs, tokenizer)
+        self.echo = echo
+
+    def choice(self, job: int, index: int, o: CompletionOutput, chars: int, tokens: int) -> CompletionChoice:
+        prompt = self.jobs[job]
+        echo = "" if not self.echo else prompt.text if prompt.text is not None else self.tokenizer.decode(prompt.token_ids)
+        text = (echo if chars == tokens == 0 else "") + o.text[chars:]
+        logprobs = None
+        if o.logprobs is not None:
+            rows = self.logprob_rows(o, tokens)
+            offsets, pos = [], len(echo) + chars
+            for token_text, _, _ in rows:
+                offsets.append(pos)
+                pos += len(token_text)
+            # reversed: of top tokens that decode to the same text, the likeliest is written last and kept
+            logprobs = CompletionLogprobs(tokens=[r[0] for r in rows], token_logprobs=[r[1] for r in rows],
+                                          top_logprobs=[dict(reversed(r[2])) for r in rows], text_offset=offsets)
+        return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=o.finish_reason)
+
+    def _wrap(self, choices: list[CompletionChoice], info: UsageInfo | None = None) -> CompletionResponse:
+        return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices, usage=info)
+
+    def chunks(self, job: int, out: RequestOutput) -> list[BaseModel]:
+        return [self._wrap([self.choice(job, *delta)]) for delta in self.deltas(job, out)]
+
+    def response(self, finals: list[RequestOutput]) -> BaseModel:
+        choices = [self.choice(i, i * self.n + o.index, o, 0, 0) for i, out in enumerate(finals) for o in out.outputs]
+        return self._wrap(choices, usage(self.jobs, finals))
+
+    def usage_chunk(self, info: UsageInfo) -> BaseModel:
+        return self._wrap([], info)
+
+
+class ChatRenderer(Renderer):
+    def logprobs(self, o: CompletionOutput, start: int) -> ChatLogprobs | None:
+        if o.logprobs is None:
+            return None
+        return ChatLogprobs(content=[
+            TokenLogprob(token=text, logprob=lp, bytes=list(text.encode()),
+                         top_logprobs=[TopLogprob(token=t, logprob=l, bytes=list(t.encode())) for t, l in top])
+            for text, lp, top in self.logprob_rows(o, start)])
+
+    def _chunk(self, choices: list[ChatStreamChoice], info: UsageInfo | None = None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices, usage=info)
+
+    def opening(self) -> list[BaseModel]:
+        """OpenAI's first chunk of each choice carries the role and no content."""
+        return [self._chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+                for i in range(len(self.jobs) * self.n)]
+
+    def chunks(self, job: int, out: RequestOutput) -> list[BaseModel]:
+        return [self._chunk([ChatStreamChoice(index=index, delta=DeltaMessage(content=o.text[chars:] or None),
+                                              logprobs=self.logprobs(o, tokens), finish_reason=o.finish_reason)])
+                for index, o, chars, tokens in self.deltas(job, out)]
+
+    def response(self, finals: list[RequestOutput]) -> BaseModel:
+        choices = [ChatChoice(index=o.index, message=ChatMessageOut(content=o.text), logprobs=self.logprobs(o, 0),
+                              finish_reason=o.finish_reason) for o in finals[0].outputs]
+        return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
+                                      usage=usage(self.jobs, finals))
+
+    def usage_chunk(self, info: UsageInfo) -> BaseModel:
+        return self._chunk([], info)
