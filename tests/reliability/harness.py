@@ -26,8 +26,8 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 def running_server(ckpt: Path, workdir: Path, *flags: str, ready: bool = True) -> Iterator[ServerProcess]:
     """launch.py with TMPDIR=workdir/tmp (its ipc directory lands there); stopped and reaped on exit."""
     (workdir / "tmp").mkdir(parents=True)
-    args = ["--model", str(ckpt), "--device", "cpu", "--max-model-len", str(MAX_MODEL_LEN),
-            "--served-model-name", MODEL, "--api-key", KEY, *flags]
+    args = ["--model", str(ckpt), "--device", "cpu", "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks",
+            "1024", "--served-model-name", MODEL, "--api-key", KEY, *flags]
     server = launch(args, workdir / "server.log", env={"TMPDIR": str(workdir / "tmp")})
     try:
         if ready:
