@@ -6,6 +6,7 @@ request: the worker says why (WorkerError) and exits non-zero, and the engine re
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import threading
 import time
@@ -108,7 +109,10 @@ def _trace(tracer: Tracer, result: StepResult) -> None:
 
 def _exit_with_parent() -> None:
     """A worker outliving its launcher would hold the GPU forever: exit when the parent is gone."""
-    parent = os.getppid()
+    # The pid that spawned us, not os.getppid() now: the parent may have died while we were importing,
+    # and a worker that then takes its new parent (init) for its own would never exit.
+    spawner = multiprocessing.parent_process()
+    parent = spawner.pid if spawner is not None else os.getppid()
 
     def watch() -> None:
         while os.getppid() == parent:
