@@ -9,6 +9,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -16,6 +18,7 @@ import httpx
 import pytest
 
 from tests.reliability.harness import AUTH, children, gone, running_server, tmp_of, wait_until
+from tests.server_fixture import REPO
 from tests.test_server import MODEL
 
 LONG_CONTEXT = ("--max-model-len", "4096")
@@ -97,14 +100,42 @@ def test_sigkill_of_launch_py_ends_every_child_within_10_s(tiny_ckpt, tmp_path):
         wait_until(lambda: all(gone(pid) for pid in kids), 10, "a child outlived launch.py's SIGKILL")
 
 
+SPAWN_AND_SLEEP = """
+import sys, time
+from frontend.launcher import EngineProcesses, resolve_config
+from protocol.config import EngineConfig
+if __name__ == "__main__":
+    procs = EngineProcesses(resolve_config(EngineConfig(sys.argv[1], device="cpu", num_kv_blocks=64)))
+    procs.start()
+    print(*(p.pid for p in procs.procs.values()), flush=True)
+    time.sleep(60)
+"""
+
+
+def test_a_worker_exits_when_its_launcher_dies_before_it_has_started(tiny_ckpt, tmp_path):
+    """The launcher and the scheduler die as soon as the worker is spawned, before its imports are done:
+    with no scheduler to send it Shutdown, the worker must see by itself that its parent is gone."""
+    launcher = subprocess.Popen([sys.executable, "-c", SPAWN_AND_SLEEP, str(tiny_ckpt)], cwd=REPO, text=True,
+                                stdout=subprocess.PIPE, env={**os.environ, "TMPDIR": str(tmp_path)})
+    scheduler, worker = (int(pid) for pid in launcher.stdout.readline().split())
+    os.kill(scheduler, signal.SIGKILL)
+    launcher.kill()
+    launcher.wait()
+    try:
+        wait_until(lambda: gone(worker), 10, "the worker outlived its launcher")
+    finally:
+        if not gone(worker):
+            os.kill(worker, signal.SIGKILL)
+
+
 def test_sigterm_refuses_new_requests_ends_in_flight_ones_and_leaves_nothing(tiny_ckpt, tmp_path):
-    shutdown_timeout = 2.0
+    shutdown_timeout = 3.0
     with running_server(tiny_ckpt, tmp_path, *LONG_CONTEXT, "--shutdown-timeout", str(shutdown_timeout)) as server:
         kids = children(server.proc.pid)
         endless = Pending(server.url, stream=True)
         endless.wait_started()
-        short = Pending(server.url, stream=False, max_tokens=100)  # finishes well within the shutdown timeout
-        time.sleep(0.1)
+        short = Pending(server.url, stream=True, max_tokens=60)  # about 1 s: it finishes within the timeout
+        short.wait_started()
         server.proc.terminate()
         termed = time.monotonic()
         time.sleep(0.5)
@@ -113,8 +144,9 @@ def test_sigterm_refuses_new_requests_ends_in_flight_ones_and_leaves_nothing(tin
         endless.wait_ended(shutdown_timeout + 3)
         assert endless.ended - termed < shutdown_timeout + 3
         assert isinstance(endless.error, httpx.RemoteProtocolError)  # cut off, never passed off as complete
-        short.wait_ended(1)
-        assert short.status == 200 and json.loads(short.lines[0])["usage"]["completion_tokens"] == 100
+        assert short.ended - termed < shutdown_timeout
+        assert json.loads(short.lines[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"
+        assert short.lines[-1] == "data: [DONE]"
         server.proc.wait(max(0.1, shutdown_timeout + 8 - (time.monotonic() - termed)))
         assert all(gone(pid) for pid in kids)
         assert list(tmp_of(server).iterdir()) == []  # the ipc directory is gone
