@@ -1,4 +1,5 @@
-"""Load: 256 concurrent streams all complete with the right tokens; a full waiting queue answers 503."""
+"""Load: 256 concurrent streams all complete with the right tokens; a consumer slower than the engine
+still gets every token and the finish; a full waiting queue answers 503."""
 from __future__ import annotations
 
 import asyncio
@@ -7,6 +8,7 @@ import json
 import httpx
 import pytest
 
+from frontend import AsyncLLM, SamplingParams
 from tests.reliability.harness import AUTH, completion, running_server, wait_idle
 from tests.test_server import MODEL, PROMPTS
 
@@ -54,6 +56,27 @@ def test_256_concurrent_streams_complete_with_the_right_tokens(server):
         assert events[-1]["usage"]["completion_tokens"] == MAX_TOKENS
         assert "".join(c["choices"][0]["text"] for c in chunks) == alone[prompt]  # as when served alone
     wait_idle(server, 10)
+
+
+def test_a_consumer_slower_than_the_engine_still_gets_every_token_and_the_finish(tiny_ckpt):
+    """Under load a stream's consumer (the HTTP writer) lags the engine: all the remaining tokens and the
+    finish can land while it is away, and must still reach it."""
+    engine = AsyncLLM(str(tiny_ckpt), device="cpu", num_kv_blocks=64)
+
+    async def slowly() -> list:
+        outs = []
+        async for out in engine.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                                    ignore_eos=True)):
+            outs.append(out)
+            await asyncio.sleep(0.5)  # the engine finishes meanwhile
+        return outs
+
+    try:
+        final = asyncio.run(slowly())[-1]
+    finally:
+        engine.shutdown()
+    assert final.finished and final.outputs[0].finish_reason == "length"
+    assert len(final.outputs[0].token_ids) == MAX_TOKENS
 
 
 @pytest.fixture(scope="module")
