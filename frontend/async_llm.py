@@ -130,7 +130,7 @@ class AsyncLLM:
                 with tracer.span("frontend.stream"):
                     out = _snapshot(state.output)
                 yield out
-                if state.finished:
+                if out.finished:  # not state.finished: it may have finished while the caller held `out`
                     return
         finally:
             self._events.pop(request_id, None)
