@@ -20,7 +20,7 @@ from collections import deque
 
 import zmq
 
-from protocol.addresses import Addresses
+from protocol.addresses import Addresses, remove_ipc_dir
 from protocol.codec import MAX_FRAME_BYTES, ProtocolError, decode, encode
 from protocol.config import EngineConfig
 from protocol.messages import (Abort, AddRequest, EngineDead, GetStats, Ready, Shutdown, StepResult, TokenBatch,
@@ -59,12 +59,17 @@ def run_scheduler(config_dict: dict, addresses_dict: dict) -> None:
 
 
 def serve(config: EngineConfig, addresses: Addresses, parent_pid: int | None = None) -> int:
-    """Run the scheduler loop on `addresses` until told to stop or `parent_pid` dies; return the exit code."""
+    """Run the scheduler loop on `addresses` until told to stop or `parent_pid` dies; return the exit code.
+
+    The ipc directory goes with it: the sockets there are the ones it bound, and when the launcher died
+    first (SIGKILL, or SIGTERM while the engine loads) nobody else is left to remove it.
+    """
     server = SchedulerServer(config, addresses, parent_pid or os.getppid())
     try:
         return server.run()
     finally:
         server.close()
+        remove_ipc_dir(addresses)
 
 
 class SchedulerServer:
