@@ -56,6 +56,10 @@ class ServerProcess:
     def wait_healthy(self, timeout: float = 240.0) -> None:
         poll_health(self.url, self.proc, self.log, lambda status: status == 200, timeout)
 
+    def wait_listening(self, timeout: float = 240.0) -> int:
+        """The first /health status (503 while the engine loads)."""
+        return poll_health(self.url, self.proc, self.log, lambda status: True, timeout)[-1]
+
     def stop(self, timeout: float = 30.0) -> int | None:
         """SIGTERM, then SIGKILL if it does not go within `timeout`; the exit status."""
         if self.proc.poll() is None:

@@ -98,6 +98,7 @@ def test_sigkill_of_launch_py_ends_every_child_within_10_s(tiny_ckpt, tmp_path):
         server.proc.kill()
         server.proc.wait()
         wait_until(lambda: all(gone(pid) for pid in kids), 10, "a child outlived launch.py's SIGKILL")
+        assert list(tmp_of(server).iterdir()) == []  # the scheduler took the ipc directory with it
 
 
 SPAWN_AND_SLEEP = """
@@ -153,6 +154,16 @@ def test_sigterm_refuses_new_requests_ends_in_flight_ones_and_leaves_nothing(tin
         log = server.log.read_text()
         assert "ZMQError" not in log  # the cut requests' Aborts left before the engine's socket closed
         assert "scheduler stopping: a frontend asked to shut down" in log  # stopped in order, not terminated
+
+
+def test_sigterm_while_the_engine_loads_leaves_no_process_and_no_ipc_file(tiny_ckpt, tmp_path):
+    with running_server(tiny_ckpt, tmp_path, ready=False) as server:
+        server.wait_listening()  # /health answers 503: the engine is loading
+        kids = children(server.proc.pid)
+        server.proc.terminate()
+        server.proc.wait(10)
+        wait_until(lambda: all(gone(pid) for pid in kids), 10, "a child outlived launch.py's SIGTERM")
+        assert list(tmp_of(server).iterdir()) == []
 
 
 def test_a_stuck_worker_marks_the_engine_dead_after_step_timeout(tiny_ckpt, tmp_path):
