@@ -423,7 +423,8 @@ def _generation_routes(state: ServerState) -> APIRouter:
 
 
 def run_server(config: EngineConfig, options: ServerOptions) -> int:
-    """Serve until SIGINT/SIGTERM (0) or until the engine fails to start or dies (1)."""
+    """Serve until SIGINT (130) or SIGTERM (uvicorn re-raises it after the graceful shutdown: the process
+    ends by the signal, status 143), or until the engine fails to start or dies (1)."""
     config = resolve_config(config)  # here too, to read the checkpoint's generation defaults up front
     state = ServerState(options, config.model, generation_defaults(config.model_path))
     engine_kwargs = {f.name: getattr(config, f.name) for f in fields(config)}
