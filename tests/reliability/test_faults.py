@@ -148,7 +148,7 @@ def test_sigterm_refuses_new_requests_ends_in_flight_ones_and_leaves_nothing(tin
         assert short.ended - termed < shutdown_timeout
         assert json.loads(short.lines[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"
         assert short.lines[-1] == "data: [DONE]"
-        server.proc.wait(max(0.1, shutdown_timeout + 8 - (time.monotonic() - termed)))
+        assert server.proc.wait(max(0.1, shutdown_timeout + 8 - (time.monotonic() - termed))) == -signal.SIGTERM
         assert all(gone(pid) for pid in kids)
         assert list(tmp_of(server).iterdir()) == []  # the ipc directory is gone
         log = server.log.read_text()
