@@ -140,8 +140,8 @@ def test_sigterm_refuses_new_requests_ends_in_flight_ones_and_leaves_nothing(tin
         server.proc.terminate()
         termed = time.monotonic()
         time.sleep(0.5)
-        with pytest.raises(httpx.ConnectError):
-            httpx.get(server.url + "/health")
+        with pytest.raises(httpx.ConnectError):  # a new request is refused
+            httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "Hi"}, headers=AUTH)
         endless.wait_ended(shutdown_timeout + 3)
         assert endless.ended - termed < shutdown_timeout + 3
         assert isinstance(endless.error, httpx.RemoteProtocolError)  # cut off, never passed off as complete
