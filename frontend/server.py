@@ -10,17 +10,16 @@ from __future__ import annotations
 import asyncio
 import hmac
 import importlib.metadata
-import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import aclosing, asynccontextmanager
+from collections.abc import Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, fields
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -28,17 +27,15 @@ from frontend.api_models import (
     APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, Job, TokenizeRequest, bad_request,
     chat_logprobs, chat_prompt, check_stream_options, completion_prompts, generation_defaults, parse_request,
     prepare, sampling_params)
-from frontend.api_render import ChatRenderer, CompletionRenderer, Renderer, usage
-from frontend.async_llm import AsyncLLM, EngineRequestError
-from frontend.engine_client import EngineDeadError
+from frontend.api_render import ChatRenderer, CompletionRenderer
+from frontend.async_llm import AsyncLLM
 from frontend.launcher import resolve_config
 from frontend.metrics import Metrics
-from frontend.outputs import RequestOutput
+from frontend.responding import ClientGone, read_body, respond
 from protocol.config import EngineConfig
 from protocol.sampling import SamplingParams
 
 log = logging.getLogger("pico_vllm.server")
-MAX_BODY_BYTES = 4 << 20  # a 128k-token prompt is well under 1 MB of text; far larger bodies are abuse
 DEAD_EXIT_DELAY_S = 2.0  # after the engine dies, /health answers 503 this long before the process exits
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default; chat defaults to the context
 
@@ -96,177 +93,6 @@ class ServerState:
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
             raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
-
-
-# ---- reading requests and driving the engine ---------------------------------------------------------------
-
-async def read_body(request: Request) -> bytes:
-    """The body, refused (413) past MAX_BODY_BYTES before it is all buffered."""
-    declared = request.headers.get("content-length", "")
-    too_large = APIError(413, f"request body is over {MAX_BODY_BYTES} bytes", code="request_too_large")
-    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise too_large
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise too_large
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def engine_error(exc: Exception) -> APIError:
-    """An exception from the engine as the status a client can act on (503: retry elsewhere/later)."""
-    if isinstance(exc, APIError):
-        return exc
-    if isinstance(exc, EngineDeadError):
-        return APIError(503, f"the engine is dead: {exc}", code="engine_dead")
-    if isinstance(exc, EngineRequestError):  # the scheduler refused this one request
-        if "overloaded" in str(exc):
-            return APIError(503, str(exc), code="engine_overloaded")
-        return bad_request(f"the engine refused the request: {exc}")
-    log.error("engine fault", exc_info=exc)
-    return APIError(500, f"engine fault: {type(exc).__name__}: {exc}", code="engine_error")
-
-
-async def generate(engine: AsyncLLM, job: Job, metrics: Metrics) -> AsyncIterator[RequestOutput]:
-    """One engine request's outputs, timed for /metrics; closing this early aborts the request."""
-    timer = metrics.request(len(job.token_ids))
-    out = None
-    try:
-        async with aclosing(engine.generate(job.token_ids, job.params, job.request_id)) as outputs:
-            async for out in outputs:
-                timer.on_tokens(sum(len(o.token_ids) for o in out.outputs))
-                yield out
-    finally:
-        timer.finish([o.finish_reason or "abort" for o in out.outputs] if out else ["abort"] * job.params.n)
-
-
-async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(stream index, output) as each arrives; closing the merge closes (aborts) every stream."""
-    if len(streams) == 1:
-        async with aclosing(streams[0]) as only:
-            async for out in only:
-                yield 0, out
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
-        try:
-            async with aclosing(stream):
-                async for out in stream:
-                    queue.put_nowait((i, out, None))
-            queue.put_nowait((i, None, None))
-        except Exception as exc:  # handed to the consumer, which raises it
-            queue.put_nowait((i, None, exc))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            i, out, exc = await queue.get()
-            if exc is not None:
-                raise exc
-            if out is None:
-                remaining -= 1
-            else:
-                yield i, out
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-class ClientGone(Exception):
-    """The client hung up before its response was ready; its engine requests are already aborted."""
-
-
-async def until_disconnected(request: Request, work: Awaitable):
-    """Await `work` unless the client hangs up first; then cancel it, which aborts its engine requests."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.create_task(_client_gone(request))
-    try:
-        await asyncio.wait([task, watch], return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:  # we are cancelled ourselves (shutdown): so is the work
-        task.cancel()
-        raise
-    finally:
-        watch.cancel()
-    if not task.done():  # the client left first; cancel() lets the work clean up (abort) when it next runs
-        task.cancel()
-        raise ClientGone()
-    return task.result()
-
-
-async def _client_gone(request: Request) -> None:
-    """Returns when the ASGI server reports the disconnect (the body has been read already)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _collect(merged: AsyncIterator[tuple[int, RequestOutput]], count: int) -> list[RequestOutput]:
-    finals: dict[int, RequestOutput] = {}
-    async with aclosing(merged):
-        async for i, out in merged:
-            finals[i] = out
-    return [finals[i] for i in range(count)]
-
-
-class EventStream(StreamingResponse):
-    """Server-sent events whose generator is closed however the response ends (hang-up, shutdown)."""
-
-    media_type = "text/event-stream"
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()
-
-
-def _event(data: BaseModel | dict) -> str:
-    return f"data: {data.model_dump_json() if isinstance(data, BaseModel) else json.dumps(data)}\n\n"
-
-
-async def _events(first: tuple[int, RequestOutput], merged: AsyncIterator[tuple[int, RequestOutput]],
-                  renderer: Renderer, include_usage: bool) -> AsyncIterator[str]:
-    finals: dict[int, RequestOutput] = {}
-    async with aclosing(merged):
-        try:
-            for chunk in renderer.opening():
-                yield _event(chunk)
-            i, out = first
-            while True:
-                finals[i] = out
-                for chunk in renderer.chunks(i, out):
-                    yield _event(chunk)
-                try:
-                    i, out = await anext(merged)
-                except StopAsyncIteration:
-                    break
-            if include_usage:
-                yield _event(renderer.usage_chunk(usage(renderer.jobs, [finals[k] for k in sorted(finals)])))
-        except Exception as exc:  # the 200 header is out: the error travels in the stream, as OpenAI's does
-            yield _event(engine_error(exc).body())
-    yield "data: [DONE]\n\n"
-
-
-async def respond(request: Request, state: ServerState, renderer: Renderer, stream: bool,
-                  include_usage: bool) -> Response:
-    """Run the renderer's jobs on the engine; answer with one JSON body or an event stream."""
-    engine = state.ready_engine()
-    merged = merge([generate(engine, job, state.metrics) for job in renderer.jobs])
-    try:
-        if not stream:
-            finals = await until_disconnected(request, _collect(merged, len(renderer.jobs)))
-            return Response(renderer.response(finals).model_dump_json(), media_type="application/json")
-        # Wait for the first output before sending 200, so that a refusal (overload, dead engine) is a 503.
-        first = await until_disconnected(request, anext(merged))
-    except ClientGone:
-        raise
-    except Exception as exc:
-        raise engine_error(exc) from None
-    return EventStream(_events(first, merged, renderer, include_usage))
 
 
 # ---- the app -------------------------------------------------------------------------------------------
@@ -406,7 +232,7 @@ def _generation_routes(state: ServerState) -> APIRouter:
         rid = f"cmpl-{uuid.uuid4().hex}"
         jobs = [state.job(engine, f"{rid}-{i}", p, params, "prompt") for i, p in enumerate(completion_prompts(req))]
         renderer = CompletionRenderer(rid, state.names[0], jobs, engine.tokenizer, req.echo)
-        return await respond(request, state, renderer, req.stream, req.include_usage)
+        return await respond(request, state.ready_engine(), state.metrics, renderer, req.stream, req.include_usage)
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -417,7 +243,7 @@ def _generation_routes(state: ServerState) -> APIRouter:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         jobs = [state.job(engine, rid, chat_prompt(req.messages, engine.tokenizer), params, "messages")]
         renderer = ChatRenderer(rid, state.names[0], jobs, engine.tokenizer)
-        return await respond(request, state, renderer, req.stream, req.include_usage)
+        return await respond(request, state.ready_engine(), state.metrics, renderer, req.stream, req.include_usage)
 
     return router
 
