@@ -64,13 +64,18 @@ class AsyncLLM:
         self._asock.send(encode(msg))
 
     async def _recv_loop(self) -> None:
-        while True:
-            msg = self.client.decode(await self._asock.recv())
-            if isinstance(msg, TokenBatch):
-                self._apply(msg)
-            elif isinstance(msg, EngineDead):
-                self._fail(msg.reason)
-                return
+        try:
+            while True:
+                msg = self.client.decode(await self._asock.recv())
+                if isinstance(msg, TokenBatch):
+                    self._apply(msg)
+                elif isinstance(msg, EngineDead):
+                    self._fail(msg.reason)
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a dead receive loop would leave every request waiting forever
+            self._fail(f"the frontend's receive loop failed: {type(e).__name__}: {e}")
 
     def _apply(self, batch: TokenBatch) -> None:
         if batch.stats:

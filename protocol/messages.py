@@ -105,8 +105,8 @@ class NewRow:
 class StepPlan:
     """One step. rows[i] gets num_tokens[i] new tokens; decode rows (1 token, past their prompt) first.
 
-    new_rows are added to the mirror before the step, block_appends (row, new block ids) extend block
-    tables, free_rows are dropped after it. `step` increases by one per plan; every rank checks it.
+    free_rows are dropped first (a new row may reuse one), then new_rows are added to the mirror and
+    block_appends (row, new block ids) extend block tables; none of free_rows is scheduled in this plan. `step` increases by one per plan; every rank checks it.
     """
 
     step: int

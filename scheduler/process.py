@@ -284,8 +284,8 @@ class SchedulerServer:
                 try:
                     with self.tracer.span("scheduler.on_result", step):
                         return self.scheduler.on_result(msg)
-                except (TypeError, ValueError) as e:
-                    log.warning("dropped a StepResult: %s", e)
+                except (TypeError, ValueError) as e:  # the step's one answer is unusable: it will not come again
+                    raise _Exit(1, f"worker sent a bad StepResult for step {step}: {e}") from None
             elif msg is not None:
                 log.warning("dropped a %s from a worker while waiting for step %d", _describe(msg), step)
 

@@ -113,7 +113,8 @@ class Scheduler:
                              f"of {ids.dtype}: send at least one token")
         bad = ids[(ids < 0) | (ids >= self.vocab_size)]
         if bad.size:
-            raise ValueError(f"prompt token id {int(bad[0])} is outside the vocabulary [0, {self.vocab_size})")
+            raise ValueError(f"prompt token id {int(bad[0])} is outside the vocabulary [0, {self.vocab_size}): "
+                             "tokenize with this model's tokenizer")
         return ids.tolist()
 
     def _check_length(self, prompt_len: int, max_tokens: int | None) -> int:
@@ -274,7 +275,7 @@ class Scheduler:
                 self._finish(req, reason)
             lp = logprobs(i, req.params.logprobs) if logprobs and req.params.logprobs is not None else None
             updates.setdefault(req.client, []).append(_Update(req.request_id, int(tokens[i]), reason, None, lp))
-        return [(c, self._batch(u)) for c, u in updates.items()]
+        return [(c, self._batch(u, result.step)) for c, u in updates.items()]
 
     def _stop_reason(self, req: Request) -> str | None:
         if req.num_generated >= req.params.min_tokens and req.token_ids[-1] in req.stop_ids:
@@ -283,10 +284,11 @@ class Scheduler:
             return "length"
         return None
 
-    def _batch(self, updates: list[_Update]) -> TokenBatch:
+    def _batch(self, updates: list[_Update], step: int | None = None) -> TokenBatch:
+        """One client's updates; `step` is the step whose result they come from (default: the last planned)."""
         with_logprobs = any(u.logprobs is not None for u in updates)
         return TokenBatch(
-            step=self.step, request_ids=[u.request_id for u in updates], token_ids=i32([u.token for u in updates]),
+            step=self.step if step is None else step, request_ids=[u.request_id for u in updates], token_ids=i32([u.token for u in updates]),
             finished={u.request_id: u.finish for u in updates if u.finish is not None},
             errors={u.request_id: u.error for u in updates if u.error is not None},
             logprobs=[u.logprobs for u in updates] if with_logprobs else None, stats=self.stats())
