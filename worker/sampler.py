@@ -62,6 +62,18 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None = None  # [N, k] float32
 
 
+def _upload(host: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on the device without draining the stream.
+
+    A copy from pageable memory waits for every queued kernel (the step in flight); from pinned memory it is
+    queued behind them. torch's pinned-memory cache keeps the block until the copy has run.
+    """
+    src = torch.from_numpy(host)
+    if device.type != "cuda":
+        return src.to(device)
+    return src.pin_memory().to(device, non_blocking=True)
+
+
 class Sampler:
     """Samples one token per row from float32 logits; rows are the runner's mirror rows."""
 
@@ -117,10 +129,10 @@ class Sampler:
     def _reset_penalty_state(self, row: int, prompt_ids: np.ndarray, output_ids: np.ndarray) -> None:
         self.output_counts[row].zero_()
         self.prompt_mask[row].zero_()
-        prompt = torch.from_numpy(np.asarray(prompt_ids, np.int64)).to(self.device)
+        prompt = _upload(np.asarray(prompt_ids, np.int64), self.device)
         self.prompt_mask[row, prompt] = True
         if len(output_ids):
-            out = torch.from_numpy(np.asarray(output_ids, np.int64)).to(self.device)
+            out = _upload(np.asarray(output_ids, np.int64), self.device)
             self.output_counts[row].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
 
     def profile(self, logits: torch.Tensor) -> None:
@@ -154,8 +166,8 @@ class Sampler:
         rows_host is the host copy of rows; it is read only when some row needs top-k/top-p.
         """
         if self._dirty:
-            self.floats.copy_(torch.from_numpy(self._floats))
-            self.ints.copy_(torch.from_numpy(self._ints))
+            self.floats.copy_(_upload(self._floats, self.device))
+            self.ints.copy_(_upload(self._ints, self.device))
             self._dirty = False
         out = SamplerOutput(token_ids=None)
         if self._count["logprobs"]:
@@ -214,7 +226,7 @@ class Sampler:
             return logits
         if len(need) == len(rows_host):
             return _top_k_top_p(logits, self.ints[rows, _TOP_K], self.floats[rows, _TOP_P])
-        idx = torch.from_numpy(need).to(self.device, non_blocking=True)
+        idx = _upload(need, self.device)
         sel_rows = rows[idx]
         logits = logits.clone()
         logits[idx] = _top_k_top_p(logits[idx], self.ints[sel_rows, _TOP_K], self.floats[sel_rows, _TOP_P])
