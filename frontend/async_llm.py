@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import time
 from collections.abc import AsyncIterator
 
 import zmq.asyncio
@@ -17,6 +18,10 @@ from protocol.config import EngineConfig
 from protocol.messages import Abort, EngineDead, GetStats, TokenBatch
 from protocol.sampling import SamplingParams
 
+
+
+PROBE_AFTER_S = 1.0  # silence, with requests pending, before a remote engine is asked for its stats
+REMOTE_SILENCE_S = 10.0  # silence after which a remote engine is taken for dead
 
 
 class EngineRequestError(RuntimeError):
@@ -66,7 +71,7 @@ class AsyncLLM:
     async def _recv_loop(self) -> None:
         try:
             while True:
-                msg = self.client.decode(await self._asock.recv())
+                msg = await self._next_message()
                 if isinstance(msg, TokenBatch):
                     self._apply(msg)
                 elif isinstance(msg, EngineDead):
@@ -74,8 +79,29 @@ class AsyncLLM:
                     return
         except asyncio.CancelledError:
             raise
+        except EngineDeadError as e:
+            self._fail(str(e))
         except Exception as e:  # a dead receive loop would leave every request waiting forever
             self._fail(f"the frontend's receive loop failed: {type(e).__name__}: {e}")
+
+    async def _next_message(self):
+        """The engine's next message. Our own engine's death is reported by the launcher's watcher; a remote
+        one (connect) that stays silent while requests wait is asked for stats, and declared dead after
+        REMOTE_SILENCE_S without an answer (the scheduler answers GetStats even mid-step)."""
+        if self.client.procs is not None:
+            return self.client.decode(await self._asock.recv())
+        silent_since = time.monotonic()
+        while True:
+            try:
+                return self.client.decode(await asyncio.wait_for(self._asock.recv(), PROBE_AFTER_S))
+            except asyncio.TimeoutError:
+                if not self.processor.num_pending:
+                    silent_since = time.monotonic()
+                elif time.monotonic() - silent_since > REMOTE_SILENCE_S:
+                    raise EngineDeadError(f"the engine at {self.client.address} stopped answering for "
+                                          f"{REMOTE_SILENCE_S:.0f} s") from None
+                else:
+                    self._send(GetStats())
 
     def _apply(self, batch: TokenBatch) -> None:
         if batch.stats:

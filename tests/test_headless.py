@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -12,6 +14,7 @@ import pytest
 import zmq
 
 from frontend import AsyncLLM, LLM, SamplingParams
+from frontend.engine_client import EngineDeadError
 
 PROMPT = [11, 22, 33, 44, 55]
 
@@ -84,3 +87,27 @@ def test_async_llm_connects_to_a_headless_engine(headless):
         assert final.finished and len(final.outputs[0].token_ids) == 6
     finally:
         engine.shutdown()
+
+
+def test_connected_frontend_fails_its_requests_when_the_remote_engine_is_killed(tiny_ckpt, tmp_path):
+    address = f"ipc://{tmp_path}/engine"
+    proc = subprocess.Popen([sys.executable, "launch.py", "--model", str(tiny_ckpt), "--device", "cpu",
+                             "--headless", "--engine-address", address], start_new_session=True)
+    try:
+        engine = AsyncLLM.connect(address)
+
+        async def run():
+            params = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)
+            async for out in engine.generate(PROMPT, params, "long"):
+                if len(out.outputs[0].token_ids) >= 2:
+                    os.killpg(proc.pid, signal.SIGKILL)  # SIGKILL: no EngineDead is ever sent
+
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError, match="stopped answering"):
+            asyncio.run(run())
+        assert time.monotonic() - start < 20
+        engine.shutdown()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
