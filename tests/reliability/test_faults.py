@@ -175,7 +175,8 @@ def test_a_stuck_worker_marks_the_engine_dead_after_step_timeout(tiny_ckpt, tmp_
         os.kill(server.child_pids()["worker0"], signal.SIGSTOP)  # alive, holding its sockets, doing nothing
         stopped = time.monotonic()
         stream.wait_ended(8)
-        assert 2 <= stream.ended - stopped < 6
+        # the timeout counts from the last result, which came a step (on a loaded machine, a few) before SIGSTOP
+        assert 1.5 <= stream.ended - stopped < 6
         assert "no progress for 2.0 s (step_timeout)" in stream.error_message()
         assert httpx.get(server.url + "/health").status_code == 503
         assert server.proc.wait(max(0.1, 12 - (time.monotonic() - stopped))) == 1
