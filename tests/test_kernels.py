@@ -13,6 +13,7 @@ from kernels.kv_store import (make_cos_sin, rope_store_kv_ref, rope_store_kv_tri
                               store_kv_triton)
 from kernels.norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
 from kernels.prefill_attention import paged_prefill_attention_ref, paged_prefill_attention_triton
+from kernels.sampling import gumbel_argmax_ref, gumbel_argmax_triton
 
 TOL = dict(atol=1e-4, rtol=1e-4)
 BLOCK = 16
@@ -169,6 +170,34 @@ def test_decode_reference_equals_prefill_reference_of_one_query():
     prefill = paged_prefill_attention_ref(q[[0, 2]], k_cache, v_cache, tables, cu, ctx, 0.3, 1)
     torch.testing.assert_close(decode[[0, 2]], prefill, **TOL)
     assert decode[1].abs().max() == 0
+
+
+def sampling_rows(rows: int, vocab: int) -> tuple[torch.Tensor, ...]:
+    """Strided logits (a view of a wider buffer) with a tie for the maximum in row 0, greedy rows at 0 and 3,
+    and seeds that cover negative and > 2**62 values."""
+    logits = (torch.randn(rows, vocab + 5, generator=torch.Generator().manual_seed(vocab)) * 3)[:, :vocab]
+    logits[0, [7, vocab - 2]] = 100.0
+    temps = torch.tensor([0.0, 0.7, 1.3, 0.0, 1.0, 0.5])[:rows]
+    seeds = torch.tensor([1, -5, 2**62 + 3, 7, -(2**63), 2**63 - 1], dtype=torch.int64)[:rows]
+    return logits, temps, seeds, torch.arange(rows, dtype=torch.int64) * 1000 + 3
+
+
+@pytest.mark.parametrize("vocab,block,chunks", [(1000, 128, 1), (1000, 128, 3), (4099, 256, 5), (300, 512, 2)])
+def test_gumbel_argmax_triton_matches_reference_for_any_chunking(vocab, block, chunks):
+    logits, temps, seeds, positions = sampling_rows(6, vocab)
+    ref = gumbel_argmax_ref(logits, temps, seeds, positions)
+    assert ref[0] == 7 and ref[3] == logits[3].argmax()  # greedy rows: the first of equal maxima
+    out = gumbel_argmax_triton(logits, temps, seeds, positions, block=block, chunks=chunks)
+    assert torch.equal(out, ref)
+
+
+def test_gumbel_argmax_reference_draws_depend_on_seed_and_position_only():
+    logits, temps, seeds, positions = sampling_rows(6, 500)
+    batch = gumbel_argmax_ref(logits, temps, seeds, positions)
+    for i in range(6):
+        assert gumbel_argmax_ref(logits[i:i + 1], temps[i:i + 1], seeds[i:i + 1], positions[i:i + 1]) == batch[i]
+    moved = gumbel_argmax_ref(logits, temps, seeds, positions + 1)
+    assert not torch.equal(moved[[1, 2, 4, 5]], batch[[1, 2, 4, 5]])
 
 
 def test_public_names_run_the_reference_on_cpu():

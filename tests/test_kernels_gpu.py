@@ -9,6 +9,7 @@ from kernels.decode_attention import paged_decode_attention, paged_decode_attent
 from kernels.kv_store import make_cos_sin, rope_store_kv, rope_store_kv_ref, store_kv, store_kv_ref
 from kernels.norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
 from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
+from kernels.sampling import gumbel_argmax, gumbel_argmax_ref
 
 pytestmark = pytest.mark.gpu
 
@@ -52,6 +53,18 @@ def test_rms_norm_and_add_rms_norm_bf16():
     ref_out, ref_res = add_rms_norm_ref(*fp32(x, res, w), 1e-6)
     assert_close_rel(out, ref_out)
     assert_close_rel(new_res, ref_res)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 256])
+def test_gumbel_argmax_at_qwen_vocab_equals_reference(rows):
+    vocab = 151936
+    logits = torch.randn(rows, vocab, device="cuda") * 4
+    temps = torch.rand(rows, device="cuda") * 1.5
+    temps[::3] = 0.0
+    seeds = torch.randint(-(2**63), 2**63 - 1, (rows,), device="cuda", dtype=torch.int64)
+    positions = torch.randint(0, 32768, (rows,), device="cuda", dtype=torch.int64)
+    out = gumbel_argmax(logits, temps, seeds, positions)
+    assert torch.equal(out, gumbel_argmax_ref(logits, temps, seeds, positions))
 
 
 def test_silu_and_mul_bf16():

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from protocol.sampling import SamplingParams
-from worker.sampler import Sampler, hashed_uniform
+from kernels.sampling import hashed_uniform, uniform_from_bits
+from worker.sampler import Sampler
 
 V = 64
 
@@ -48,11 +49,16 @@ def test_seeded_row_samples_the_same_alone_or_in_a_batch():
 def test_different_seeds_and_positions_draw_different_noise():
     seeds = torch.tensor([1, 2, 1], dtype=torch.int64)
     pos = torch.tensor([5, 5, 6], dtype=torch.int64)
-    keys = torch.arange(1000, dtype=torch.int64) * -7046029254386353131
-    u = hashed_uniform(seeds, pos, keys)
+    u = hashed_uniform(seeds, pos, 1000)
     assert (u > 0).all() and (u < 1).all()
     assert not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
-    assert torch.equal(u, hashed_uniform(seeds, pos, keys))
+    assert torch.equal(u, hashed_uniform(seeds, pos, 1000))
+
+
+def test_uniform_from_bits_stays_inside_zero_one_at_the_extremes():
+    u = uniform_from_bits(torch.tensor([0, 2**23 - 1], dtype=torch.int64))
+    assert u[0] == 2.0**-24 and u[1] == 1 - 2.0**-24  # exact: the noise -log(-log(u)) stays finite
+    assert torch.isfinite(-torch.log(-torch.log(u))).all()
 
 
 def _draws(logits_row: torch.Tensor, params: SamplingParams, n: int) -> torch.Tensor:

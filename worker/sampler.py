@@ -2,8 +2,8 @@
 
 Per-row params live in device tables indexed by row; a row's params are written once when it is added.
 The host keeps counts of active rows using each feature, so a stage no active row needs costs nothing.
-Random rows draw from a counter-based hash of (row seed, position of the sampled token, vocab index):
-the same request samples the same tokens alone or in any batch, and again after a preemption.
+Random rows draw hashed Gumbel noise (`kernels.sampling`): the same request samples the same tokens alone or
+in any batch, and again after a preemption.
 """
 from __future__ import annotations
 
@@ -12,41 +12,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kernels.sampling import gumbel_argmax
 from protocol.sampling import SamplingParams
 
 # Column order of the float and int parameter tables.
 _TEMP, _TOP_P, _MIN_P, _PRESENCE, _FREQUENCY, _REPETITION = range(6)
 _TOP_K, _SEED = range(2)
 _FEATURES = ("random", "penalties", "top_k_top_p", "min_p", "logprobs")
-
-
-def _i64(c: int) -> int:
-    """An unsigned 64-bit constant as the signed int64 torch stores (same bits)."""
-    return c - (1 << 64) if c >= 1 << 63 else c
-
-
-_GOLDEN = _i64(0x9E3779B97F4A7C15)
-_MIX1 = _i64(0xBF58476D1CE4E5B9)
-_MIX2 = _i64(0x94D049BB133111EB)
-
-
-def _srl(x: torch.Tensor, s: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's >> is arithmetic; the mask drops the sign copies)."""
-    return (x >> s) & ((1 << (64 - s)) - 1)
-
-
-def _mix64(z: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finalizer; int64 multiplication wraps, which is the arithmetic it wants."""
-    z = (z ^ _srl(z, 30)) * _MIX1
-    z = (z ^ _srl(z, 27)) * _MIX2
-    return z ^ _srl(z, 31)
-
-
-def hashed_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_keys: torch.Tensor) -> torch.Tensor:
-    """u[n, v] in (0, 1), a pure function of (seeds[n], positions[n], v); vocab_keys = arange(V) * golden."""
-    row_key = _mix64(seeds * _GOLDEN + positions)
-    z = _mix64(row_key[:, None] + vocab_keys[None, :])
-    return (_srl(z, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 
 def seed_to_i64(seed: int) -> int:
@@ -92,7 +64,6 @@ class Sampler:
         self.ints = torch.from_numpy(self._ints).to(device)
         self.output_counts = torch.zeros((max_rows, vocab_size), dtype=torch.int32, device=device)
         self.prompt_mask = torch.zeros((max_rows, vocab_size), dtype=torch.bool, device=device)
-        self.vocab_keys = torch.arange(vocab_size, dtype=torch.int64, device=device) * _GOLDEN
         self._rng = np.random.default_rng(seed)  # seeds of rows that bring none
 
     # ---- rows ---------------------------------------------------------------------------------------
@@ -174,9 +145,10 @@ class Sampler:
             self._raw_logprobs(logits, out)
         if self._count["penalties"]:
             logits = self._apply_penalties(logits, rows)
-        greedy = logits.argmax(dim=-1)
-        out.token_ids = greedy if not self._count["random"] else self._sample(logits, rows, positions,
-                                                                               rows_host, greedy)
+        if self._count["random"]:
+            out.token_ids = self._sample(logits, rows, positions, rows_host)
+        else:
+            out.token_ids = logits.argmax(dim=-1)
         if self._count["penalties"]:
             self.output_counts.index_put_((rows, out.token_ids), torch.ones_like(rows, dtype=torch.int32),
                                           accumulate=True)
@@ -204,19 +176,18 @@ class Sampler:
         return logits - params[:, _PRESENCE:_PRESENCE + 1] * seen
 
     def _sample(self, logits: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
-                rows_host: np.ndarray, greedy: torch.Tensor) -> torch.Tensor:
-        params = self.floats[rows]
-        temp = params[:, _TEMP:_TEMP + 1]
-        logits = logits / torch.where(temp > 0, temp, torch.ones_like(temp))
-        if self._count["min_p"]:
-            logits = _apply_min_p(logits, params[:, _MIN_P])
-        if self._count["top_k_top_p"]:
-            logits = self._apply_top_k_top_p(logits, rows, rows_host)
-        # Gumbel-max: argmax(logits + Gumbel noise) is an exact draw from softmax(logits), and the same
-        # as argmax(probs / Exp(1)); the noise is hashed, so it does not depend on the batch.
-        u = hashed_uniform(self.ints[rows, _SEED], positions, self.vocab_keys)
-        sampled = (logits - torch.log(-torch.log(u))).argmax(dim=-1)
-        return torch.where(temp[:, 0] > 0, sampled, greedy)
+                rows_host: np.ndarray) -> torch.Tensor:
+        """Random rows draw, greedy rows (temperature 0) take the argmax, in one pass over the logits."""
+        temps = self.floats[rows, _TEMP]
+        if self._count["min_p"] or self._count["top_k_top_p"]:
+            # The filters work on the tempered logits; the draw then only adds noise (temperature 1).
+            logits = logits / torch.where(temps > 0, temps, torch.ones_like(temps))[:, None]
+            temps = (temps > 0).to(temps.dtype)
+            if self._count["min_p"]:
+                logits = _apply_min_p(logits, self.floats[rows, _MIN_P])
+            if self._count["top_k_top_p"]:
+                logits = self._apply_top_k_top_p(logits, rows, rows_host)
+        return gumbel_argmax(logits, temps, self.ints[rows, _SEED], positions)
 
     def _apply_top_k_top_p(self, logits: torch.Tensor, rows: torch.Tensor,
                            rows_host: np.ndarray) -> torch.Tensor:
