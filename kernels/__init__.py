@@ -4,6 +4,7 @@ from kernels.decode_attention import paged_decode_attention
 from kernels.kv_store import make_cos_sin, rope_store_kv, store_kv
 from kernels.norm import add_rms_norm, rms_norm
 from kernels.prefill_attention import paged_prefill_attention
+from kernels.sampling import gumbel_argmax
 
-__all__ = ["add_rms_norm", "make_cos_sin", "paged_decode_attention", "paged_prefill_attention",
+__all__ = ["add_rms_norm", "gumbel_argmax", "make_cos_sin", "paged_decode_attention", "paged_prefill_attention",
            "rms_norm", "rope_store_kv", "silu_and_mul", "store_kv"]

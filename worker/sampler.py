@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.sampling import gumbel_argmax
+from kernels import gumbel_argmax
 from protocol.sampling import SamplingParams
 
 # Column order of the float and int parameter tables.
