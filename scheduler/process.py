@@ -98,6 +98,10 @@ class SchedulerServer:
         sock.setsockopt(zmq.LINGER, LINGER_MS)
         # The codec's cap, enforced by zmq: a bigger frame drops its sender before it is buffered.
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        if kind == zmq.ROUTER:  # set before bind: the listener copies it into every peer's pipe
+            # A ROUTER silently drops frames past its high-water mark: a frontend that fell 2000 steps
+            # behind (1000 here, 1000 in its own queue) lost tokens and finishes, and its requests hung.
+            sock.setsockopt(zmq.SNDHWM, 0)
         sock.bind(address)
         return sock
 

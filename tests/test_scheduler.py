@@ -578,6 +578,11 @@ def hello(sock: zmq.Socket) -> dict:
 
 def generate(sock: zmq.Socket, rid: str, prompt: list[int], max_tokens: int) -> tuple[list[int], str]:
     sock.send(encode(AddRequest(rid, i32(prompt), {"max_tokens": max_tokens, "temperature": 0.0})))
+    return stream(sock, rid)
+
+
+def stream(sock: zmq.Socket, rid: str) -> tuple[list[int], str]:
+    """Read `rid`'s tokens until it finishes: (tokens, finish reason)."""
     tokens = []
     while True:
         msg = recv(sock)
@@ -605,6 +610,29 @@ def test_engine_serves_frontends_over_sockets_and_shuts_down_cleanly():
     finally:
         engine.close()
     assert engine.code == [0] and isinstance(engine.worker_log[-1], Shutdown)
+
+
+def test_a_frontend_that_reads_late_still_gets_every_token_and_the_finish():
+    # ZeroMQ's ROUTER silently drops what it cannot queue for a peer (1000 frames, plus the peer's own
+    # 1000): a frontend busy for a few thousand steps lost tokens and finishes, and its requests hung.
+    n = 2500
+    engine = Engine(num_blocks=400, max_model_len=4096)
+    try:
+        late, watcher = engine.client(), engine.client()
+        hello(late)
+        hello(watcher)
+        late.send(encode(AddRequest("long", i32([1, 2, 3]), {"max_tokens": n, "temperature": 0.0})))
+        while True:  # `late` reads nothing until the engine is done
+            watcher.send(encode(GetStats()))
+            batch = recv(watcher)
+            if batch.step >= n and batch.stats["num_running"] == batch.stats["num_waiting"] == 0:
+                break
+            time.sleep(0.05)
+        assert stream(late, "long") == (reference([1, 2, 3], n), "length")
+        late.send(encode(Shutdown()))
+    finally:
+        engine.close()
+    assert engine.code == [0]
 
 
 def test_malformed_frames_are_logged_dropped_and_the_engine_keeps_serving(caplog):
