@@ -48,6 +48,17 @@ def test_mis_shaped_tensor_gives_its_name_and_both_shapes(tiny_ckpt, tmp_path):
         load(path)
 
 
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "float8"])
+def test_tensor_of_a_non_float_or_quantized_dtype_is_named_with_the_fix(tiny_ckpt, tmp_path, dtype):
+    def quantize(t):  # same shape, so only the dtype can tell that these are not the real values
+        t["model.layers.0.mlp.down_proj.weight"] = t["model.layers.0.mlp.down_proj.weight"].to(dtype)
+
+    path = edited_checkpoint(tiny_ckpt, tmp_path / "c", quantize)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.down_proj\.weight.*"
+                                         + str(dtype).removeprefix("torch.") + r".*unquantized"):
+        load(path)
+
+
 def test_unexpected_tensor_is_named(tiny_ckpt, tmp_path):
     def add_extra(t):
         t["model.layers.0.self_attn.rel_bias.weight"] = torch.zeros(4)

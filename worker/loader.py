@@ -18,6 +18,8 @@ from tqdm import tqdm
 _PACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 _UNPACKED = {packed: hf for hf, packed in _PACKED.items()}
+# Unquantized weights only: copy_ would turn int8 / float8 values into floats without their scales.
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def load_weights(model: nn.Module, model_dir: str, tp_rank: int = 0, tp_size: int = 1) -> None:
@@ -47,9 +49,12 @@ def _load_tensor(params: dict, expected: set, tied: bool, name: str, f, file: st
     if (target, shard) not in expected:
         raise ValueError(f"unexpected tensor {name!r} in {file}: the Qwen2 model has no such parameter "
                          "(is this a Qwen2ForCausalLM checkpoint with the config.json beside it?)")
-    param = params[target]
+    param, tensor = params[target], f.get_tensor(name)
+    if tensor.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"tensor {name!r} in {file} is {str(tensor.dtype).removeprefix('torch.')}: Pico-vLLM loads "
+                         "unquantized float32 / float16 / bfloat16 weights only: use the unquantized checkpoint")
     try:
-        param.weight_loader(param, f.get_tensor(name), shard)
+        param.weight_loader(param, tensor, shard)
     except ValueError as e:
         raise ValueError(f"tensor {name!r} in {file}: {e}") from None
     return {(target, shard)}
