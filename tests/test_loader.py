@@ -44,7 +44,8 @@ def test_mis_shaped_tensor_gives_its_name_and_both_shapes(tiny_ckpt, tmp_path):
         t["model.layers.0.self_attn.k_proj.weight"] = t["model.layers.0.self_attn.k_proj.weight"].T.contiguous()
 
     path = edited_checkpoint(tiny_ckpt, tmp_path / "c", transpose_k)
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.k_proj\.weight.*\(64, 32\).*\(32, 64\)"):
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.k_proj\.weight.*\(64, 32\).*\(32, 64\)"
+                                         r".*config\.json"):
         load(path)
 
 

@@ -28,7 +28,8 @@ def _param(*shape: int, loader: Callable, shard_ids: tuple = (None,)) -> nn.Para
 
 def _check_shape(loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
     if tuple(loaded.shape) != tuple(expected):
-        raise ValueError(f"checkpoint shape {tuple(loaded.shape)} does not match the model's {tuple(expected)}")
+        raise ValueError(f"checkpoint shape {tuple(loaded.shape)} does not match the model's {tuple(expected)}: "
+                         "use the config.json that came with these weights")
 
 
 def _load_slice(param: torch.Tensor, dst_start: int, loaded: torch.Tensor, src_start: int, size: int,
