@@ -4,9 +4,14 @@ from __future__ import annotations
 import time
 
 from pydantic import BaseModel
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from frontend.api_models import Job
 from frontend.outputs import CompletionOutput, RequestOutput
+
+# Byte-level BPE vocabularies (Qwen2's) write each byte as one printable character; this maps them back.
+_BYTE_OF_CHAR = {char: byte for byte, char in bytes_to_unicode().items()}
+Entry = tuple[str, float, list[int]]  # a logprob entry: (token text, logprob, the token's own UTF-8 bytes)
 
 
 # ---- responses ---------------------------------------------------------------------------------------------
@@ -100,6 +105,17 @@ class ChatCompletionChunk(BaseModel):
 
 # ---- engine outputs -> responses ---------------------------------------------------------------------------
 
+def token_bytes(tokenizer, token_id: int, text: str) -> list[int]:
+    """The token's own bytes: a token holding part of a character decodes to U+FFFD, but its bytes are the
+    real ones, so that a client joining the bytes of consecutive tokens gets the character (OpenAI's `bytes`)."""
+    if "\ufffd" not in text:
+        return list(text.encode())
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if isinstance(piece, str) and piece and all(c in _BYTE_OF_CHAR for c in piece):
+        return [_BYTE_OF_CHAR[c] for c in piece]
+    return list(text.encode())  # not a byte-level vocabulary: the decoded text is all there is
+
+
 def usage(jobs: list[Job], finals: list[RequestOutput]) -> UsageInfo:
     """Prompt tokens once per prompt (not per sample); completion tokens of every sample."""
     prompt = sum(len(job.token_ids) for job in jobs)
@@ -136,14 +152,18 @@ class Renderer:
                 self._done.add(index)
         return news
 
-    def logprob_rows(self, o: CompletionOutput, start: int) -> list[tuple[str, float, list[tuple[str, float]]]]:
-        """(token text, its logprob, top-k (text, logprob)) for the tokens from `start` on."""
+    def logprob_rows(self, o: CompletionOutput, start: int) -> list[tuple[Entry, list[Entry]]]:
+        """(the sampled token's entry, the top-k entries) for the tokens from `start` on."""
         k = self.jobs[0].params.logprobs or 0
         rows = []
         for token, lps in zip(o.token_ids[start:], o.logprobs[start:]):
             top = sorted(lps.items(), key=lambda kv: kv[1], reverse=True)[:k]
-            rows.append((self.tokenizer.decode([token]), lps[token], [(self.tokenizer.decode([t]), lp) for t, lp in top]))
+            rows.append((self._entry(token, lps[token]), [self._entry(t, lp) for t, lp in top]))
         return rows
+
+    def _entry(self, token_id: int, logprob: float) -> Entry:
+        text = self.tokenizer.decode([token_id])
+        return text, logprob, token_bytes(self.tokenizer, token_id, text)
 
     def opening(self) -> list[BaseModel]:
         return []
@@ -171,12 +191,13 @@ class CompletionRenderer(Renderer):
         if o.logprobs is not None:
             rows = self.logprob_rows(o, tokens)
             offsets, pos = [], len(echo) + chars
-            for token_text, _, _ in rows:
+            for (token_text, _, _), _ in rows:
                 offsets.append(pos)
                 pos += len(token_text)
             # reversed: of top tokens that decode to the same text, the likeliest is written last and kept
-            logprobs = CompletionLogprobs(tokens=[r[0] for r in rows], token_logprobs=[r[1] for r in rows],
-                                          top_logprobs=[dict(reversed(r[2])) for r in rows], text_offset=offsets)
+            logprobs = CompletionLogprobs(
+                tokens=[entry[0] for entry, _ in rows], token_logprobs=[entry[1] for entry, _ in rows],
+                top_logprobs=[{t: lp for t, lp, _ in reversed(top)} for _, top in rows], text_offset=offsets)
         return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=o.finish_reason)
 
     def _wrap(self, choices: list[CompletionChoice], info: UsageInfo | None = None) -> CompletionResponse:
@@ -198,9 +219,9 @@ class ChatRenderer(Renderer):
         if o.logprobs is None:
             return None
         return ChatLogprobs(content=[
-            TokenLogprob(token=text, logprob=lp, bytes=list(text.encode()),
-                         top_logprobs=[TopLogprob(token=t, logprob=l, bytes=list(t.encode())) for t, l in top])
-            for text, lp, top in self.logprob_rows(o, start)])
+            TokenLogprob(token=text, logprob=lp, bytes=raw,
+                         top_logprobs=[TopLogprob(token=t, logprob=l, bytes=b) for t, l, b in top])
+            for (text, lp, raw), top in self.logprob_rows(o, start)])
 
     def _chunk(self, choices: list[ChatStreamChoice], info: UsageInfo | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices, usage=info)

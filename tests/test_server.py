@@ -188,6 +188,19 @@ def test_echo_prepends_the_prompt(server):
     assert resp.choices[0].text == PROMPTS[1] + server.refs[PROMPTS[1]].outputs[0].text
 
 
+def test_chat_logprob_bytes_are_each_tokens_own_bytes_and_join_to_the_content(server):
+    chat = _client(server).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "ok"}], max_tokens=40, temperature=0, logprobs=True,
+        top_logprobs=2, extra_body={"ignore_eos": True}).choices[0]
+    content = [t for t in chat.logprobs.content if not re.fullmatch(r"<\|\w+\|>", t.token)]  # specials: no text
+    split = [ch for ch in chat.message.content
+             if ord(ch) > 127 and ch != "\ufffd" and not any(ch in t.token for t in content)]
+    assert split  # this greedy output holds characters whose bytes span two tokens
+    assert b"".join(bytes(t.bytes) for t in content).decode("utf-8", errors="replace") == chat.message.content
+    assert all(bytes(top.bytes).decode() == top.token for t in content for top in t.top_logprobs
+               if "\ufffd" not in top.token)
+
+
 # ---- the other routes -------------------------------------------------------------------------------------
 
 def test_models_version_health_tokenize_detokenize(server):
