@@ -80,8 +80,9 @@ class _Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use
 
 
+# OpenAI's spec makes its optional flags nullable: each flag typed `bool | None` takes null as false.
 class StreamOptions(_Lenient):
-    include_usage: bool = False
+    include_usage: bool | None = False
 
 
 class _SamplingRequest(_Lenient):
@@ -102,18 +103,18 @@ class _SamplingRequest(_Lenient):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
 
     @property
     def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+        return self.stream_options is not None and bool(self.stream_options.include_usage)
 
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool | None = False
 
 
 class TextPart(_Lenient):
@@ -134,7 +135,7 @@ class ChatMessage(_Lenient):
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
 
 

@@ -201,6 +201,18 @@ def test_chat_logprob_bytes_are_each_tokens_own_bytes_and_join_to_the_content(se
                if "\ufffd" not in top.token)
 
 
+def test_null_for_an_optional_flag_means_its_default(server):
+    resp = _post(server, C, {**OK_C, "stream": None, "echo": None, "stream_options": None, "logprobs": None})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["logprobs"] is None
+    chat = _post(server, CHAT, {**OK_CHAT, "stream": None, "logprobs": None, "top_logprobs": None})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["choices"][0]["logprobs"] is None
+    streamed = _post(server, C, {**OK_C, "stream": True, "stream_options": {"include_usage": None}})
+    assert streamed.status_code == 200, streamed.text
+    assert '"usage":{' not in streamed.text and streamed.text.endswith("data: [DONE]\n\n")
+
+
 # ---- the other routes -------------------------------------------------------------------------------------
 
 def test_models_version_health_tokenize_detokenize(server):
