@@ -3,7 +3,8 @@
 # weights (about 7 minutes). Each result JSON goes to $OUT (default bench/results/), beside run_all.log.
 #
 #   bash bench/run_all.sh                       # every step, in this order:
-#   bash bench/run_all.sh latency serving       # tests latency throughput startup serving latency-eager trace
+#   bash bench/run_all.sh latency serving       # tests latency throughput trace startup serving profile
+#   bash bench/run_all.sh latency-eager         # not in the default run: the device returns 8 files at most
 #
 # It fetches nothing. Python packages the machine lacks travel as wheels in .whl/ (carried) and are
 # installed from there. Where the tree has no .git, set BENCH_COMMIT=<hash> so that results name their commit.
@@ -33,13 +34,14 @@ step() {  # name, time limit in seconds, command...: a step that fails or overru
   return "$rc"
 }
 
-for name in ${*:-tests latency throughput trace startup latency-eager serving}; do
+for name in ${*:-tests latency throughput trace startup serving profile}; do
   case $name in
     tests) step tests 100 python3 -m bench.gpu_tests --out "$OUT" ;;
     latency) step latency 110 python3 -m bench.latency "${MODEL[@]}" --baseline hf --max-tokens 129 ;;
     throughput) step throughput 110 python3 -m bench.throughput "${MODEL[@]}" --baseline hf --hf-batch 16 --hf-num-seqs 16 ;;
     startup) step startup 60 python3 -m bench.startup "${MODEL[@]}" ;;
     serving) step serving 90 python3 -m bench.serving "${MODEL[@]}" ;;
+    profile) step profile 120 python3 -m bench.profile "${MODEL[@]}" ;;
     latency-eager) step latency-eager 50 python3 -m bench.latency "${MODEL[@]}" --enforce-eager --prompt-lens 32 --max-tokens 65 --repeats 1 ;;
     # Batch-1 decode traced; merged here (idempotent) and only summary.txt kept: the device returns 8 files.
     trace) rm -rf /tmp/bench-trace
@@ -47,7 +49,7 @@ for name in ${*:-tests latency throughput trace startup latency-eager serving}; 
              --trace-dir /tmp/bench-trace --out /tmp/bench-trace-results \
            && python3 -c "from protocol.tracing import merge_traces; merge_traces('/tmp/bench-trace')" \
            && cp /tmp/bench-trace/summary.txt "$OUT/trace_summary.txt" ;;
-    *) echo "unknown step '$name': use tests latency throughput startup serving latency-eager trace"; exit 2 ;;
+    *) echo "unknown step '$name': use tests latency throughput trace startup serving profile latency-eager"; exit 2 ;;
   esac
 done
 

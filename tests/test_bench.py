@@ -54,6 +54,19 @@ def test_throughput_records_output_tokens_per_second_beside_hf(tiny_ckpt, tmp_pa
     assert hf["output_tok_s"] > 0 and 0 < hf["padding_waste"] < 1
 
 
+def test_profile_lists_the_kernels_of_decode_steps_per_batch_and_of_a_prefill_step(tiny_ckpt, tmp_path):
+    result = run_bench("profile", tiny_ckpt, tmp_path, "--batches", "1", "3", "--temperatures", "0", "0.7",
+                       "--context", "20", "--steps", "2", "--warmup", "1", "--top", "4")
+    numbers = result["numbers"]
+    assert [(d["batch"], d["temperature"]) for d in numbers["decode"]] == [(1, 0.0), (3, 0.7)]
+    for table in [d["kernels"] for d in numbers["decode"]] + [numbers["prefill"]["kernels"]]:
+        assert len(table) == 5 and table[-1]["kernel"].endswith("others)")
+        assert abs(sum(row["share"] for row in table) - 1) < 1e-6
+        assert any("mm" in row["kernel"] for row in table)  # the linears are there
+    assert numbers["prefill"]["tokens"] == 3 * 20  # three whole prompts: as many rows as the engine has
+    assert set(numbers["startup"]) == {"weights_s", "kv_cache_s", "graph_capture_s"}
+
+
 def test_roofline_counts_every_parameter_of_the_model(tiny_ckpt):
     tiny = config_from_dir(tiny_ckpt)
     hf = Qwen2ForCausalLM.from_pretrained(tiny_ckpt)
