@@ -37,6 +37,14 @@ class RequestState:
         return self.output.finished
 
 
+def _sample_seed(seed: int | None, index: int) -> int | None:
+    """Sample i of a seeded request uses seed + i, wrapped into SamplingParams' range: the sampler takes seeds
+    modulo 2**64, so 2**64 - 1 + 1 is seed 0 (unwrapped it was refused, and the request failed with a 500)."""
+    if seed is None:
+        return None
+    return seed + index if seed + index < 2**64 else seed + index - 2**64
+
+
 class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -54,7 +62,7 @@ class OutputProcessor:
         msgs = []
         for out in outs:
             engine_id = f"{request_id}#{next(self._ids)}"
-            sub = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + out.index)
+            sub = dataclasses.replace(params, n=1, seed=_sample_seed(params.seed, out.index))
             self._samples[engine_id] = _Sample(state, out, IncrementalDetokenizer(self.tokenizer, prompt_ids),
                                                StopMatcher(params.stop))
             state.engine_ids.append(engine_id)

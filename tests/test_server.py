@@ -213,6 +213,13 @@ def test_null_for_an_optional_flag_means_its_default(server):
     assert '"usage":{' not in streamed.text and streamed.text.endswith("data: [DONE]\n\n")
 
 
+def test_n_samples_of_the_largest_seed_are_served(server):
+    kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=1.0, n=2, seed=2**64 - 1,
+              extra_body={"ignore_eos": True})
+    first, second = (_client(server).completions.create(**kw) for _ in range(2))
+    assert [c.text for c in first.choices] == [c.text for c in second.choices] and len(first.choices) == 2
+
+
 # ---- the other routes -------------------------------------------------------------------------------------
 
 def test_models_version_health_tokenize_detokenize(server):
