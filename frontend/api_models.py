@@ -115,6 +115,7 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool | None = False
+    best_of: int | None = None  # only best_of <= n is served: samples are not ranked
 
 
 class TextPart(_Lenient):

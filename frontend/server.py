@@ -227,6 +227,9 @@ def _generation_routes(state: ServerState) -> APIRouter:
         check_stream_options(req)
         if req.echo and req.logprobs is not None:
             raise bad_request("echo with logprobs is not supported: prompt logprobs are not computed", "echo")
+        if req.best_of is not None and req.best_of > (req.n or 1):
+            raise bad_request(f"best_of={req.best_of} over n={req.n or 1} is not supported: samples are not ranked; "
+                              "ask for n samples instead", "best_of")
         max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS
         params = sampling_params(req, state.defaults, max_tokens, req.logprobs)
         rid = f"cmpl-{uuid.uuid4().hex}"

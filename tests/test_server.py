@@ -157,8 +157,8 @@ def test_stop_string_cuts_the_text_and_finishes_with_stop(server):
 
 
 def test_n_seeded_samples_are_reproducible_and_counted(server):
-    kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=1.0, n=3, seed=11,
-              extra_body={"ignore_eos": True})
+    kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=1.0, n=3, best_of=3, seed=11,
+              extra_body={"ignore_eos": True})  # best_of == n: nothing to rank, served
     first, second = (_client(server).completions.create(**kw) for _ in range(2))
     assert sorted(c.index for c in first.choices) == [0, 1, 2]
     assert [c.text for c in first.choices] == [c.text for c in second.choices]
@@ -311,6 +311,7 @@ BAD_INPUTS = [  # (name, path, body, status, param)
     ("empty stop string", C, {**OK_C, "stop": ["ok", ""]}, 400, "stop"),
     ("too many stop strings", CHAT, {**OK_CHAT, "stop": [f"s{i}" for i in range(17)]}, 400, "stop"),
     ("echo with logprobs", C, {**OK_C, "echo": True, "logprobs": 1}, 400, "echo"),
+    ("best_of over n (one sample is not the best of several)", C, {**OK_C, "best_of": 3}, 400, "best_of"),
     ("tokenize with neither prompt nor messages", "/tokenize", {"model": MODEL}, 400, "prompt"),
     ("detokenize outside the vocabulary", "/detokenize", {"tokens": [1, 10**6]}, 400, "tokens"),
 ]
