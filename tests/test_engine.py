@@ -90,6 +90,20 @@ def test_shared_prefixes_are_served_from_the_prefix_cache(tiny_ckpt):
         _assert_all_blocks_free(llm)
 
 
+def test_min_tokens_bans_stop_ids_like_hugging_face_min_new_tokens(tiny_ckpt, prompts, hf_tokens):
+    i = next(i for i, out in enumerate(hf_tokens) if out[1] not in out[:1])
+    stop = hf_tokens[i][1]  # greedy would emit it second: min_tokens=4 must steer around it
+    model = AutoModelForCausalLM.from_pretrained(tiny_ckpt, torch_dtype=torch.float32).eval()
+    ids = torch.tensor([prompts[i]])
+    expected = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_NEW,
+                              min_new_tokens=4, eos_token_id=stop, pad_token_id=0)[0, ids.shape[1]:].tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=4, stop_token_ids=[stop])
+    with LLM(str(tiny_ckpt), device="cpu") as llm:
+        got = llm.generate([prompts[i]], params, use_tqdm=False)[0].outputs[0].token_ids
+        assert got == expected and stop not in got[:4]
+        _assert_all_blocks_free(llm)
+
+
 def test_seeded_sampling_is_the_same_alone_and_in_a_batch(tiny_ckpt, prompts):
     params = SamplingParams(temperature=0.9, top_p=0.9, seed=1234, max_tokens=MAX_NEW, ignore_eos=True)
     other = SamplingParams(temperature=1.0, max_tokens=MAX_NEW, ignore_eos=True)

@@ -72,7 +72,8 @@ class ModelRunner:
         with torch.inference_mode():
             self.model = self._build_model(model_dir)
             weights_done = time.perf_counter()
-            self.sampler = Sampler(self.max_rows, self.model_config.vocab_size, self.device, config.seed)
+            self.sampler = Sampler(self.max_rows, self.model_config.vocab_size, self.device, config.seed,
+                                   self.model_config.eos_token_ids)
             self.last_token = torch.zeros(self.max_rows + 1, dtype=torch.int64, device=self.device)
             self.block_tables = torch.zeros(self.max_rows + 1, max_blocks, dtype=torch.int32, device=self.device)
             self.decode_cu = torch.arange(max(sizes + [self.max_rows]) + 1, dtype=torch.int32, device=self.device)

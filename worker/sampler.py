@@ -7,6 +7,7 @@ in any batch, and again after a preemption.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,8 +18,8 @@ from protocol.sampling import SamplingParams
 
 # Column order of the float and int parameter tables.
 _TEMP, _TOP_P, _MIN_P, _PRESENCE, _FREQUENCY, _REPETITION = range(6)
-_TOP_K, _SEED = range(2)
-_FEATURES = ("random", "penalties", "top_k_top_p", "min_p", "logprobs")
+_TOP_K, _SEED, _MIN_UNTIL = range(3)
+_FEATURES = ("random", "penalties", "top_k_top_p", "min_p", "logprobs", "min_tokens")
 
 
 def seed_to_i64(seed: int) -> int:
@@ -49,12 +50,15 @@ def _upload(host: np.ndarray, device: torch.device) -> torch.Tensor:
 class Sampler:
     """Samples one token per row from float32 logits; rows are the runner's mirror rows."""
 
-    def __init__(self, max_rows: int, vocab_size: int, device: torch.device, seed: int = 0) -> None:
+    def __init__(self, max_rows: int, vocab_size: int, device: torch.device, seed: int = 0,
+                 eos_token_ids: Sequence[int] = ()) -> None:
+        """eos_token_ids: the model's, banned with a row's stop_token_ids until it has min_tokens outputs."""
         self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
         self.device = device
         # Host copies are the truth; the device tables are refreshed from them on steps that add rows.
         self._floats = np.zeros((max_rows, 6), np.float32)
-        self._ints = np.zeros((max_rows, 2), np.int64)
+        self._ints = np.zeros((max_rows, 3), np.int64)
         self._floats[:, [_TOP_P, _REPETITION]] = 1.0
         self._feature = {name: np.zeros(max_rows, bool) for name in _FEATURES}
         self._count = dict.fromkeys(_FEATURES, 0)
@@ -64,6 +68,7 @@ class Sampler:
         self.ints = torch.from_numpy(self._ints).to(device)
         self.output_counts = torch.zeros((max_rows, vocab_size), dtype=torch.int32, device=device)
         self.prompt_mask = torch.zeros((max_rows, vocab_size), dtype=torch.bool, device=device)
+        self.banned = torch.zeros((max_rows, vocab_size), dtype=torch.bool, device=device)  # before min_tokens
         self._rng = np.random.default_rng(seed)  # seeds of rows that bring none
 
     # ---- rows ---------------------------------------------------------------------------------------
@@ -76,13 +81,14 @@ class Sampler:
         top_k = params.top_k if params.top_k > 0 else 0
         self._floats[row] = (params.temperature, params.top_p, params.min_p, params.presence_penalty,
                              params.frequency_penalty, params.repetition_penalty)
-        self._ints[row] = (top_k, seed_to_i64(seed))
+        banned = self._stop_ids(params) if params.min_tokens > len(output_ids) else []
+        self._ints[row] = (top_k, seed_to_i64(seed), len(prompt_ids) + params.min_tokens if banned else 0)
         penalties = (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
                      or params.repetition_penalty != 1.0)
         flags = {"random": params.temperature > 0.0, "penalties": penalties,
                  "top_k_top_p": params.temperature > 0.0 and (top_k > 0 or params.top_p < 1.0),
                  "min_p": params.temperature > 0.0 and params.min_p > 0.0,
-                 "logprobs": params.logprobs is not None}
+                 "logprobs": params.logprobs is not None, "min_tokens": bool(banned)}
         for name, on in flags.items():
             self._feature[name][row] = on
             self._count[name] += int(on)
@@ -90,6 +96,14 @@ class Sampler:
         self._dirty = True
         if penalties:
             self._reset_penalty_state(row, prompt_ids, output_ids)
+        if banned:
+            self.banned[row].zero_()
+            self.banned[row, _upload(np.asarray(banned, np.int64), self.device)] = True
+
+    def _stop_ids(self, params: SamplingParams) -> list[int]:
+        """The tokens that would end the request (vLLM bans them until min_tokens; ids past the vocab never come)."""
+        ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        return sorted(t for t in ids if t < self.vocab_size)
 
     def remove_row(self, row: int) -> None:
         for name in _FEATURES:
@@ -113,7 +127,7 @@ class Sampler:
         """
         n = logits.shape[0]
         params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, seed=0, logprobs=20,
-                                repetition_penalty=1.1, presence_penalty=0.1)
+                                repetition_penalty=1.1, presence_penalty=0.1, min_tokens=1, stop_token_ids=[0])
         empty = np.zeros(0, np.int32)
         for row in range(n):
             self.add_row(row, params, empty, empty)
@@ -126,7 +140,7 @@ class Sampler:
     @property
     def simple_greedy(self) -> bool:
         """True when every active row is plain argmax (what a captured graph may do itself)."""
-        return not (self._count["random"] or self._count["penalties"] or self._count["logprobs"])
+        return not any(self._count[name] for name in ("random", "penalties", "logprobs", "min_tokens"))
 
     # ---- sampling -----------------------------------------------------------------------------------
 
@@ -143,6 +157,9 @@ class Sampler:
         out = SamplerOutput(token_ids=None)
         if self._count["logprobs"]:
             self._raw_logprobs(logits, out)
+        if self._count["min_tokens"]:
+            early = positions < self.ints[rows, _MIN_UNTIL]
+            logits = logits.masked_fill(self.banned[rows] & early[:, None], float("-inf"))
         if self._count["penalties"]:
             logits = self._apply_penalties(logits, rows)
         if self._count["random"]:
