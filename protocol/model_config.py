@@ -121,6 +121,10 @@ def _check_supported(cfg: dict, path: Path) -> None:
             "Pico-vLLM runs Qwen2ForCausalLM (model_type 'qwen2') models only, e.g. Qwen2.5")
     if cfg.get("use_sliding_window"):
         raise ValueError(f"{path}: use_sliding_window=true is not supported: use a model without it")
+    if cfg.get("quantization_config"):
+        method = cfg["quantization_config"].get("quant_method", "unknown")
+        raise ValueError(f"{path}: a quantized model (quant_method={method!r}) is not supported: Pico-vLLM runs "
+                         "float32/float16/bfloat16 weights; use the unquantized checkpoint (e.g. Qwen/Qwen2.5-1.5B-Instruct)")
     scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     kind = scaling.get("rope_type") or scaling.get("type") or "default"
     if kind != "default":

@@ -58,6 +58,12 @@ def test_unsupported_architecture_is_named(tiny_ckpt, tmp_path):
         resolve_model(str(model_dir))
 
 
+def test_quantized_checkpoint_is_refused_with_its_method_and_the_fix(tiny_ckpt, tmp_path):
+    model_dir = edit_config(tiny_ckpt, tmp_path, quantization_config={"quant_method": "awq", "bits": 4})
+    with pytest.raises(ValueError, match="quant_method='awq'.*use the unquantized checkpoint"):
+        resolve_model(str(model_dir))
+
+
 def test_unknown_repo_offline_fails_once_with_the_three_ways_out(empty_hf_cache):
     with pytest.raises(ValueError) as err:
         resolve_model("pico-vllm-tests/no-such-model")
