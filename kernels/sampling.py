@@ -70,6 +70,15 @@ def _mix64(z):
 
 
 @triton.jit
+def _neg_log(u):
+    # -log(u), accurate relative to its size also where u is near 1 (E tiny, the token's noise large: the
+    # likely winner) and the GPU's log is an approximation with an absolute error: there 1 - u is exact and
+    # -log(1 - t) = t + t^2/2 + t^3/3 to float32 precision for t < 2^-7.
+    t = 1.0 - u
+    return tl.where(t < 0.0078125, t * (1.0 + t * (0.5 + t * 0.33333334)), -tl.log(u))
+
+
+@triton.jit
 def _gumbel_argmax_kernel(logits_ptr, stride, temps_ptr, seeds_ptr, pos_ptr, best_val_ptr, best_idx_ptr,
                           vocab, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     # Program (row, chunk) scans CHUNK columns of one row; the host reduces the chunks' maxima. Every column's
@@ -88,7 +97,7 @@ def _gumbel_argmax_kernel(logits_ptr, stride, temps_ptr, seeds_ptr, pos_ptr, bes
         x = tl.load(logits_ptr + row * stride + cols, mask=mask, other=float("-inf")).to(tl.float32)
         z = _mix64(row_key + cols.to(tl.uint64) * GOLDEN)
         u = ((z >> 41).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # as uniform_from_bits
-        score = tl.where(temp > 0, x / tl.where(temp > 0, temp, 1.0) - tl.log(-tl.log(u)), x)
+        score = tl.where(temp > 0, x / tl.where(temp > 0, temp, 1.0) - tl.log(_neg_log(u)), x)
         better = score > best_val  # strict: of equal scores the earlier column stays
         best_val = tl.where(better, score, best_val)
         best_idx = tl.where(better, cols, best_idx)
