@@ -24,6 +24,10 @@ class _Sample:
     detok: IncrementalDetokenizer
     stops: StopMatcher
 
+    def feed(self, text: str) -> tuple[str, str | None]:
+        """Text through the stop strings, which (as in vLLM) only end a sample past its min_tokens."""
+        return self.stops.feed(text, len(self.out.token_ids) > self.state.params.min_tokens)
+
 
 @dataclass(slots=True)
 class RequestState:
@@ -95,7 +99,7 @@ class OutputProcessor:
         if logprobs is not None and out.logprobs is not None:
             lp, top_ids, top_lps = logprobs
             out.logprobs.append({token: lp, **dict(zip(top_ids, top_lps))})
-        emit, stop = sample.stops.feed(sample.detok.step([token]))
+        emit, stop = sample.feed(sample.detok.step([token]))
         out.text += emit
         if stop is not None:
             out.stop_reason = stop
@@ -104,7 +108,7 @@ class OutputProcessor:
     def _finish(self, sample: _Sample, reason: str, error: str | None = None) -> None:
         out, state = sample.out, sample.state
         if out.stop_reason is None:  # not ended by a stop string: release what was held back
-            emit, _ = sample.stops.feed(sample.detok.flush())
+            emit, _ = sample.feed(sample.detok.flush())
             out.text += emit + sample.stops.flush()
         if reason == "stop" and out.stop_reason is None and out.token_ids:
             out.stop_reason = out.token_ids[-1]

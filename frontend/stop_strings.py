@@ -15,12 +15,14 @@ class StopMatcher:
         self._held = ""
         self.stopped: str | None = None
 
-    def feed(self, delta: str) -> tuple[str, str | None]:
-        """Return (text safe to emit now, the stop string that matched or None)."""
+    def feed(self, delta: str, check: bool = True) -> tuple[str, str | None]:
+        """Return (text safe to emit now, the stop string that matched or None). With check=False (before
+        min_tokens, as vLLM does) no stop ends the text, but a stop's start is still held: one that a later
+        delta completes is a match."""
         if self.stopped is not None:
             return "", self.stopped
         text = self._held + delta
-        cut, hit = self._earliest_stop(text)
+        cut, hit = self._earliest_stop(text) if check else (len(text), None)
         if hit is not None:
             self._held, self.stopped = "", hit
             return text[:cut], hit

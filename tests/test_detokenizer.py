@@ -118,6 +118,12 @@ def test_overlapping_prefixes_hold_the_longest_possible_start():
     assert matcher.feed("b!") == ("", "aab")
 
 
+def test_unchecked_text_keeps_its_stops_but_a_stop_completed_later_matches():
+    matcher = StopMatcher(["STOP"])
+    assert matcher.feed("a STOP b ST", check=False) == ("a STOP b ", None)  # before min_tokens: no stop
+    assert matcher.feed("OP c") == ("", "STOP")  # its start was held, and the checked delta completes it
+
+
 def test_no_stop_strings_passes_text_straight_through():
     matcher = StopMatcher(None)
     assert matcher.feed("any text") == ("any text", None)

@@ -156,6 +156,16 @@ def test_stop_string_cuts_the_text_and_finishes_with_stop(server):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_stop_strings_wait_for_min_tokens_like_vllm(server):
+    full = server.refs["long"].outputs[0].text
+    stop = full[4:7]  # completed within the first few tokens
+    resp = _client(server).completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=40, temperature=0,
+                                              stop=[stop], extra_body={"ignore_eos": True, "min_tokens": 20})
+    choice = resp.choices[0]
+    assert resp.usage.completion_tokens > 20 and full.startswith(choice.text)
+    assert len(choice.text) > full.find(stop) + len(stop)
+
+
 def test_n_seeded_samples_are_reproducible_and_counted(server):
     kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=1.0, n=3, best_of=3, seed=11,
               extra_body={"ignore_eos": True})  # best_of == n: nothing to rank, served
