@@ -1,14 +1,16 @@
-"""LLM: the synchronous, offline API. Submits every prompt at once and lets the engine batch them."""
+"""LLM: the synchronous, offline API. Submits the prompts as fast as the engine's waiting queue takes them
+and lets the engine batch them."""
 from __future__ import annotations
 
 import atexit
 import itertools
+from collections import deque
 
 from tqdm import tqdm
 
 from frontend.engine_client import EngineClient, EngineDeadError
 from frontend.inputs import Prompt, prepare_prompt
-from frontend.output_processor import OutputProcessor
+from frontend.output_processor import OutputProcessor, RequestState
 from frontend.outputs import RequestOutput
 from protocol.config import EngineConfig
 from protocol.messages import Abort, GetStats, TokenBatch
@@ -19,7 +21,9 @@ class LLM:
     """`LLM(model, **engine options)`; options are EngineConfig's fields (the CLI flags in snake_case)."""
 
     def __init__(self, model: str, **kwargs) -> None:
-        self.client = EngineClient(EngineConfig(model=model, **kwargs))
+        config = EngineConfig(model=model, **kwargs)
+        self.client = EngineClient(config)
+        self._max_unfinished = config.max_waiting_requests  # more could be refused as "engine overloaded"
         self.processor = OutputProcessor(self.client.tokenizer)
         self._ids = itertools.count()
         atexit.register(self.shutdown)
@@ -38,36 +42,53 @@ class LLM:
         with tracer.span("frontend.tokenize"):
             prepared = [prepare_prompt(self.client.tokenizer, p, sp or SamplingParams(), self.client.max_model_len,
                                        self.client.model_config.vocab_size) for p, sp in zip(prompts, params)]
-        states = []
-        with tracer.span("frontend.send"):
-            for text, ids, sp in prepared:
-                state, msgs = self.processor.add(f"llm-{next(self._ids)}", text, ids, sp)
-                states.append(state)
-                for msg in msgs:
-                    self.client.send(msg)
-        with tqdm(total=len(states), desc="generate", disable=not use_tqdm) as bar:
-            while self.processor.num_pending:
-                done = self._step()
-                bar.update(done)
+        states, unsent, unfinished = [], deque(prepared), 0
+        with tqdm(total=len(prepared), desc="generate", disable=not use_tqdm) as bar:
+            while unsent or self.processor.num_pending:
+                unfinished = self._send_while_room(unsent, states, unfinished)
+                finished = self._step()
+                unfinished -= sum(state.params.n for state in finished)
+                bar.update(len(finished))
         for state in states:
             if state.output.error:
                 raise RuntimeError(f"request {state.output.request_id} failed: {state.output.error}")
         return [state.output for state in states]
 
-    def _step(self) -> int:
-        """Wait for one TokenBatch; return how many requests it finished."""
+    def _send_while_room(self, unsent: deque, states: list[RequestState], unfinished: int) -> int:
+        """Submit prompts while the engine's queue surely has room; return the engine requests unfinished.
+
+        Engine requests (n per prompt) sent and not finished bound those waiting in the engine's queue.
+        """
+        def room() -> bool:
+            return bool(unsent) and (not unfinished or unfinished + unsent[0][2].n <= self._max_unfinished)
+
+        if room():
+            with self.client.tracer.span("frontend.send"):
+                while room():
+                    states.append(self._submit(*unsent.popleft()))
+                    unfinished += states[-1].params.n
+        return unfinished
+
+    def _submit(self, text: str | None, ids: list[int], params: SamplingParams) -> RequestState:
+        state, msgs = self.processor.add(f"llm-{next(self._ids)}", text, ids, params)
+        for msg in msgs:
+            self.client.send(msg)
+        return state
+
+    def _step(self) -> list[RequestState]:
+        """Wait for one TokenBatch; return the requests it finished."""
         try:
             msg = self.client.recv_blocking()
         except EngineDeadError as e:
             self.processor.fail_all(str(e))
             raise
         if not isinstance(msg, TokenBatch):
-            return 0
+            return []
         with self.client.tracer.span("frontend.detokenize", msg.step):
             changed, to_abort = self.processor.process(msg)
         if to_abort:
             self.client.send(Abort(to_abort))
-        return sum(state.finished for state in changed)
+        return [state for state in changed if state.finished]
 
     def stats(self) -> dict:
         """Fresh engine counters (a round trip to the scheduler)."""

@@ -90,6 +90,16 @@ def test_shared_prefixes_are_served_from_the_prefix_cache(tiny_ckpt):
         _assert_all_blocks_free(llm)
 
 
+def test_generate_takes_more_prompts_than_the_engine_queue_holds(tiny_ckpt, prompts, hf_tokens):
+    with LLM(str(tiny_ckpt), device="cpu", max_num_seqs=2, max_waiting_requests=3) as llm:
+        # 8 prompts, one of them sampled 2 ways: all sent at once, 5 would be refused as "engine overloaded"
+        params = [GREEDY] * 7 + [SamplingParams(temperature=0.0, n=2, max_tokens=MAX_NEW, ignore_eos=True)]
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == hf_tokens
+        assert outputs[-1].outputs[1].token_ids == hf_tokens[-1]
+        _assert_all_blocks_free(llm)
+
+
 def test_min_tokens_bans_stop_ids_like_hugging_face_min_new_tokens(tiny_ckpt, prompts, hf_tokens):
     i = next(i for i, out in enumerate(hf_tokens) if out[1] not in out[:1])
     stop = hf_tokens[i][1]  # greedy would emit it second: min_tokens=4 must steer around it
