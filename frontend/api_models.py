@@ -24,7 +24,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "
 GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "min_tokens", "stop",
                    "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty",
-                   "repetition_penalty")
+                   "repetition_penalty", "logit_bias")
 
 
 # ---- errors --------------------------------------------------------------------------------------------
@@ -103,6 +103,7 @@ class _SamplingRequest(_Lenient):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    logit_bias: dict[int, float] | None = None  # OpenAI sends the token ids as strings: pydantic makes ints
     stream: bool | None = False
     stream_options: StreamOptions | None = None
 
@@ -203,7 +204,9 @@ def prepare(request_id: str, tokenizer, prompt: str | list[int], params: Samplin
     except ValueError as exc:
         message = str(exc)
         code = "context_length_exceeded" if "max_model_len" in message else "invalid_value"
-        raise bad_request(message, "max_tokens" if "max_tokens" in message else param, code) from None
+        named = re.match(r"(\w+)=\S.* is invalid", message)  # a SamplingParams check names its field
+        field = named.group(1) if named else "max_tokens" if "max_tokens" in message else param
+        raise bad_request(message, field, code) from None
     return Job(request_id, ids, params, text)
 
 

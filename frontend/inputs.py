@@ -24,6 +24,7 @@ def prepare_prompt(tokenizer, prompt: Prompt, params: SamplingParams, max_model_
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
     else:
         raise ValueError(f"prompt must be a str or a list of int token ids, got {type(prompt).__name__}")
+    params.check_vocab(vocab_size)
     if len(ids) >= max_model_len:
         raise ValueError(f"prompt has {len(ids)} tokens, at or over max_model_len={max_model_len}: "
                          "shorten it or raise --max-model-len")

@@ -8,6 +8,7 @@ from protocol.config import require
 MAX_N = 16
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+MAX_LOGIT_BIAS = 1024  # entries: each is applied on the device every step
 
 
 @dataclass(slots=True)
@@ -27,6 +28,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI's -100..100)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -34,6 +36,7 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
         self._validate()
+        self.logit_bias = {int(t): float(b) for t, b in (self.logit_bias or {}).items()} or None
 
     def _validate(self) -> None:
         require(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", self.n, f"use 1..{MAX_N}")
@@ -59,8 +62,16 @@ class SamplingParams:
             require(_is_num(value) and -2.0 <= value <= 2.0, name, value, "use a value in [-2, 2]")
         require(_is_num(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 2.0, "repetition_penalty",
               self.repetition_penalty, "use a value in (0, 2]")
+        require(self.logit_bias is None or _valid_bias(self.logit_bias), "logit_bias", self.logit_bias,
+                f"use at most {MAX_LOGIT_BIAS} entries of a token id >= 0 and a bias in [-100, 100]")
         require(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
               "logprobs", self.logprobs, f"use 0..{MAX_LOGPROBS} or None")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """The token ids that must exist (logit_bias's) are inside [0, vocab_size)."""
+        bad = sorted(t for t in self.logit_bias or {} if t >= vocab_size)
+        require(not bad, "logit_bias", self.logit_bias,
+                f"token id {bad[0] if bad else 0} is outside the vocabulary [0, {vocab_size}): use this model's ids")
 
     @property
     def greedy(self) -> bool:
@@ -88,3 +99,7 @@ def _is_int(v: object) -> bool:
 def _is_num(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
 
+
+def _valid_bias(bias) -> bool:
+    return (isinstance(bias, dict) and len(bias) <= MAX_LOGIT_BIAS
+            and all(_is_int(t) and t >= 0 and _is_num(b) and -100.0 <= b <= 100.0 for t, b in bias.items()))

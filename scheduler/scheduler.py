@@ -98,6 +98,7 @@ class Scheduler:
             raise ValueError(f"engine overloaded: {len(self.waiting)} requests are waiting "
                              f"(max_waiting_requests={self.config.max_waiting_requests}); retry later")
         params = SamplingParams.from_dict(msg.params)
+        params.check_vocab(self.vocab_size)
         prompt = self._check_prompt(msg.prompt_token_ids)
         max_tokens = self._check_length(len(prompt), params.max_tokens)
         if params.seed is None:  # every row then samples from its own generator, whatever the batch

@@ -100,6 +100,21 @@ def test_generate_takes_more_prompts_than_the_engine_queue_holds(tiny_ckpt, prom
         _assert_all_blocks_free(llm)
 
 
+def test_logit_bias_forces_or_bans_a_token_for_its_request_only(tiny_ckpt, prompts, hf_tokens):
+    first = hf_tokens[0][0]
+    forced = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logit_bias={5: 100.0})
+    banned = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logit_bias={first: -100.0})
+    with LLM(str(tiny_ckpt), device="cpu", max_num_seqs=2) as llm:
+        outs = llm.generate(prompts[:3], [forced, banned, GREEDY], use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs[:2]] == [[5] * 4, outs[1].outputs[0].token_ids]
+        assert outs[1].outputs[0].token_ids[0] != first and outs[2].outputs[0].token_ids == hf_tokens[2]
+        # rows are reused with max_num_seqs=2: a request after a biased one must not inherit its bias
+        assert _generate(llm, prompts[:2]) == hf_tokens[:2]
+        with pytest.raises(ValueError, match="logit_bias.*outside the vocabulary"):
+            llm.generate(prompts[:1], SamplingParams(logit_bias={10**6: 1.0}), use_tqdm=False)
+        _assert_all_blocks_free(llm)
+
+
 def test_min_tokens_bans_stop_ids_like_hugging_face_min_new_tokens(tiny_ckpt, prompts, hf_tokens):
     i = next(i for i, out in enumerate(hf_tokens) if out[1] not in out[:1])
     stop = hf_tokens[i][1]  # greedy would emit it second: min_tokens=4 must steer around it

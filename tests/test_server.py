@@ -223,6 +223,12 @@ def test_null_for_an_optional_flag_means_its_default(server):
     assert '"usage":{' not in streamed.text and streamed.text.endswith("data: [DONE]\n\n")
 
 
+def test_logit_bias_with_string_token_ids_forces_the_token(server):
+    body = {**OK_C, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "logit_bias": {"70": 100}}
+    text = _post(server, C, body).json()["choices"][0]["text"]
+    assert text == _post(server, "/detokenize", {"tokens": [70] * 4}).json()["prompt"]
+
+
 def test_n_samples_of_the_largest_seed_are_served(server):
     kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=1.0, n=2, seed=2**64 - 1,
               extra_body={"ignore_eos": True})
@@ -322,6 +328,9 @@ BAD_INPUTS = [  # (name, path, body, status, param)
     ("too many stop strings", CHAT, {**OK_CHAT, "stop": [f"s{i}" for i in range(17)]}, 400, "stop"),
     ("echo with logprobs", C, {**OK_C, "echo": True, "logprobs": 1}, 400, "echo"),
     ("best_of over n (one sample is not the best of several)", C, {**OK_C, "best_of": 3}, 400, "best_of"),
+    ("logit_bias over 100", C, {**OK_C, "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ("logit_bias outside the vocabulary", CHAT, {**OK_CHAT, "logit_bias": {"1000000": 1}}, 400, "logit_bias"),
+    ("logit_bias key not a token id", C, {**OK_C, "logit_bias": {"hello": 1}}, 400, "logit_bias"),
     ("tokenize with neither prompt nor messages", "/tokenize", {"model": MODEL}, 400, "prompt"),
     ("detokenize outside the vocabulary", "/detokenize", {"tokens": [1, 10**6]}, 400, "tokens"),
 ]

@@ -19,7 +19,7 @@ from protocol.sampling import SamplingParams
 # Column order of the float and int parameter tables.
 _TEMP, _TOP_P, _MIN_P, _PRESENCE, _FREQUENCY, _REPETITION = range(6)
 _TOP_K, _SEED, _MIN_UNTIL = range(3)
-_FEATURES = ("random", "penalties", "top_k_top_p", "min_p", "logprobs", "min_tokens")
+_FEATURES = ("random", "penalties", "top_k_top_p", "min_p", "logprobs", "min_tokens", "logit_bias")
 
 
 def seed_to_i64(seed: int) -> int:
@@ -69,6 +69,7 @@ class Sampler:
         self.output_counts = torch.zeros((max_rows, vocab_size), dtype=torch.int32, device=device)
         self.prompt_mask = torch.zeros((max_rows, vocab_size), dtype=torch.bool, device=device)
         self.banned = torch.zeros((max_rows, vocab_size), dtype=torch.bool, device=device)  # before min_tokens
+        self.bias = torch.zeros((max_rows, vocab_size), dtype=torch.float32, device=device)  # logit_bias
         self._rng = np.random.default_rng(seed)  # seeds of rows that bring none
 
     # ---- rows ---------------------------------------------------------------------------------------
@@ -88,7 +89,8 @@ class Sampler:
         flags = {"random": params.temperature > 0.0, "penalties": penalties,
                  "top_k_top_p": params.temperature > 0.0 and (top_k > 0 or params.top_p < 1.0),
                  "min_p": params.temperature > 0.0 and params.min_p > 0.0,
-                 "logprobs": params.logprobs is not None, "min_tokens": bool(banned)}
+                 "logprobs": params.logprobs is not None, "min_tokens": bool(banned),
+                 "logit_bias": bool(params.logit_bias)}
         for name, on in flags.items():
             self._feature[name][row] = on
             self._count[name] += int(on)
@@ -99,6 +101,9 @@ class Sampler:
         if banned:
             self.banned[row].zero_()
             self.banned[row, _upload(np.asarray(banned, np.int64), self.device)] = True
+        if params.logit_bias:
+            ids = _upload(np.fromiter(params.logit_bias, np.int64), self.device)
+            self.bias[row, ids] = _upload(np.fromiter(params.logit_bias.values(), np.float32), self.device)
 
     def _stop_ids(self, params: SamplingParams) -> list[int]:
         """The tokens that would end the request (vLLM bans them until min_tokens; ids past the vocab never come)."""
@@ -106,6 +111,8 @@ class Sampler:
         return sorted(t for t in ids if t < self.vocab_size)
 
     def remove_row(self, row: int) -> None:
+        if self._feature["logit_bias"][row]:  # every row in a batch adds its bias row: leave zeros behind
+            self.bias[row].zero_()
         for name in _FEATURES:
             self._count[name] -= int(self._feature[name][row])
             self._feature[name][row] = False
@@ -127,7 +134,8 @@ class Sampler:
         """
         n = logits.shape[0]
         params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, seed=0, logprobs=20,
-                                repetition_penalty=1.1, presence_penalty=0.1, min_tokens=1, stop_token_ids=[0])
+                                repetition_penalty=1.1, presence_penalty=0.1, min_tokens=1, stop_token_ids=[0],
+                                logit_bias={0: 1.0})
         empty = np.zeros(0, np.int32)
         for row in range(n):
             self.add_row(row, params, empty, empty)
@@ -140,7 +148,7 @@ class Sampler:
     @property
     def simple_greedy(self) -> bool:
         """True when every active row is plain argmax (what a captured graph may do itself)."""
-        return not any(self._count[name] for name in ("random", "penalties", "logprobs", "min_tokens"))
+        return not any(self._count.values())  # top-k/top-p and min_p rows are random rows anyway
 
     # ---- sampling -----------------------------------------------------------------------------------
 
@@ -160,6 +168,8 @@ class Sampler:
         if self._count["min_tokens"]:
             early = positions < self.ints[rows, _MIN_UNTIL]
             logits = logits.masked_fill(self.banned[rows] & early[:, None], float("-inf"))
+        if self._count["logit_bias"]:
+            logits = logits + self.bias[rows]
         if self._count["penalties"]:
             logits = self._apply_penalties(logits, rows)
         if self._count["random"]:
