@@ -10,6 +10,7 @@ and drops tokens of rows that finished or were preempted meanwhile.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing
 import os
@@ -109,6 +110,8 @@ class SchedulerServer:
         try:
             self.scheduler = Scheduler(self.config, self._wait_workers())
             self.info = self._engine_info()
+            gc.collect()
+            gc.freeze()  # start-up objects leave the collector's view: a full collection stays short
             log.info("scheduler ready: %s", {k: self.info[k] for k in ("num_kv_blocks", "max_model_len")})
             for identity, msg in self.early:
                 self._handle(identity, msg)
