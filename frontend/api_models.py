@@ -129,8 +129,8 @@ class ChatMessage(_Lenient):
     content: str | list[TextPart] | None = None
 
     def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+        if isinstance(self.content, list):  # joined with "\n", as vLLM does: a client that splits its text gets the same prompt
+            return "\n".join(part.text for part in self.content)
         return self.content or ""
 
 
