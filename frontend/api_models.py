@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -70,6 +72,18 @@ def from_value_error(exc: ValueError) -> APIError:
     return bad_request(str(exc), param=match.group(1) if match else None)
 
 
+@contextmanager
+def param_named(field: str, sent_as: str) -> Iterator[None]:
+    """Errors about `field` name `sent_as` instead: the field the client sent (chat's max_completion_tokens is
+    checked as max_tokens, but a client that sent max_completion_tokens must be told about that one)."""
+    try:
+        yield
+    except APIError as exc:
+        if exc.param == field and sent_as != field:
+            exc.param, exc.message = sent_as, re.sub(rf"\b{field}\b", sent_as, exc.message)
+        raise
+
+
 def _loc(loc: tuple) -> str | None:
     return ".".join(str(x) for x in loc) or None
 
@@ -129,7 +143,7 @@ class ChatMessage(_Lenient):
     content: str | list[TextPart] | None = None
 
     def text(self) -> str:
-        if isinstance(self.content, list):  # joined with "\n", as vLLM does: a client that splits its text gets the same prompt
+        if isinstance(self.content, list):  # "\n", as vLLM joins them: split text gives the same prompt there
             return "\n".join(part.text for part in self.content)
         return self.content or ""
 
@@ -139,6 +153,11 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
+
+    @property
+    def max_tokens_field(self) -> str:
+        """The token limit's field: max_completion_tokens (OpenAI's newer name) wins when both are sent."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
 
 class TokenizeRequest(_Lenient):

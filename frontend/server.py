@@ -25,8 +25,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from frontend.api_models import (
     APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, Job, TokenizeRequest, bad_request,
-    chat_logprobs, chat_prompt, check_stream_options, completion_prompts, generation_defaults, parse_request,
-    prepare, sampling_params)
+    chat_logprobs, chat_prompt, check_stream_options, completion_prompts, generation_defaults, param_named,
+    parse_request, prepare, sampling_params)
 from frontend.api_render import ChatRenderer, CompletionRenderer
 from frontend.async_llm import AsyncLLM
 from frontend.launcher import resolve_config
@@ -241,10 +241,10 @@ def _generation_routes(state: ServerState) -> APIRouter:
     async def chat_completions(request: Request) -> Response:
         req, engine = await state.accept(request, ChatCompletionRequest)
         check_stream_options(req)
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = sampling_params(req, state.defaults, max_tokens, chat_logprobs(req))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        jobs = [state.job(engine, rid, chat_prompt(req.messages, engine.tokenizer), params, "messages")]
+        with param_named("max_tokens", req.max_tokens_field):
+            params = sampling_params(req, state.defaults, getattr(req, req.max_tokens_field), chat_logprobs(req))
+            jobs = [state.job(engine, rid, chat_prompt(req.messages, engine.tokenizer), params, "messages")]
         renderer = ChatRenderer(rid, state.names[0], jobs, engine.tokenizer)
         return await respond(request, state.ready_engine(), state.metrics, renderer, req.stream, req.include_usage)
 
