@@ -108,8 +108,10 @@ class OutputProcessor:
     def _finish(self, sample: _Sample, reason: str, error: str | None = None) -> None:
         out, state = sample.out, sample.state
         if out.stop_reason is None:  # not ended by a stop string: release what was held back
-            emit, _ = sample.feed(sample.detok.flush())
+            emit, stop = sample.feed(sample.detok.flush())
             out.text += emit + sample.stops.flush()
+            if stop is not None and reason in ("length", "stop"):  # the held-back text completed a stop string
+                out.stop_reason, reason = stop, "stop"
         if reason == "stop" and out.stop_reason is None and out.token_ids:
             out.stop_reason = out.token_ids[-1]
         out.finish_reason = "abort" if reason == "error" else reason
