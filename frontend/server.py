@@ -73,6 +73,11 @@ class ServerState:
             raise APIError(404, f"this server serves {self.names}; model {name[:100]!r} does not exist",
                            param="model", code="model_not_found")
 
+    def model_card(self, name: str) -> dict:
+        max_len = self.engine.max_model_len if self.engine is not None else None
+        return {"id": name, "object": "model", "created": 0, "owned_by": "pico-vllm", "root": self.names[0],
+                "max_model_len": max_len}
+
     async def accept(self, request: Request, model: type[BaseModel]) -> tuple:
         """The validated request, for a model this server serves, and the engine ready to take it."""
         req = parse_request(model, await read_body(request))
@@ -186,10 +191,12 @@ def _info_routes(state: ServerState) -> APIRouter:
 
     @router.get("/v1/models")
     async def models() -> dict:
-        max_len = state.engine.max_model_len if state.engine is not None else None
-        cards = [{"id": name, "object": "model", "created": 0, "owned_by": "pico-vllm", "root": state.names[0],
-                  "max_model_len": max_len} for name in state.names]
-        return {"object": "list", "data": cards}
+        return {"object": "list", "data": [state.model_card(name) for name in state.names]}
+
+    @router.get("/v1/models/{model_id:path}")  # path: ids such as "Qwen/Qwen2.5-1.5B" hold a slash
+    async def model(model_id: str) -> dict:
+        state.check_model(model_id)
+        return state.model_card(model_id)
 
     @router.get("/metrics")
     async def metrics() -> Response:

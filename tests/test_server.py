@@ -250,6 +250,16 @@ def test_models_version_health_tokenize_detokenize(server):
     assert _post(server, "/detokenize", {"tokens": ids}).json() == {"prompt": PROMPTS[0]}
 
 
+def test_model_card_by_id_is_the_listed_card_and_an_unknown_id_is_404(server):
+    listed = _client(server).models.list().data[0]
+    assert _client(server).models.retrieve(MODEL) == listed
+    with pytest.raises(openai.NotFoundError):
+        _client(server).models.retrieve("Qwen/no-such-model")
+    resp = httpx.get(f"{server.url}/v1/models/Qwen/no-such-model", headers={"Authorization": f"Bearer {KEY}"})
+    assert_error(resp, 404, "model")
+    assert resp.json()["error"]["code"] == "model_not_found"
+
+
 def test_metrics_use_vllm_names_and_count_requests(server):
     _client(server).completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=5, temperature=0,
                                        extra_body={"ignore_eos": True})
@@ -355,6 +365,7 @@ def test_wrong_or_missing_api_key_is_401_except_on_health_and_version(server, ke
     assert_error(_post(server, C, OK_C, key=key), 401, None)
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     assert httpx.get(f"{server.url}/v1/models", headers=headers).status_code == 401
+    assert httpx.get(f"{server.url}/v1/models/{MODEL}", headers=headers).status_code == 401
     assert httpx.get(f"{server.url}/metrics", headers=headers).status_code == 401
     assert httpx.get(f"{server.url}/health", headers=headers).status_code == 200
     assert httpx.get(f"{server.url}/version", headers=headers).status_code == 200
