@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from frontend.inputs import prepare_prompt
 from protocol.sampling import SamplingParams
@@ -27,6 +27,27 @@ GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty"
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "min_tokens", "stop",
                    "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty",
                    "repetition_penalty", "logit_bias")
+_NO_TOOLS = "this server does not parse tool calls: describe the tools in the prompt, or leave them out"
+_NO_GUIDED = "this server has no guided decoding: ask for the format in the prompt instead"
+# Fields that change what a client gets but that this server cannot honour: a 400 naming the field, never
+# ignored (the client would take unconstrained text for what it asked for). Fields that change nothing
+# (`user`, `metadata`) stay ignored. name -> (values served as if absent, besides null; why the rest are refused)
+UNSERVED_FIELDS: dict[str, tuple[tuple, str]] = {
+    "response_format": (({"type": "text"},), "json_object and json_schema need guided decoding, which this server "
+                                             'does not have; only {"type": "text"} is served'),
+    "tools": (([],), _NO_TOOLS),
+    "functions": (([],), _NO_TOOLS),
+    "tool_choice": (("none",), _NO_TOOLS + '; only "none" is served'),
+    "function_call": (("none",), _NO_TOOLS + '; only "none" is served'),
+    "guided_json": ((), _NO_GUIDED),
+    "guided_regex": ((), _NO_GUIDED),
+    "guided_choice": ((), _NO_GUIDED),
+    "guided_grammar": ((), _NO_GUIDED),
+    "structured_outputs": ((), _NO_GUIDED),
+    "suffix": (("",), "text is not inserted before a suffix: send the prompt only"),
+    "prompt_logprobs": ((), "prompt logprobs are not computed, only those of generated tokens"),
+    "use_beam_search": ((False,), "beam search is not supported: ask for n samples instead"),
+}
 
 
 # ---- errors --------------------------------------------------------------------------------------------
@@ -120,6 +141,17 @@ class _SamplingRequest(_Lenient):
     logit_bias: dict[int, float] | None = None  # OpenAI sends the token ids as strings: pydantic makes ints
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unserved(cls, data: object) -> object:
+        """Reads the raw body: extra="ignore" would drop these fields unseen. An APIError is not a ValueError,
+        so pydantic lets it through to the client as it is."""
+        for name, (served, why) in UNSERVED_FIELDS.items():
+            value = data.get(name) if isinstance(data, dict) else None
+            if value is not None and value not in served:
+                raise bad_request(f"{name} is not supported: {why}", name, code="unsupported_parameter")
+        return data
 
     @property
     def include_usage(self) -> bool:

@@ -344,6 +344,11 @@ BAD_INPUTS = [  # (name, path, body, status, param)
     ("logit_bias over 100", C, {**OK_C, "logit_bias": {"5": 101}}, 400, "logit_bias"),
     ("logit_bias outside the vocabulary", CHAT, {**OK_CHAT, "logit_bias": {"1000000": 1}}, 400, "logit_bias"),
     ("logit_bias key not a token id", C, {**OK_C, "logit_bias": {"hello": 1}}, 400, "logit_bias"),
+    ("response_format json_object (no guided decoding)", CHAT, {**OK_CHAT, "response_format": {"type": "json_object"}},
+     400, "response_format"),
+    ("tools (no tool calling)", CHAT, {**OK_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
+     "tools"),
+    ("suffix on completions", C, {**OK_C, "suffix": "end"}, 400, "suffix"),
     ("tokenize with neither prompt nor messages", "/tokenize", {"model": MODEL}, 400, "prompt"),
     ("detokenize outside the vocabulary", "/detokenize", {"tokens": [1, 10**6]}, 400, "tokens"),
 ]
@@ -421,7 +426,7 @@ def test_generation_config_fills_only_what_the_request_leaves_out(tmp_path):
 
 
 def test_unknown_fields_are_ignored_and_errors_are_truncated():
-    req = parse_request(CompletionRequest, b'{"prompt": "x", "suffix": "y", "best_of": 3, "user": "u"}')
+    req = parse_request(CompletionRequest, b'{"prompt": "x", "metadata": {"a": "b"}, "best_of": 3, "user": "u"}')
     assert req.prompt == "x"
     with pytest.raises(APIError) as exc:
         sampling_params(parse_request(CompletionRequest, json.dumps({"prompt": "x", "stop": ["s" * 5000, ""]})
