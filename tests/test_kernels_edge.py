@@ -1,0 +1,229 @@
+"""Edge cases the engine can produce, for the Triton kernels (TRITON_INTERPRET=1 on CPU) against their torch
+references and the references against dense math: every allowed block size, GQA groups 1..7, lengths at
+split-K partition and key-tile boundaries, chunks starting mid-block, cache offsets past 2**31 elements,
+and the GEMV's own split-K configs at ragged shapes. The interpreter's tl.dot reads bfloat16 as raw integer
+bits, so the Triton attention and GEMV kernels are checked here in float32 and float16 only."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from kernels.decode_attention import paged_decode_attention_ref, paged_decode_attention_triton
+from kernels.gemv import candidate_configs, gemv_triton, linear_ref
+from kernels.kv_store import (make_cos_sin, rope_store_kv_ref, rope_store_kv_triton, store_kv_ref,
+                              store_kv_triton)
+from kernels.prefill_attention import paged_prefill_attention_ref, paged_prefill_attention_triton
+
+TOL = dict(atol=2e-4, rtol=2e-4)
+BLOCK_SIZES = (8, 16, 32, 64, 128)  # every block_size EngineConfig allows
+# (block_size, GQA group, head_dim): each block size once, groups 1..7 across them (7 = Qwen2.5-7B's 28 / 4).
+SWEEP = [(8, 7, 128), (16, 3, 64), (32, 5, 128), (64, 6, 64), (128, 1, 128), (16, 2, 128), (32, 4, 64)]
+
+
+def paged_cache(lens: list[int], hkv: int, d: int, block_size: int,
+                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random caches; each sequence gets shuffled blocks, its table padded with -1 one block past its need."""
+    needed = [-(-n // block_size) for n in lens]
+    num_blocks = sum(needed) + 2
+    ids = torch.randperm(num_blocks)
+    tables = torch.full((len(lens), max(needed) + 1), -1, dtype=torch.int32)
+    start = 0
+    for b, n in enumerate(needed):
+        tables[b, :n] = ids[start:start + n].int()
+        start += n
+    k_cache = torch.randn(num_blocks, hkv, block_size, d, dtype=dtype)
+    return k_cache, torch.randn_like(k_cache), tables
+
+
+def flat_kv(cache: torch.Tensor, table: torch.Tensor, n: int) -> torch.Tensor:
+    """The first n tokens of one sequence as a dense [n, Hkv, D], read through its block table."""
+    blocks = table[:-(-n // cache.shape[2])].long()
+    return cache[blocks].transpose(1, 2).reshape(-1, cache.shape[1], cache.shape[3])[:n]
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """SDPA in float32: q[qlen, Hq, D] are the last qlen of the k/v[ctx, Hkv, D] tokens, causal."""
+    group, ctx, qlen = q.shape[1] // k.shape[1], k.shape[0], q.shape[0]
+    kk, vv = (x.float().transpose(0, 1).repeat_interleave(group, 0) for x in (k, v))
+    visible = torch.arange(ctx)[None, :] <= torch.arange(ctx - qlen, ctx)[:, None]
+    out = F.scaled_dot_product_attention(q.float().transpose(0, 1), kk, vv, attn_mask=visible, scale=scale)
+    return out.transpose(0, 1)
+
+
+def run_decode(lens: list[int], group: int, hkv: int, d: int, block_size: int, partition: int | None) -> None:
+    k_cache, v_cache, tables = paged_cache(lens, hkv, d, block_size)
+    q = torch.randn(len(lens), group * hkv, d)
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    out = paged_decode_attention_triton(q, k_cache, v_cache, tables, ctx, d ** -0.5, partition_size=partition)
+    torch.testing.assert_close(out, paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, d ** -0.5), **TOL)
+    assert all(out[b].abs().max() == 0 for b, n in enumerate(lens) if n == 0)
+
+
+@pytest.mark.parametrize("block_size,group,d", SWEEP)
+def test_decode_at_partition_and_tile_boundaries_for_every_block_size_and_group(block_size, group, d):
+    # Partition 64 = the kernel's key tile: 63/64/65 and 128/129 sit on and one past both boundaries;
+    # empty rows between long ones.
+    run_decode([0, 63, 64, 65, 1, 0, 128, 129], group, 1, d, block_size, 64)
+
+
+@pytest.mark.parametrize("partition", [16, 32, 128, None])
+def test_decode_with_short_splits_and_the_default_partition(partition):
+    # Partition 16 < block 64: a split covers part of a block; None: the static choice (256 here).
+    run_decode([0, 15, 16, 17, 255, 256, 257], 7, 2, 64, 64, partition)
+
+
+def test_decode_of_only_empty_rows_gives_zeros():
+    k_cache, v_cache = torch.randn(2, 1, 16, 64), torch.randn(2, 1, 16, 64)
+    tables = torch.full((3, 2), -1, dtype=torch.int32)
+    q = torch.randn(3, 5, 64)
+    ctx = torch.zeros(3, dtype=torch.int32)
+    out = paged_decode_attention_triton(q, k_cache, v_cache, tables, ctx, 0.125)
+    assert out.shape == q.shape and out.abs().max() == 0
+    assert paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.125).abs().max() == 0
+
+
+def run_prefill(lens: list[int], qlens: list[int], group: int, hkv: int, d: int, block_size: int,
+                dtype: torch.dtype = torch.float32) -> None:
+    k_cache, v_cache, tables = paged_cache(lens, hkv, d, block_size, dtype)
+    q = torch.randn(sum(qlens), group * hkv, d, dtype=dtype)
+    cu = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    out = paged_prefill_attention_triton(q, k_cache, v_cache, tables, cu, ctx, d ** -0.5, max(qlens))
+    ref = paged_prefill_attention_ref(q, k_cache, v_cache, tables, cu, ctx, d ** -0.5, max(qlens))
+    tol = TOL if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(out, ref, **tol)
+
+
+@pytest.mark.parametrize("block_size,group,d", SWEEP)
+def test_prefill_varlen_batch_for_every_block_size_and_group(block_size, group, d):
+    rows = 128 // group  # queries per program: a whole prompt one query longer needs a second program
+    # A chunk starting mid-block, a one-token prompt, a decode row, prefixes of 64 (a key tile) and of 62 (the
+    # first query one key before a tile edge: that key must stay masked for it).
+    lens = [block_size + 3, 1, rows + 1, 69, 129, 200, 66, 128]
+    qlens = [2, 1, rows + 1, 5, 65, 3, 4, 66]
+    run_prefill(lens, qlens, group, 1, d, block_size)
+
+
+def test_prefill_chunks_starting_mid_block_with_two_kv_heads_in_float16():
+    # Cached prefixes of 13, 64 and 100 tokens (block 8: mid-block, on a tile edge, past one), then a
+    # sequence with no queries this step between them.
+    run_prefill([20, 70, 9, 101], [7, 6, 0, 1], 3, 2, 64, 8, torch.float16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_references_equal_dense_causal_attention_with_cached_prefixes(dtype):
+    lens, qlens, group, d = [37, 1, 130], [5, 1, 130], 7, 128
+    k_cache, v_cache, tables = paged_cache(lens, 1, d, 8, dtype)
+    q = torch.randn(sum(qlens), group, d, dtype=dtype)
+    cu = torch.tensor([0, 5, 6, 136], dtype=torch.int32)
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    prefill = paged_prefill_attention_ref(q, k_cache, v_cache, tables, cu, ctx, d ** -0.5, 130)
+    decode = paged_decode_attention_ref(q[cu[1:] - 1], k_cache, v_cache, tables, ctx, d ** -0.5)
+    assert prefill.dtype == decode.dtype == dtype
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    for b, n in enumerate(lens):
+        dense = dense_attention(q[cu[b]:cu[b + 1]], flat_kv(k_cache, tables[b], n), flat_kv(v_cache, tables[b], n),
+                                d ** -0.5)
+        torch.testing.assert_close(prefill[cu[b]:cu[b + 1]].float(), dense, atol=tol, rtol=tol)
+        torch.testing.assert_close(decode[b].float(), dense[-1], atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_rope_store_kv_for_every_block_size_with_seven_query_heads_per_kv_head(block_size):
+    hq, hkv, d, tokens = 7, 1, 128, 6
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * d)
+    q, k, v = (x.view(tokens, -1, d) for x in qkv.split([hq * d, hkv * d, hkv * d], dim=-1))
+    last = 3 * block_size - 1
+    slots = torch.tensor([0, block_size - 1, -1, block_size, last, -1])  # block edges and skipped lanes
+    pos = torch.tensor([0, 1, 2, 4095, 4096, 7])
+    cos_sin = make_cos_sin(4097, d, 1e6, "cpu")
+    caches = [torch.full((3, hkv, block_size, d), 7.0) for _ in range(4)]
+    q_rot = rope_store_kv_triton(q, k, v, pos, cos_sin, caches[0], caches[1], slots)
+    torch.testing.assert_close(q_rot, rope_store_kv_ref(q, k, v, pos, cos_sin, caches[2], caches[3], slots), **TOL)
+    torch.testing.assert_close(caches[0], caches[2], **TOL)
+    assert torch.equal(caches[1], caches[3]) and torch.equal(caches[3][2, :, block_size - 1], v[4])
+    assert int((caches[1] != 7.0).all(-1).sum()) == 4
+    store_kv_triton(k, v, caches[0], caches[1], slots)
+    store_kv_ref(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+def test_rope_reference_matches_hugging_face_at_qwen_head_dim_and_long_positions():
+    from transformers import Qwen2Config
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding, apply_rotary_pos_emb
+    cfg = Qwen2Config(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, rope_theta=1e6,
+                      max_position_embeddings=32768)
+    q, k = torch.randn(5, 2, 128), torch.randn(5, 1, 128)
+    pos = torch.tensor([0, 1, 4097, 20000, 32767])
+    cos, sin = Qwen2RotaryEmbedding(cfg)(q, pos[None])
+    hf_q, hf_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    k_cache, v_cache = torch.zeros(1, 1, 8, 128), torch.zeros(1, 1, 8, 128)
+    q_rot = rope_store_kv_ref(q, k, k, pos, make_cos_sin(32768, 128, 1e6, "cpu"), k_cache, v_cache, torch.arange(5))
+    torch.testing.assert_close(q_rot, hf_q[0].transpose(0, 1), **TOL)
+    torch.testing.assert_close(k_cache[0, :, :5], hf_k[0], **TOL)
+
+
+def test_kernels_address_cache_blocks_past_two_to_the_31_elements():
+    # Block 2 of a cache whose block stride is just under 2**31 starts past 2**31 elements: an int32 offset
+    # would wrap. The view's storage is only reserved (torch.empty), never touched except the used blocks;
+    # K and V interleave in one storage so that both share the strides the kernels require.
+    hkv, bs, d, hq, tokens = 2, 16, 64, 4, 20
+    stride_cb = 2**30 + 2 * hkv * bs * d
+    storage = torch.empty(2 * stride_cb + 2 * hkv * bs * d, dtype=torch.float16)
+    k_cache, v_cache = (storage[off:].as_strided((3, hkv, bs, d), (stride_cb, bs * d, d, 1))
+                        for off in (0, hkv * bs * d))
+    for cache in (k_cache, v_cache):
+        cache[[0, 2]] = 0
+    ref_k, ref_v = torch.zeros(2, 3, hkv, bs, d, dtype=torch.float16)
+    q, k, v = torch.randn(tokens, hq, d).half(), torch.randn(tokens, hkv, d).half(), torch.randn(tokens, hkv, d).half()
+    pos, slots = torch.arange(tokens), torch.cat([torch.arange(32, 48), torch.arange(0, 4)])  # block 2, block 0
+    cos_sin = make_cos_sin(tokens, d, 1e4, "cpu")
+    q_rot = rope_store_kv_triton(q, k, v, pos, cos_sin, k_cache, v_cache, slots)
+    assert torch.equal(q_rot, rope_store_kv_ref(q, k, v, pos, cos_sin, ref_k, ref_v, slots))
+    assert torch.equal(k_cache[[0, 2]], ref_k[[0, 2]]) and torch.equal(v_cache[[0, 2]], ref_v[[0, 2]])
+    tables, ctx = torch.tensor([[2, 0, -1]], dtype=torch.int32), torch.tensor([tokens], dtype=torch.int32)
+    half_tol = dict(atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(paged_decode_attention_triton(q_rot[-1:], k_cache, v_cache, tables, ctx, 0.125),
+                               paged_decode_attention_ref(q_rot[-1:], ref_k, ref_v, tables, ctx, 0.125), **half_tol)
+    cu = torch.tensor([0, 7], dtype=torch.int32)
+    torch.testing.assert_close(paged_prefill_attention_triton(q_rot[-7:], k_cache, v_cache, tables, cu, ctx, 0.125, 7),
+                               paged_prefill_attention_ref(q_rot[-7:], ref_k, ref_v, tables, cu, ctx, 0.125, 7),
+                               **half_tol)
+
+
+def test_gemv_candidate_configs_match_linear_for_1_to_16_rows_at_ragged_shapes():
+    n, k = 45, 1000  # N not a multiple of any block_n, K not of any block_k; split-K 8, 4 and 8
+    w, bias = torch.randn(n, k), torch.randn(n)
+    configs = candidate_configs(n, k, num_sms=132)
+    assert [c.split_k for c in configs] == [8, 4, 8]
+    for m in range(1, 17):
+        x = torch.randn(m, k)
+        b = bias if m % 2 else None
+        ref = linear_ref(x, w, b)
+        for cfg in configs:
+            torch.testing.assert_close(gemv_triton(x, w, b, cfg), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_silu_and_mul_on_a_strided_row_view():
+    x = torch.randn(4, 2 * 1030 + 9)[:, :2 * 1030]
+    torch.testing.assert_close(silu_and_mul_triton(x), silu_and_mul_ref(x), **TOL)
+
+
+@pytest.mark.gpu
+def test_float32_attention_on_the_gpu_is_not_rounded_to_tf32():
+    # dtype=float32 is allowed on the GPU; Triton's tl.dot rounds float32 inputs to TF32 by default, which
+    # would make the fp32 engine differ from fp32 Hugging Face by ~1e-3 (the LEAD runs this on the H200).
+    lens, group, d = [300, 77], 7, 128
+    k_cache, v_cache, tables = (t.cuda() for t in paged_cache(lens, 1, d, 16))
+    ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q = 3 * torch.randn(len(lens), group, d, device="cuda")
+    out = paged_decode_attention_triton(q, k_cache, v_cache, tables, ctx, d ** -0.5)
+    torch.testing.assert_close(out, paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, d ** -0.5),
+                               atol=1e-5, rtol=1e-5)
+    cu = torch.tensor([0, 1, 78], dtype=torch.int32, device="cuda")
+    qp = 3 * torch.randn(78, group, d, device="cuda")
+    out = paged_prefill_attention_triton(qp, k_cache, v_cache, tables, cu, ctx, d ** -0.5, 77)
+    torch.testing.assert_close(out, paged_prefill_attention_ref(qp, k_cache, v_cache, tables, cu, ctx, d ** -0.5, 77),
+                               atol=1e-5, rtol=1e-5)
