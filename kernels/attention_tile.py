@@ -22,10 +22,21 @@ def load_kv_tile(k_cache, v_cache, block_table_row, offs_n, n_mask, kv_head, str
 
 
 @triton.jit
+def _dot(a, b):
+    # float32 operands (dtype=float32 on the GPU) stay float32: by default tl.dot rounds them to TF32, ~1e-3
+    # off float32 Hugging Face. 16-bit operands take the default path unchanged.
+    if a.dtype == tl.float32:
+        out = tl.dot(a, b, input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
+    return out
+
+
+@triton.jit
 def attend_tile(q, k, v, mask, m_i, l_i, acc, qk_scale, APPLY_MASK: tl.constexpr):
     """One flash-attention step: q[M, D] against k, v[N, D] where mask[M, N] (if APPLY_MASK); base-2 running
     max m_i and sum l_i of each row, unnormalised float32 output acc[M, D]."""
-    qk = tl.dot(q, tl.trans(k)) * qk_scale  # qk_scale folds in log2(e): exp2 below is the cheap exp
+    qk = _dot(q, tl.trans(k)) * qk_scale  # qk_scale folds in log2(e): exp2 below is the cheap exp
     if APPLY_MASK:
         qk = tl.where(mask, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, axis=1))
@@ -34,7 +45,7 @@ def attend_tile(q, k, v, mask, m_i, l_i, acc, qk_scale, APPLY_MASK: tl.constexpr
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(qk - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v)
     return m_new, l_i, acc
 
 
