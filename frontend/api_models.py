@@ -26,7 +26,8 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "
 GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "min_tokens", "stop",
                    "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty",
-                   "repetition_penalty", "logit_bias")
+                   "repetition_penalty", "logit_bias", "skip_special_tokens", "spaces_between_special_tokens",
+                   "include_stop_str_in_output")
 _NO_TOOLS = "this server does not parse tool calls: describe the tools in the prompt, or leave them out"
 _NO_GUIDED = "this server has no guided decoding: ask for the format in the prompt instead"
 # Fields that change what a client gets but that this server cannot honour: a 400 naming the field, never
@@ -139,6 +140,9 @@ class _SamplingRequest(_Lenient):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[int, float] | None = None  # OpenAI sends the token ids as strings: pydantic makes ints
+    skip_special_tokens: bool | None = None  # this and the next two: vLLM's extensions, with its defaults
+    spaces_between_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
 

@@ -15,9 +15,12 @@ class IncrementalDetokenizer:
     as the context plus the tokens held back, not the whole sequence.
     """
 
-    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
+        # Hugging Face's slow tokenizers honour the spaces flag; fast ones (Qwen's) ignore it, as they do in vLLM.
+        self._decode_flags = {"skip_special_tokens": skip_special_tokens,
+                              "spaces_between_special_tokens": spaces_between_special_tokens}
         context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         self._ids = context  # the context plus every output token (output ids are cheap to keep)
         self._prefix_offset = 0
@@ -51,4 +54,4 @@ class IncrementalDetokenizer:
     def _decode(self, start: int, end: int) -> str:
         if start >= end:
             return ""
-        return self.tokenizer.decode(self._ids[start:end], skip_special_tokens=self.skip_special_tokens)
+        return self.tokenizer.decode(self._ids[start:end], **self._decode_flags)

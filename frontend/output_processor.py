@@ -67,8 +67,10 @@ class OutputProcessor:
         for out in outs:
             engine_id = f"{request_id}#{next(self._ids)}"
             sub = dataclasses.replace(params, n=1, seed=_sample_seed(params.seed, out.index))
-            self._samples[engine_id] = _Sample(state, out, IncrementalDetokenizer(self.tokenizer, prompt_ids),
-                                               StopMatcher(params.stop))
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens,
+                                           params.spaces_between_special_tokens)
+            self._samples[engine_id] = _Sample(state, out, detok,
+                                               StopMatcher(params.stop, params.include_stop_str_in_output))
             state.engine_ids.append(engine_id)
             msgs.append(AddRequest(engine_id, i32(prompt_ids), sub.to_dict()))
         self._requests[request_id] = state
@@ -83,22 +85,25 @@ class OutputProcessor:
             if sample is None or sample.out.finished:
                 continue  # a token for a sample the frontend already ended (stop string, abort)
             token = int(batch.token_ids[i])
+            reason = batch.finished.get(engine_id)
             if token >= 0:
-                self._append(sample, token, batch.logprobs[i] if batch.logprobs else None)
+                self._append(sample, token, batch.logprobs[i] if batch.logprobs else None, reason == "stop")
                 if sample.out.finished:
                     to_abort.append(engine_id)
-            reason = batch.finished.get(engine_id)
             if reason is not None and not sample.out.finished:
                 self._finish(sample, reason, batch.errors.get(engine_id))
             changed[sample.state.output.request_id] = sample.state
         return list(changed.values()), to_abort
 
-    def _append(self, sample: _Sample, token: int, logprobs: list | None) -> None:
+    def _append(self, sample: _Sample, token: int, logprobs: list | None, stops: bool) -> None:
+        """Add a token; `stops`: the engine ended the sample on it (EOS or a stop token id)."""
         out = sample.out
         out.token_ids.append(token)
         if logprobs is not None and out.logprobs is not None:
             lp, top_ids, top_lps = logprobs
             out.logprobs.append({token: lp, **dict(zip(top_ids, top_lps))})
+        if stops and not sample.state.params.include_stop_str_in_output:
+            return  # as in vLLM, the token that stopped the sample is in token_ids but not in the text
         emit, stop = sample.feed(sample.detok.step([token]))
         out.text += emit
         if stop is not None:

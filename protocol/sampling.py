@@ -29,6 +29,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI's -100..100)
+    # How the frontend turns tokens into text (vLLM's names and defaults); the engine ignores them.
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # only slow (Python) tokenizers honour it, as in vLLM
+    include_stop_str_in_output: bool = False  # keep the stop string (or stop token's text) ending the text
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -64,6 +68,8 @@ class SamplingParams:
               self.repetition_penalty, "use a value in (0, 2]")
         require(self.logit_bias is None or _valid_bias(self.logit_bias), "logit_bias", self.logit_bias,
                 f"use at most {MAX_LOGIT_BIAS} entries of a token id >= 0 and a bias in [-100, 100]")
+        for name in ("skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output"):
+            require(isinstance(getattr(self, name), bool), name, getattr(self, name), "use true or false")
         require(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
               "logprobs", self.logprobs, f"use 0..{MAX_LOGPROBS} or None")
 

@@ -124,6 +124,19 @@ def test_unchecked_text_keeps_its_stops_but_a_stop_completed_later_matches():
     assert matcher.feed("OP c") == ("", "STOP")  # its start was held, and the checked delta completes it
 
 
+def test_a_stop_completed_while_unchecked_does_not_match_later_like_vllm():
+    matcher = StopMatcher(["ab", "abcd"])
+    assert matcher.feed("x ab", check=False) == ("x ", None)  # "ab" may still start "abcd": held
+    assert matcher.feed("z") == ("abz", None)  # vLLM checks only new text once min_tokens is reached
+
+
+def test_kept_stop_string_ends_the_text_and_nothing_is_held_back():
+    matcher = StopMatcher(["STOP", "S!"], keep_stop=True)
+    assert [matcher.feed(d) for d in ["Hello S", "T", "O", "P and more"]] == [
+        ("Hello S", None), ("T", None), ("O", None), ("P", "STOP")]
+    assert StopMatcher(["lo w", "world"], keep_stop=True).feed("Hello world!") == ("Hello w", "lo w")
+
+
 def test_no_stop_strings_passes_text_straight_through():
     matcher = StopMatcher(None)
     assert matcher.feed("any text") == ("any text", None)

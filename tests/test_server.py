@@ -229,6 +229,36 @@ def test_logit_bias_with_string_token_ids_forces_the_token(server):
     assert text == _post(server, "/detokenize", {"tokens": [70] * 4}).json()["prompt"]
 
 
+def test_special_tokens_text_is_kept_with_skip_special_tokens_false_streamed_and_not(server):
+    body = {**OK_C, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "logit_bias": {"1": 100}}  # <|im_start|>
+    special = _post(server, "/detokenize", {"tokens": [1] * 4}).json()["prompt"]
+    assert special == "<|im_start|>" * 4
+    assert _post(server, C, body).json()["choices"][0]["text"] == ""
+    kept = {**body, "skip_special_tokens": False}
+    assert _post(server, C, kept).json()["choices"][0]["text"] == special
+    streamed = _client(server).completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0,
+                                                  logit_bias={"1": 100}, stream=True,
+                                                  extra_body={"ignore_eos": True, "skip_special_tokens": False})
+    assert "".join(c.choices[0].text for c in streamed) == special
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string_streamed_and_not(server):
+    full = server.refs["long"].outputs[0].text
+    stop = full[4:7]
+    expected = full[:full.find(stop) + len(stop)]
+    kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=40, temperature=0, stop=[stop],
+              extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    resp = _client(server).completions.create(**kw)
+    assert (resp.choices[0].text, resp.choices[0].finish_reason) == (expected, "stop")
+    chunks = list(_client(server).completions.create(**kw, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == expected and chunks[-1].choices[0].finish_reason == "stop"
+    chat_full = server.refs["chat"].outputs[0].text
+    chat_stop = chat_full[3:6]
+    chat = _client(server).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0,
+                                                   stop=[chat_stop], stream=True, extra_body=kw["extra_body"])
+    assert "".join(c.choices[0].delta.content or "" for c in chat) == chat_full[:chat_full.find(chat_stop) + 3]
+
+
 def test_n_samples_of_the_largest_seed_are_served(server):
     kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=1.0, n=2, seed=2**64 - 1,
               extra_body={"ignore_eos": True})
