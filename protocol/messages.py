@@ -106,7 +106,8 @@ class StepPlan:
     """One step. rows[i] gets num_tokens[i] new tokens; decode rows (1 token, past their prompt) first.
 
     free_rows are dropped first (a new row may reuse one), then new_rows are added to the mirror and
-    block_appends (row, new block ids) extend block tables; none of free_rows is scheduled in this plan. `step` increases by one per plan; every rank checks it.
+    block_appends (row, new block ids) extend block tables; none of free_rows is scheduled in this plan.
+    `step` increases by one per plan; every rank checks it.
     """
 
     step: int

@@ -124,7 +124,8 @@ def _check_supported(cfg: dict, path: Path) -> None:
     if cfg.get("quantization_config"):
         method = cfg["quantization_config"].get("quant_method", "unknown")
         raise ValueError(f"{path}: a quantized model (quant_method={method!r}) is not supported: Pico-vLLM runs "
-                         "float32/float16/bfloat16 weights; use the unquantized checkpoint (e.g. Qwen/Qwen2.5-1.5B-Instruct)")
+                         "float32/float16/bfloat16 weights; use the unquantized checkpoint "
+                         "(e.g. Qwen/Qwen2.5-1.5B-Instruct)")
     scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     kind = scaling.get("rope_type") or scaling.get("type") or "default"
     if kind != "default":

@@ -289,7 +289,8 @@ class Scheduler:
         """One client's updates; `step` is the step whose result they come from (default: the last planned)."""
         with_logprobs = any(u.logprobs is not None for u in updates)
         return TokenBatch(
-            step=self.step if step is None else step, request_ids=[u.request_id for u in updates], token_ids=i32([u.token for u in updates]),
+            step=self.step if step is None else step, request_ids=[u.request_id for u in updates],
+            token_ids=i32([u.token for u in updates]),
             finished={u.request_id: u.finish for u in updates if u.finish is not None},
             errors={u.request_id: u.error for u in updates if u.error is not None},
             logprobs=[u.logprobs for u in updates] if with_logprobs else None, stats=self.stats())
