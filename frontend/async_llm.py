@@ -58,8 +58,18 @@ class AsyncLLM:
             client.procs.on_death(self._on_death_from_thread)
 
     def _ensure_started(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._task is not None and self._loop is not loop:
+            if self._loop.is_running():
+                raise RuntimeError("this AsyncLLM is in use on another event loop (another thread): call it "
+                                   "from that loop, or create one AsyncLLM per event loop")
+            # The loop it ran on has ended (asyncio.run returned): its receive task and socket are dead.
+            if not self._loop.is_closed():
+                self._task.cancel()
+            self._task = None
         if self._task is None:
-            self._loop = asyncio.get_running_loop()
+            self._loop = loop
+            self._stats_waiters = []
             # Every send and receive goes through this one asyncio socket: a plain send on the same zmq
             # socket can consume the wake-up that the asyncio receive waits for, and replies sit unread.
             self._asock = zmq.asyncio.Socket.from_socket(self.client.sock)
