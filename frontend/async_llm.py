@@ -212,12 +212,16 @@ class AsyncLLM:
         return dict(await asyncio.wait_for(waiter, timeout))
 
     def shutdown(self) -> None:
+        """Stop the engine we started (detach from a remote one); requests still waiting fail with EngineDeadError."""
+        if self.client is None:
+            return
+        if self.dead_reason is None:
+            self._fail("this AsyncLLM was shut down: create a new one to generate again")
         if self._task is not None:
             self._task.cancel()
             self._task = None
-        if self.client is not None:
-            self.client.close()
-            self.client = None
+        self.client.close()
+        self.client = None
 
 
 def _snapshot(output: RequestOutput) -> RequestOutput:

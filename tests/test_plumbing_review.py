@@ -8,6 +8,7 @@ import time
 import pytest
 
 from frontend import AsyncLLM, SamplingParams
+from frontend.engine_client import EngineDeadError
 
 PROMPT = [11, 22, 33, 44, 55]
 LONG = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
@@ -95,3 +96,25 @@ def test_consumer_that_raises_ends_only_its_own_request(engine):
 
     raised, tokens = asyncio.run(run())
     assert isinstance(raised, KeyError) and len(tokens) == 8
+
+
+def test_shutdown_fails_waiting_requests_and_later_calls_clearly(tiny_ckpt):
+    llm = AsyncLLM(str(tiny_ckpt), device="cpu", num_kv_blocks=256)
+
+    async def run():
+        async def consume():
+            async for _ in llm.generate(PROMPT, LONG, "pending"):
+                if llm.client is not None:  # shut down while this request still waits for tokens
+                    asyncio.get_running_loop().call_soon(llm.shutdown)
+
+        with pytest.raises(EngineDeadError, match="shut down"):
+            await asyncio.wait_for(consume(), 20)
+        with pytest.raises(EngineDeadError, match="shut down"):
+            await _tokens(llm, "too-late")
+
+    try:
+        asyncio.run(run())
+    finally:
+        llm.shutdown()
+    assert not llm.is_alive
+
