@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import time
@@ -131,10 +132,10 @@ class AsyncLLM:
                 event.set()
 
     def _on_death_from_thread(self, reason: str) -> None:
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._fail, reason)
-        else:
-            self.dead_reason = reason
+        self.dead_reason = reason  # seen by the next call on any loop, also when the last one has closed
+        if self._loop is not None and not self._loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits on it
+                self._loop.call_soon_threadsafe(self._fail, reason)  # wakes the requests waiting there
 
     def _fail(self, reason: str) -> None:
         self.dead_reason = reason

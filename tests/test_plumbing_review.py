@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import threading
 import time
 
@@ -118,3 +120,19 @@ def test_shutdown_fails_waiting_requests_and_later_calls_clearly(tiny_ckpt):
         llm.shutdown()
     assert not llm.is_alive
 
+
+def test_engine_death_between_event_loops_fails_the_next_call(tiny_ckpt):
+    """The engine dies after the loop that used it has closed: the next loop's call must not wait forever."""
+    llm = AsyncLLM(str(tiny_ckpt), device="cpu", num_kv_blocks=256)
+    try:
+        asyncio.run(_tokens(llm, "before"))
+        scheduler = llm.client.procs.procs["scheduler"]
+        os.kill(scheduler.pid, signal.SIGKILL)
+        scheduler.join(10)
+        deadline = time.monotonic() + 10
+        while llm.is_alive and time.monotonic() < deadline:  # the launcher's watcher reports the death
+            time.sleep(0.05)
+        with pytest.raises(EngineDeadError, match="scheduler"):
+            asyncio.run(asyncio.wait_for(_tokens(llm, "after"), 20))
+    finally:
+        llm.shutdown()
