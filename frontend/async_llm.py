@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 
 import zmq.asyncio
 
-from frontend.engine_client import EngineClient, EngineDeadError
+from frontend.engine_client import READY_TIMEOUT_S, EngineClient, EngineDeadError
 from frontend.inputs import Prompt, prepare_prompt
 from frontend.output_processor import OutputProcessor, RequestState
 from frontend.outputs import RequestOutput
@@ -36,10 +36,11 @@ class AsyncLLM:
         self._setup(EngineClient(EngineConfig(model=model, **kwargs)))
 
     @classmethod
-    def connect(cls, address: str) -> AsyncLLM:
-        """Attach to a headless engine (`launch.py --headless --engine-address ADDR`)."""
+    def connect(cls, address: str, timeout: float = READY_TIMEOUT_S) -> AsyncLLM:
+        """Attach to a headless engine (`launch.py --headless --engine-address ADDR`); EngineDeadError when it
+        has not answered within `timeout` seconds (an engine still loading a model answers once it is up)."""
         self = cls.__new__(cls)
-        self._setup(EngineClient(address=address))
+        self._setup(EngineClient(address=address, ready_timeout=timeout))
         return self
 
     def _setup(self, client: EngineClient) -> None:

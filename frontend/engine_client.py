@@ -70,6 +70,9 @@ class EngineClient:
                 return msg.info
             if isinstance(msg, EngineDead):
                 raise EngineDeadError(f"engine failed to start: {msg.reason}")
+        if self.procs is None:
+            raise EngineDeadError(f"no engine answered at {self.address} within {timeout:g} s: start one with "
+                                  f"`launch.py --headless --engine-address {self.address}` or fix the address")
         raise EngineDeadError(f"engine at {self.address} was not ready after {timeout:.0f} s")
 
     def send(self, msg) -> None:

@@ -136,3 +136,11 @@ def test_engine_death_between_event_loops_fails_the_next_call(tiny_ckpt):
             asyncio.run(asyncio.wait_for(_tokens(llm, "after"), 20))
     finally:
         llm.shutdown()
+
+
+def test_connect_to_an_address_where_nothing_listens_fails_within_its_timeout(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError, match="no engine answered.*--headless"):
+        AsyncLLM.connect(f"ipc://{tmp_path}/nobody", timeout=1.0)
+    assert time.monotonic() - start < 10
+
