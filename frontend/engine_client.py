@@ -65,7 +65,11 @@ class EngineClient:
                 raise EngineDeadError(f"engine failed to start: {self.procs.dead_reason or 'a process exited'}")
             if not self.sock.poll(200):
                 continue
-            msg = self.recv()
+            try:
+                msg = decode(self.sock.recv())
+            except ProtocolError as e:  # another protocol version, or not an engine: waiting cannot help
+                raise EngineDeadError(f"the peer at {self.address} sent a frame this frontend cannot read ({e}): "
+                                      "connect to a Pico-vLLM engine of the same protocol version") from None
             if isinstance(msg, Ready) and msg.role == "engine":
                 return msg.info
             if isinstance(msg, EngineDead):

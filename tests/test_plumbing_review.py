@@ -7,7 +7,9 @@ import signal
 import threading
 import time
 
+import msgpack
 import pytest
+import zmq
 
 from frontend import AsyncLLM, SamplingParams
 from frontend.engine_client import EngineDeadError
@@ -144,3 +146,28 @@ def test_connect_to_an_address_where_nothing_listens_fails_within_its_timeout(tm
         AsyncLLM.connect(f"ipc://{tmp_path}/nobody", timeout=1.0)
     assert time.monotonic() - start < 10
 
+
+def test_connect_to_an_engine_of_another_protocol_version_is_refused_at_once(tmp_path):
+    """A peer answering in protocol version 2 is named as such, not waited on until the timeout."""
+    address = f"ipc://{tmp_path}/v2"
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind(address)
+
+    def answer():
+        if router.poll(10_000):
+            identity, _ = router.recv_multipart()
+            router.send_multipart([identity, msgpack.packb(
+                {"type": "Ready", "v": 2, "role": "engine", "rank": 0, "info": {}})])
+
+    peer = threading.Thread(target=answer)
+    peer.start()
+    try:
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError, match="protocol version 2"):
+            AsyncLLM.connect(address, timeout=60.0)
+        assert time.monotonic() - start < 10
+    finally:
+        peer.join(15)
+        router.close(linger=0)
+        ctx.term()
