@@ -6,6 +6,7 @@ import logging
 import multiprocessing as mp
 import os
 import signal
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -33,6 +34,8 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
 
     model_config, model_path = resolve_model(config.model, config.load_format)
     check_tp_size(model_config, config.tensor_parallel_size)
+    if config.trace_dir is not None:
+        _check_writable_dir(config.trace_dir)
     config.model_config, config.model_path = model_config, model_path
     limit = model_config.max_position_embeddings
     if config.max_model_len is None:
@@ -41,6 +44,16 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
         raise ValueError(f"max_model_len={config.max_model_len} is over the model's "
                          f"max_position_embeddings={limit}: use at most {limit}")
     return config
+
+
+def _check_writable_dir(path: str) -> None:
+    """Fail at launch, not after the whole run, when the trace cannot be written at shutdown."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise ValueError(f"trace_dir={path!r} cannot be written ({e}): pass a writable directory") from None
 
 
 class EngineProcesses:

@@ -113,3 +113,14 @@ def test_a_model_that_cannot_serve_the_length_exits_2_before_starting(tiny_ckpt,
         cli.main(["--model", str(tiny_ckpt), "--device", "cpu", "--max-model-len", "99999"])
     assert exc.value.code == 2
     assert "max_model_len=99999" in capsys.readouterr().err
+
+
+def test_an_unwritable_trace_dir_exits_2_before_starting(tiny_ckpt, tmp_path, capsys):
+    """It used to run the whole prompt and then die in a traceback when the trace was written."""
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--model", str(tiny_ckpt), "--device", "cpu", "--trace-dir", str(tmp_path / "a-file" / "t"),
+                  "--prompt", "hi"])
+    assert exc.value.code == 2
+    assert "trace_dir=" in capsys.readouterr().err
+
