@@ -12,7 +12,7 @@ import sys
 from dataclasses import fields
 
 from frontend.server import ServerOptions
-from protocol.config import EngineConfig
+from protocol.config import EngineConfig, require
 
 _METAVARS = {int: "N", float: "X", str: "STR"}
 _DEFAULTS = {f.name: f.default for f in fields(EngineConfig)}
@@ -107,6 +107,8 @@ def _split(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> tuple[Eng
     try:
         config = EngineConfig(**{name: args[name] for name in _DEFAULTS if name in args})
         options = ServerOptions(**{name: args[name] for name in _SERVER_DEFAULTS})
+        # ServerOptions does not check it; uvicorn would take a negative one as 0 and log an error at SIGTERM
+        require(options.shutdown_timeout >= 0, "shutdown_timeout", options.shutdown_timeout, "use 0 or more seconds")
     except ValueError as exc:
         parser.error(str(exc))
     return config, options

@@ -64,6 +64,7 @@ def test_api_key_defaults_to_the_environment(monkeypatch):
     (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization=1.5"),
     (["--max-num-seqs", "0"], "max_num_seqs=0"),
     (["--port", "eighty"], "--port"),
+    (["--shutdown-timeout", "-1"], "shutdown_timeout=-1.0"),
 ])
 def test_bad_value_exits_with_usage_naming_the_flag(argv, named, capsys):
     with pytest.raises(SystemExit) as exc:
