@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 from dataclasses import fields
 
@@ -126,10 +127,24 @@ def main(argv: list[str] | None = None) -> int:
         if ns.headless:
             from frontend.launcher import run_headless
             return run_headless(config, ns.engine_address) or 0
+        check_port_free(options.host, options.port)
         from frontend.server import run_server
         return run_server(config, options)
     except ValueError as exc:  # a model that does not resolve, a too-long --max-model-len, a bad --prompt
         parser.error(str(exc))
+
+
+def check_port_free(host: str, port: int) -> None:
+    """ValueError when the HTTP server could not listen on host:port, found before the engine spends its start-up
+    (uvicorn finds it only after the engine is up, and exits with status 3)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a port in TIME_WAIT is free
+            sock.bind((host, port))
+    except (OSError, OverflowError) as exc:
+        raise ValueError(f"cannot listen on --host {host} --port {port} ({exc}): stop what holds it or pick "
+                         "another --port (or a --host of this machine)") from None
 
 
 def run_prompt(config: EngineConfig, prompt: str, max_tokens: int, temperature: float) -> int:

@@ -1,6 +1,7 @@
 """launch.py's command line: vLLM's flag names, EngineConfig's defaults, clear errors, mode dispatch."""
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from dataclasses import fields
@@ -101,6 +102,7 @@ def test_main_dispatches_to_one_mode(argv, mode, monkeypatch):
     monkeypatch.setattr(frontend.server, "run_server", lambda config, options: calls.append(("server", options)) or 0)
     monkeypatch.setattr(frontend.launcher, "run_headless", lambda config, addr: calls.append(("headless", addr)) or 0)
     monkeypatch.setattr(cli, "run_prompt", lambda config, *a: calls.append(("prompt", a)) or 0)
+    monkeypatch.setattr(cli, "check_port_free", lambda host, port: None)  # port 8000 may be busy on this machine
     assert cli.main(["--model", "m", *argv]) == 0
     assert [c[0] for c in calls] == [mode]
     if mode == "prompt":
@@ -125,3 +127,16 @@ def test_an_unwritable_trace_dir_exits_2_before_starting(tiny_ckpt, tmp_path, ca
     assert exc.value.code == 2
     assert "trace_dir=" in capsys.readouterr().err
 
+
+def test_a_port_in_use_exits_2_before_the_engine_starts(monkeypatch, capsys):
+    import frontend.server
+    monkeypatch.setattr(frontend.server, "run_server", lambda *a: pytest.fail("the engine was started"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["--model", "m", "--port", str(port)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--port {port}" in err and "in use" in err
