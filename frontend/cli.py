@@ -13,6 +13,7 @@ import sys
 from dataclasses import fields
 
 from frontend.server import ServerOptions
+from protocol.addresses import check_engine_address
 from protocol.config import EngineConfig, require
 
 _METAVARS = {int: "N", float: "X", str: "STR"}
@@ -125,26 +126,29 @@ def main(argv: list[str] | None = None) -> int:
         if ns.prompt is not None:
             return run_prompt(config, ns.prompt, ns.max_tokens, ns.temperature)
         if ns.headless:
+            if ns.engine_address and ns.engine_address.startswith("tcp://"):
+                host, _, port = check_engine_address(ns.engine_address)[len("tcp://"):].rpartition(":")
+                check_port_free(host, int(port), f"--engine-address {ns.engine_address}")
             from frontend.launcher import run_headless
             return run_headless(config, ns.engine_address) or 0
-        check_port_free(options.host, options.port)
+        check_port_free(options.host, options.port, f"--host {options.host} --port {options.port}")
         from frontend.server import run_server
         return run_server(config, options)
     except ValueError as exc:  # a model that does not resolve, a too-long --max-model-len, a bad --prompt
         parser.error(str(exc))
 
 
-def check_port_free(host: str, port: int) -> None:
-    """ValueError when the HTTP server could not listen on host:port, found before the engine spends its start-up
-    (uvicorn finds it only after the engine is up, and exits with status 3)."""
+def check_port_free(host: str, port: int, flags: str) -> None:
+    """ValueError naming `flags` when host:port cannot be listened on, found before the engine spends its start-up
+    (uvicorn finds it only after the engine is up; the scheduler dies of it in a traceback of its own)."""
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         with socket.socket(family, socket.SOCK_STREAM) as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a port in TIME_WAIT is free
             sock.bind((host, port))
     except (OSError, OverflowError) as exc:
-        raise ValueError(f"cannot listen on --host {host} --port {port} ({exc}): stop what holds it or pick "
-                         "another --port (or a --host of this machine)") from None
+        raise ValueError(f"cannot listen on {flags} ({exc}): stop what holds it or pick another port "
+                         "(or a host of this machine)") from None
 
 
 def run_prompt(config: EngineConfig, prompt: str, max_tokens: int, temperature: float) -> int:

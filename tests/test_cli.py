@@ -102,7 +102,7 @@ def test_main_dispatches_to_one_mode(argv, mode, monkeypatch):
     monkeypatch.setattr(frontend.server, "run_server", lambda config, options: calls.append(("server", options)) or 0)
     monkeypatch.setattr(frontend.launcher, "run_headless", lambda config, addr: calls.append(("headless", addr)) or 0)
     monkeypatch.setattr(cli, "run_prompt", lambda config, *a: calls.append(("prompt", a)) or 0)
-    monkeypatch.setattr(cli, "check_port_free", lambda host, port: None)  # port 8000 may be busy on this machine
+    monkeypatch.setattr(cli, "check_port_free", lambda host, port, flags: None)  # port 8000 may be busy on this machine
     assert cli.main(["--model", "m", *argv]) == 0
     assert [c[0] for c in calls] == [mode]
     if mode == "prompt":
@@ -140,3 +140,18 @@ def test_a_port_in_use_exits_2_before_the_engine_starts(monkeypatch, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert f"--port {port}" in err and "in use" in err
+
+
+def test_a_headless_tcp_engine_address_in_use_exits_2_before_the_engine_starts(monkeypatch, capsys):
+    """The scheduler used to die of a ZMQError traceback in its own process, and launch.py exited 1."""
+    import frontend.launcher
+    monkeypatch.setattr(frontend.launcher, "run_headless", lambda *a: pytest.fail("the engine was started"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = f"tcp://127.0.0.1:{taken.getsockname()[1]}"
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["--model", "m", "--headless", "--engine-address", address])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--engine-address {address}" in err and "in use" in err
