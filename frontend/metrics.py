@@ -71,21 +71,22 @@ class RequestTimer:
     def __init__(self, metrics: Metrics):
         self.metrics = metrics
         self.arrival = self.last = time.perf_counter()
-        self.tokens = 0
+        self.counts: list[int] = []
 
-    def on_tokens(self, total_tokens: int) -> None:
-        """Called with the request's cumulative token count (all its n outputs) after each engine step."""
-        new = total_tokens - self.tokens
-        if new <= 0:
+    def on_tokens(self, counts: list[int]) -> None:
+        """Called with each of the request's n outputs' cumulative token counts after each engine step."""
+        new = [count - seen for count, seen in zip(counts, self.counts or [0] * len(counts))]
+        if sum(new) <= 0:
             return
         now, m, name = time.perf_counter(), self.metrics, self.metrics.model_name
-        if self.tokens == 0:
+        if not self.counts:
             m.ttft.labels(name).observe(now - self.arrival)
-        else:  # a step that brought several tokens spreads its gap over them
-            for _ in range(new):
-                m.itl.labels(name).observe((now - self.last) / new)
-        m.generation_tokens.labels(name).inc(new)
-        self.tokens, self.last = total_tokens, now
+        else:  # each sample waited the whole gap; one that got several tokens in it spreads the gap over them
+            for k in new:
+                for _ in range(k):
+                    m.itl.labels(name).observe((now - self.last) / k)
+        m.generation_tokens.labels(name).inc(sum(new))
+        self.counts, self.last = list(counts), now
 
     def finish(self, finish_reasons: list[str]) -> None:
         m, name = self.metrics, self.metrics.model_name

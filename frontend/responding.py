@@ -62,7 +62,7 @@ async def generate(engine: AsyncLLM, job: Job, metrics: Metrics) -> AsyncIterato
     try:
         async with aclosing(engine.generate(job.token_ids, job.params, job.request_id)) as outputs:
             async for out in outputs:
-                timer.on_tokens(sum(len(o.token_ids) for o in out.outputs))
+                timer.on_tokens([len(o.token_ids) for o in out.outputs])
                 yield out
     finally:
         timer.finish([o.finish_reason or "abort" for o in out.outputs] if out else ["abort"] * job.params.n)
