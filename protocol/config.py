@@ -75,6 +75,8 @@ class EngineConfig:
         require(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", self.max_model_len,
                "use a positive number")
         require(self.step_timeout > 0, "step_timeout", self.step_timeout, "use a positive number of seconds")
+        require(isinstance(self.seed, int) and 0 <= self.seed < 2**63, "seed", self.seed,
+                "use an integer in [0, 2**63)")
         require(self.max_waiting_requests >= 1, "max_waiting_requests", self.max_waiting_requests, "use 1 or more")
 
     def to_dict(self) -> dict:

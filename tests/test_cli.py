@@ -66,6 +66,7 @@ def test_api_key_defaults_to_the_environment(monkeypatch):
     (["--max-num-seqs", "0"], "max_num_seqs=0"),
     (["--port", "eighty"], "--port"),
     (["--shutdown-timeout", "-1"], "shutdown_timeout=-1.0"),
+    (["--seed", "-1"], "seed=-1"),
 ])
 def test_bad_value_exits_with_usage_naming_the_flag(argv, named, capsys):
     with pytest.raises(SystemExit) as exc:
