@@ -87,11 +87,12 @@ def small_queue(tiny_ckpt, tmp_path_factory):
 
 
 def test_past_max_waiting_requests_new_requests_get_503_not_a_longer_queue(small_queue):
-    # One running and two waiting fill the engine for seconds; the rest arrive meanwhile.
+    # Two waiting (three when the first is scheduled before the third arrives) fill the engine for seconds;
+    # the rest arrive meanwhile.
     bodies = [_body(PROMPTS[0], 100, stream=i % 2 == 0) for i in range(12)]
     results = _run_all(small_queue.url, bodies)
     statuses = [status for status, _ in results]
-    assert statuses.count(200) >= 3 and statuses.count(503) >= 1 and set(statuses) == {200, 503}, statuses
+    assert statuses.count(200) >= 2 and statuses.count(503) >= 1 and set(statuses) == {200, 503}, statuses
     for body, (status, events) in zip(bodies, results):
         if status == 503:  # streams too: the refusal comes before the 200 header
             assert events[0]["error"]["code"] == "engine_overloaded"
