@@ -1,5 +1,11 @@
-"""Incremental detokenization: token ids in, newly completed text out, O(1) amortized per token."""
+"""Incremental detokenization: token ids in, newly completed text out, O(1) amortized per token.
+
+`make_detokenizer` picks the implementation: tokenizers' Rust DecodeStream for a fast tokenizer (one native
+call per token), else a window of two Python-side decodes per token (any tokenizer). Both give the same deltas.
+"""
 from __future__ import annotations
+
+from tokenizers.decoders import DecodeStream
 
 # How many prompt tokens to decode as context for the first output token (vLLM's choice): enough for
 # tokenizers whose decoding of a token depends on its left neighbour (SentencePiece's leading space).
@@ -55,3 +61,51 @@ class IncrementalDetokenizer:
         if start >= end:
             return ""
         return self.tokenizer.decode(self._ids[start:end], **self._decode_flags)
+
+
+class StreamDetokenizer:
+    """IncrementalDetokenizer's deltas from tokenizers' DecodeStream, which keeps the window in Rust."""
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
+        self._backend = tokenizer.backend_tokenizer
+        self._skip = skip_special_tokens
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        for token in prompt_token_ids[-PROMPT_CONTEXT_TOKENS:]:  # the same left context, its text dropped
+            self._stream.step(self._backend, token)
+        self._held: list[int] = []  # ids of a character still split (the stream has not emitted them)
+        self._pieces: list[str] = []
+
+    def step(self, new_token_ids: list[int]) -> str:
+        """Append tokens; return the text they complete ("" while a multi-byte character is still split)."""
+        delta = ""
+        for token in new_token_ids:
+            self._held.append(token)
+            piece = self._stream.step(self._backend, token)
+            if piece is not None:
+                delta += piece
+                self._held.clear()
+        return self._emitted(delta)
+
+    def flush(self) -> str:
+        """At the end of a request: the text still held back (an incomplete character decodes as U+FFFD)."""
+        held, self._held = self._held, []
+        return self._emitted(self._backend.decode(held, skip_special_tokens=self._skip) if held else "")
+
+    @property
+    def text(self) -> str:
+        """All output text emitted so far."""
+        return "".join(self._pieces)
+
+    def _emitted(self, delta: str) -> str:
+        if delta:
+            self._pieces.append(delta)
+        return delta
+
+
+def make_detokenizer(tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True,
+                     spaces_between_special_tokens: bool = True) -> IncrementalDetokenizer | StreamDetokenizer:
+    """The stream where it decodes as tokenizer.decode does: a fast tokenizer (which ignores the spaces flag)
+    that does not clean up spaces after decoding; the windowed decode otherwise."""
+    if getattr(tokenizer, "backend_tokenizer", None) is not None and not tokenizer.clean_up_tokenization_spaces:
+        return StreamDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
+    return IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens, spaces_between_special_tokens)

@@ -8,7 +8,7 @@ import dataclasses
 import itertools
 from dataclasses import dataclass
 
-from frontend.detokenizer import IncrementalDetokenizer
+from frontend.detokenizer import IncrementalDetokenizer, StreamDetokenizer, make_detokenizer
 from frontend.outputs import CompletionOutput, RequestOutput
 from frontend.stop_strings import StopMatcher
 from protocol.messages import AddRequest, TokenBatch, i32
@@ -21,7 +21,7 @@ class _Sample:
 
     state: RequestState
     out: CompletionOutput
-    detok: IncrementalDetokenizer
+    detok: IncrementalDetokenizer | StreamDetokenizer
     stops: StopMatcher
 
     def feed(self, text: str) -> tuple[str, str | None]:
@@ -67,8 +67,8 @@ class OutputProcessor:
         for out in outs:
             engine_id = f"{request_id}#{next(self._ids)}"
             sub = dataclasses.replace(params, n=1, seed=_sample_seed(params.seed, out.index))
-            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens,
-                                           params.spaces_between_special_tokens)
+            detok = make_detokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens,
+                                     params.spaces_between_special_tokens)
             self._samples[engine_id] = _Sample(state, out, detok,
                                                StopMatcher(params.stop, params.include_stop_str_in_output))
             state.engine_ids.append(engine_id)

@@ -16,10 +16,11 @@ from protocol.model_config import config_from_dir, short_model
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_bench(module: str, ckpt: Path, out: Path, *flags: str) -> dict:
-    """`python -m bench.<module>` on the tiny checkpoint; the one JSON it wrote under `out`."""
-    cmd = [sys.executable, "-m", f"bench.{module}", "--model", str(ckpt), "--device", "cpu", "--out", str(out),
-           *flags]
+def run_bench(module: str, ckpt: Path, out: Path, *flags: str, engine: bool = True) -> dict:
+    """`python -m bench.<module>` on the tiny checkpoint (on the CPU when it runs the engine); the one JSON it
+    wrote under `out`."""
+    device = ["--device", "cpu"] if engine else []
+    cmd = [sys.executable, "-m", f"bench.{module}", "--model", str(ckpt), *device, "--out", str(out), *flags]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (path,) = out.glob(f"*-{module}.json")
@@ -66,6 +67,13 @@ def test_profile_lists_the_kernels_of_decode_steps_per_batch_and_of_a_prefill_st
     assert numbers["prefill"]["tokens"] == 3 * 20  # three whole prompts: as many rows as the engine has
     assert set(numbers["startup"]) == {"weights_s", "kv_cache_s", "graph_capture_s", "recapture_s"}
     assert numbers["startup"]["recapture_s"] is None  # no graphs on the CPU
+
+
+def test_frontend_records_the_host_cost_per_token_of_both_detokenizers(tiny_ckpt, tmp_path):
+    rows = run_bench("frontend", tiny_ckpt, tmp_path, "--rows", "4", "--steps", "8", engine=False)["numbers"]["rows"]
+    assert [r["detokenizer"] for r in rows] == ["IncrementalDetokenizer (windowed decode)",
+                                                "make_detokenizer -> StreamDetokenizer"]
+    assert all(r["us_per_token"] > 0 for r in rows)
 
 
 def test_roofline_counts_every_parameter_of_the_model(tiny_ckpt):

@@ -1,16 +1,25 @@
-"""Incremental detokenizer and stop strings: streamed text equals the whole decode; stop strings never leak."""
+"""Incremental detokenizers and stop strings: streamed text equals the whole decode; stop strings never leak.
+
+Both detokenizers (the windowed decode and tokenizers' DecodeStream) run every detokenizer test."""
 from __future__ import annotations
 
 import pytest
 from transformers import AutoTokenizer
 
-from frontend.detokenizer import IncrementalDetokenizer
+from frontend.detokenizer import IncrementalDetokenizer, StreamDetokenizer, make_detokenizer
 from frontend.stop_strings import StopMatcher
 from test_tokenizer import qwen_cache_root, qwen_tokenizer  # noqa: F401  (shared session fixtures)
 
 
-def stream(tokenizer, prompt_ids: list[int], ids: list[int], chunk: int = 1, **kw) -> list[str]:
-    detok = IncrementalDetokenizer(tokenizer, prompt_ids, **kw)
+@pytest.fixture(params=[IncrementalDetokenizer, StreamDetokenizer])
+def detokenizer(request):
+    """Each implementation in turn (the stream needs a fast tokenizer: every tokenizer here is one)."""
+    return request.param
+
+
+def stream(tokenizer, prompt_ids: list[int], ids: list[int], chunk: int = 1, cls=IncrementalDetokenizer,
+           **kw) -> list[str]:
+    detok = cls(tokenizer, prompt_ids, **kw)
     deltas = [detok.step(ids[i:i + chunk]) for i in range(0, len(ids), chunk)]
     deltas.append(detok.flush())
     assert detok.text == "".join(deltas)
@@ -23,33 +32,33 @@ TEXTS = ["I love 🦀 and 👍🏽!", "你好，世界！今天天气很好。",
 
 @pytest.mark.parametrize("chunk", [1, 2, 3])
 @pytest.mark.parametrize("text", TEXTS)
-def test_streamed_deltas_join_to_the_full_decode(qwen_tokenizer, text, chunk):
+def test_streamed_deltas_join_to_the_full_decode(qwen_tokenizer, detokenizer, text, chunk):
     prompt = qwen_tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
     ids = qwen_tokenizer.encode(text)
-    deltas = stream(qwen_tokenizer, prompt, ids, chunk)
+    deltas = stream(qwen_tokenizer, prompt, ids, chunk, detokenizer)
     assert "".join(deltas) == qwen_tokenizer.decode(ids) == text
     assert not any("\ufffd" in d for d in deltas)
 
 
-def test_character_split_across_byte_tokens_is_held_until_complete(qwen_tokenizer):
+def test_character_split_across_byte_tokens_is_held_until_complete(qwen_tokenizer, detokenizer):
     ids = qwen_tokenizer.encode(" 🦀")
     assert len(ids) == 3  # one emoji, three byte-level tokens
-    detok = IncrementalDetokenizer(qwen_tokenizer, [])
+    detok = detokenizer(qwen_tokenizer, [])
     assert [detok.step([i]) for i in ids] == ["", "", " 🦀"]
 
 
-def test_incomplete_character_at_the_end_comes_out_on_flush(qwen_tokenizer):
+def test_incomplete_character_at_the_end_comes_out_on_flush(qwen_tokenizer, detokenizer):
     ids = qwen_tokenizer.encode("ok 🦀")[:-1]
-    detok = IncrementalDetokenizer(qwen_tokenizer, [])
+    detok = detokenizer(qwen_tokenizer, [])
     assert "".join(detok.step([i]) for i in ids) == "ok"
     assert detok.flush() == qwen_tokenizer.decode(ids)[len("ok"):]
     assert detok.text == qwen_tokenizer.decode(ids)
 
 
-def test_special_tokens_skipped_or_kept(qwen_tokenizer):
+def test_special_tokens_skipped_or_kept(qwen_tokenizer, detokenizer):
     ids = qwen_tokenizer.encode("Hi<|im_end|>")
-    assert "".join(stream(qwen_tokenizer, [], ids)) == "Hi"
-    assert "".join(stream(qwen_tokenizer, [], ids, skip_special_tokens=False)) == "Hi<|im_end|>"
+    assert "".join(stream(qwen_tokenizer, [], ids, cls=detokenizer)) == "Hi"
+    assert "".join(stream(qwen_tokenizer, [], ids, cls=detokenizer, skip_special_tokens=False)) == "Hi<|im_end|>"
 
 
 def test_each_step_decodes_a_short_window_not_the_whole_sequence(qwen_tokenizer):
@@ -66,10 +75,19 @@ def test_each_step_decodes_a_short_window_not_the_whole_sequence(qwen_tokenizer)
     assert len(ids) > 1000 and max(windows) <= 8
 
 
-def test_checkpoint_tokenizer_streams_like_its_decode(tiny_ckpt):
+def test_checkpoint_tokenizer_streams_like_its_decode(tiny_ckpt, detokenizer):
     tok = AutoTokenizer.from_pretrained(tiny_ckpt)
     ids = tok.encode("Hello world! The quick brown fox jumps over the lazy dog.")
-    assert "".join(stream(tok, ids[:4], ids[4:])) == tok.decode(ids[4:])
+    assert "".join(stream(tok, ids[:4], ids[4:], cls=detokenizer)) == tok.decode(ids[4:])
+
+
+def test_the_stream_serves_fast_tokenizers_that_decode_without_clean_up(qwen_tokenizer):
+    assert isinstance(make_detokenizer(qwen_tokenizer, []), StreamDetokenizer)
+
+    class Slow:  # no Rust backend: the windowed decode
+        decode = qwen_tokenizer.decode
+
+    assert isinstance(make_detokenizer(Slow(), []), IncrementalDetokenizer)
 
 
 def feed_all(matcher: StopMatcher, deltas: list[str]) -> tuple[list[str], str | None]:
@@ -143,8 +161,8 @@ def test_no_stop_strings_passes_text_straight_through():
     assert matcher.flush() == ""
 
 
-def test_stop_string_in_streamed_detokenized_text(qwen_tokenizer):
+def test_stop_string_in_streamed_detokenized_text(qwen_tokenizer, detokenizer):
     ids = qwen_tokenizer.encode("Answer: 42\n\nUser: next question")
-    detok, matcher = IncrementalDetokenizer(qwen_tokenizer, []), StopMatcher(["\nUser:"])
+    detok, matcher = detokenizer(qwen_tokenizer, []), StopMatcher(["\nUser:"])
     out, hit = feed_all(matcher, [detok.step([i]) for i in ids])
     assert hit == "\nUser:" and "".join(out) == "Answer: 42\n"
