@@ -14,13 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 
 from frontend import LLM, SamplingParams
 from frontend.api_models import (APIError, ChatCompletionRequest, CompletionRequest, generation_defaults,
                                  parse_request, sampling_params)
 from tests.server_fixture import REPO, assert_error, launch, poll_health, post
+
+openai = pytest.importorskip("openai", reason="the official client (the GPU image lacks it): pip install openai")
 
 KEY = "test-key"
 MODEL = "tiny"
