@@ -110,6 +110,24 @@ def profiled(fn, steps: int, cuda: bool):
     return prof
 
 
+def decode_table(driver: Driver, args: argparse.Namespace, cuda: bool) -> tuple[list[dict], float, str]:
+    """The kernels of --steps decode steps as served; run eagerly when the profiler cannot see inside graphs."""
+    def table() -> tuple[list[dict], float]:
+        return kernel_table(profiled(driver.decode, args.steps, cuda), args.steps, args.top)
+
+    runner = driver.runner
+    try:
+        return (*table(), "graphs" if runner.graphs is not None else "eager")
+    except RuntimeError:
+        if runner.graphs is None:
+            raise
+    graphs, runner.graphs = runner.graphs, None
+    try:
+        return (*table(), "eager: graph replays were invisible to the profiler")
+    finally:
+        runner.graphs = graphs
+
+
 def recapture_seconds(runner) -> float | None:
     """Capturing every decode graph again, with kernels compiled and GEMVs chosen: the capture's own cost,
     which graph_capture_s less this leaves to compiling and timing (None without graphs)."""
@@ -139,10 +157,11 @@ def main(argv: list[str] | None = None) -> int:
         driver.start_rows(prompts, params, args.warmup + args.steps, config.max_num_batched_tokens)
         for _ in range(args.warmup):
             driver.decode()
-        kernels, total = kernel_table(profiled(driver.decode, args.steps, cuda), args.steps, args.top)
-        print_table(f"decode, batch {batch}, temperature {temperature}: {total:.0f} us of kernels a step", kernels)
-        numbers["decode"].append({"batch": batch, "temperature": temperature, "kernel_us_per_step": total,
-                                  "kernels": kernels})
+        kernels, total, mode = decode_table(driver, args, cuda)
+        print_table(f"decode ({mode}), batch {batch}, temperature {temperature}: {total:.0f} us of kernels a step",
+                    kernels)
+        numbers["decode"].append({"batch": batch, "temperature": temperature, "mode": mode,
+                                  "kernel_us_per_step": total, "kernels": kernels})
     # One step's worth of whole prompts (at least one), as a throughput run's prefill steps are.
     rows = max(1, min(config.max_num_seqs, config.max_num_batched_tokens // args.context))
     prompts = [random_ids(rng, args.context, vocab) for _ in range(rows)]

@@ -59,7 +59,8 @@ def test_profile_lists_the_kernels_of_decode_steps_per_batch_and_of_a_prefill_st
     result = run_bench("profile", tiny_ckpt, tmp_path, "--batches", "1", "3", "--temperatures", "0", "0.7",
                        "--context", "20", "--steps", "2", "--warmup", "1", "--top", "4")
     numbers = result["numbers"]
-    assert [(d["batch"], d["temperature"]) for d in numbers["decode"]] == [(1, 0.0), (3, 0.7)]
+    assert [(d["batch"], d["temperature"], d["mode"]) for d in numbers["decode"]] == [(1, 0.0, "eager"),
+                                                                                      (3, 0.7, "eager")]
     for table in [d["kernels"] for d in numbers["decode"]] + [numbers["prefill"]["kernels"]]:
         assert len(table) == 5 and table[-1]["kernel"].endswith("others)")
         assert abs(sum(row["share"] for row in table) - 1) < 1e-6
