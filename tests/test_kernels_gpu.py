@@ -125,6 +125,27 @@ def test_prefill_attention_bf16_with_cached_prefixes():
     assert_close_rel(out, ref)
 
 
+@pytest.mark.parametrize("block, hq, hkv", [(8, 12, 2), (128, 12, 2), (16, 28, 4), (64, 28, 4)])
+def test_attention_bf16_at_other_block_sizes_and_qwen_7b_heads(block, hq, hkv):
+    """Block sizes the config allows besides 16, and 7B's 7 query heads per KV head, around split edges."""
+    lens, qlens = [255, 256, 257, 1, 4097], [255, 3, 1, 1, 100]
+    blocks_of = [-(-n // block) for n in lens]
+    ids = torch.randperm(sum(blocks_of), device="cuda").int()
+    tables = torch.zeros(len(lens), max(blocks_of), dtype=torch.int32, device="cuda")
+    for b, start in enumerate(torch.tensor([0, *blocks_of]).cumsum(0)[:-1].tolist()):
+        tables[b, :blocks_of[b]] = ids[start:start + blocks_of[b]]
+    k_cache, v_cache = (torch.randn(sum(blocks_of), hkv, block, D, device="cuda", dtype=BF16) for _ in range(2))
+    ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(len(lens), hq, D, device="cuda", dtype=BF16)
+    assert_close_rel(paged_decode_attention(q, k_cache, v_cache, tables, ctx, D ** -0.5),
+                     paged_decode_attention_ref(*fp32(q, k_cache, v_cache), tables, ctx, D ** -0.5))
+    qp = torch.randn(sum(qlens), hq, D, device="cuda", dtype=BF16)
+    cu = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    assert_close_rel(paged_prefill_attention(qp, k_cache, v_cache, tables, cu, ctx, D ** -0.5, max(qlens)),
+                     paged_prefill_attention_ref(*fp32(qp, k_cache, v_cache), tables, cu, ctx, D ** -0.5,
+                                                 max(qlens)))
+
+
 def test_kernels_address_a_cache_larger_than_int32_offsets():
     num_blocks = 2 ** 31 // (HKV * BLOCK * D) + 8  # element offsets of the last blocks exceed 2^31
     k_cache, v_cache = (torch.zeros(num_blocks, HKV, BLOCK, D, device="cuda", dtype=BF16) for _ in range(2))
