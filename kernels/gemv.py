@@ -94,7 +94,7 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
     """linear_ref(x, w, bias) by the split-K kernel; x may be a strided view, the output is contiguous."""
     m, k = x.shape
     n = w.shape[0]
-    cfg = config or candidate_configs(n, k, _num_sms(x.device))[0]
+    cfg = config or candidate_configs(n, k, num_sms(x.device))[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     partial = cfg.split_k > 1
@@ -123,7 +123,7 @@ def candidate_configs(n: int, k: int, num_sms: int) -> list[GemvConfig]:
 
 
 @functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 132  # the interpreter: any count gives the same result
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -157,7 +157,7 @@ def fastest_config(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) 
     flush = torch.empty(2 * _l2_bytes(x.device) // 4, dtype=torch.int32, device=x.device)
     cublas_us = _median_us(functools.partial(linear_ref, x, w, bias), flush)
     best, best_us = None, cublas_us * 0.97  # a 3% margin: timing noise must not flip a shape to Triton
-    for config in candidate_configs(w.shape[0], w.shape[1], _num_sms(x.device)):
+    for config in candidate_configs(w.shape[0], w.shape[1], num_sms(x.device)):
         try:
             us = _median_us(functools.partial(gemv_triton, x, w, bias, config), flush)
         except OutOfResources:  # a tile too big for this GPU's shared memory: not a candidate here

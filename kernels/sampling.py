@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.gemv import num_sms
+
 # splitmix64's constants; tl.constexpr so that the Triton kernel may read them as globals.
 GOLDEN = tl.constexpr(0x9E3779B97F4A7C15)
 MIX1 = tl.constexpr(0xBF58476D1CE4E5B9)
@@ -113,8 +115,7 @@ def gumbel_argmax_triton(logits: torch.Tensor, temps: torch.Tensor, seeds: torch
         raise ValueError(f"gumbel_argmax needs a unit stride on the vocab dim, got {logits.stride()}")
     rows, vocab = logits.shape
     if chunks is None:  # enough programs to fill the card at batch 1; one chunk a row once rows do
-        sms = torch.cuda.get_device_properties(logits.device).multi_processor_count
-        chunks = max(1, min(triton.cdiv(vocab, 4 * block), triton.cdiv(2 * sms, rows)))
+        chunks = max(1, min(triton.cdiv(vocab, 4 * block), triton.cdiv(2 * num_sms(logits.device), rows)))
     chunk = triton.cdiv(triton.cdiv(vocab, chunks), block) * block
     chunks = triton.cdiv(vocab, chunk)
     best_val = torch.empty((rows, chunks), dtype=torch.float32, device=logits.device)

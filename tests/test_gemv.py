@@ -95,7 +95,7 @@ def test_every_candidate_matches_float32_at_qwen_shapes_in_bf16(name):
     for m in (1, 4, 8, 16):
         x = torch.randn(m, w.shape[1], device="cuda", dtype=torch.bfloat16)
         ref = linear_ref(x.float(), w.float(), None if bias is None else bias.float())
-        for cfg in candidate_configs(*w.shape, gemv._num_sms(x.device)):
+        for cfg in candidate_configs(*w.shape, gemv.num_sms(x.device)):
             out = gemv_triton(x, w, bias, cfg)
             assert _rel_err(out, ref) <= 1e-2, (name, m, cfg)
             assert torch.equal(out, gemv_triton(x, w, bias, cfg)), "split-K sums must be reproducible"
@@ -105,7 +105,7 @@ def test_every_candidate_matches_float32_at_qwen_shapes_in_bf16(name):
 def test_graph_replay_of_the_gemv_equals_the_eager_call():
     w, bias = _weights("qkv")
     x = strided_rows(4, w.shape[1], "cuda", torch.bfloat16)
-    cfg = candidate_configs(*w.shape, gemv._num_sms(x.device))[0]
+    cfg = candidate_configs(*w.shape, gemv.num_sms(x.device))[0]
     eager = gemv_triton(x, w, bias, cfg)  # also compiles before capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
