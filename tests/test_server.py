@@ -423,7 +423,7 @@ def test_fifty_clients_hanging_up_mid_stream_free_every_block(server):
         await stream.close()
 
     async def hang_up_before_the_answer(i: int) -> None:
-        async with httpx.AsyncClient(timeout=0.5) as client:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(5.0, read=0.1)) as client:  # 200 steps take longer
             with pytest.raises(httpx.ReadTimeout):
                 await client.post(server.url + C, headers={"Authorization": f"Bearer {KEY}"},
                                   json={**OK_C, "max_tokens": 200, "ignore_eos": True})
