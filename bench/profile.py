@@ -133,8 +133,11 @@ def recapture_seconds(runner) -> float | None:
     which graph_capture_s less this leaves to compiling and timing (None without graphs)."""
     if runner.graphs is None:
         return None
+    import torch
+
     start = time.perf_counter()
-    runner.graphs.capture()
+    with torch.inference_mode():  # the runner's buffers are inference tensors, as at start-up
+        runner.graphs.capture()
     return time.perf_counter() - start
 
 
