@@ -80,11 +80,13 @@ def _neg_log(u):
     return tl.where(t < 0.0078125, t * (1.0 + t * (0.5 + t * 0.33333334)), -tl.log(u))
 
 
-@triton.jit
+# chunk_len varies with the batch size: specialising on it (a constexpr, or an int Triton marks as divisible
+# by 16) compiled a new kernel for many batch sizes, a ~0.5 s stall in the middle of serving each time.
+@triton.jit(do_not_specialize=["chunk_len"])
 def _gumbel_argmax_kernel(logits_ptr, stride, temps_ptr, seeds_ptr, pos_ptr, best_val_ptr, best_idx_ptr,
-                          vocab, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    # Program (row, chunk) scans CHUNK columns of one row; the host reduces the chunks' maxima. Every column's
-    # score depends only on its own (row, column), so the result is the same for any chunking or batch.
+                          vocab, chunk_len, BLOCK: tl.constexpr):
+    # Program (row, chunk) scans chunk_len columns of one row; the host reduces the chunks' maxima. Every
+    # column's score depends only on its own (row, column), so the result is the same for any chunking or batch.
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     temp = tl.load(temps_ptr + row)
@@ -93,7 +95,7 @@ def _gumbel_argmax_kernel(logits_ptr, stride, temps_ptr, seeds_ptr, pos_ptr, bes
     row_key = _mix64(seed * GOLDEN + pos)
     best_val = tl.full((BLOCK,), float("-inf"), tl.float32)
     best_idx = tl.zeros((BLOCK,), tl.int32)
-    for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
+    for start in range(chunk * chunk_len, chunk * chunk_len + chunk_len, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < vocab
         x = tl.load(logits_ptr + row * stride + cols, mask=mask, other=float("-inf")).to(tl.float32)
@@ -121,7 +123,7 @@ def gumbel_argmax_triton(logits: torch.Tensor, temps: torch.Tensor, seeds: torch
     best_val = torch.empty((rows, chunks), dtype=torch.float32, device=logits.device)
     best_idx = torch.empty((rows, chunks), dtype=torch.int32, device=logits.device)
     _gumbel_argmax_kernel[(rows, chunks)](logits, logits.stride(0), temps, seeds, positions, best_val, best_idx,
-                                          vocab, CHUNK=chunk, BLOCK=block, num_warps=4)
+                                          vocab, chunk, BLOCK=block, num_warps=4)
     # argmax returns the first of equal maxima: the earliest chunk, whose column is the earliest.
     return best_idx.gather(1, best_val.argmax(dim=1, keepdim=True)).squeeze(1).long()
 

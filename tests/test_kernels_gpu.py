@@ -9,7 +9,7 @@ from kernels.decode_attention import paged_decode_attention, paged_decode_attent
 from kernels.kv_store import make_cos_sin, rope_store_kv, rope_store_kv_ref, store_kv, store_kv_ref
 from kernels.norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
 from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
-from kernels.sampling import gumbel_argmax, gumbel_argmax_ref
+from kernels.sampling import _gumbel_argmax_kernel, gumbel_argmax, gumbel_argmax_ref
 
 pytestmark = pytest.mark.gpu
 
@@ -65,6 +65,23 @@ def test_gumbel_argmax_at_qwen_vocab_equals_reference(rows):
     positions = torch.randint(0, 32768, (rows,), device="cuda", dtype=torch.int64)
     out = gumbel_argmax(logits, temps, seeds, positions)
     assert torch.equal(out, gumbel_argmax_ref(logits, temps, seeds, positions))
+
+
+def test_gumbel_argmax_on_bf16_logits_compiles_once_for_every_batch_size():
+    # The engine's logits are bf16; a new compile per batch size stalled serving for ~0.5 s each time.
+    def sample(rows: int) -> None:
+        logits = torch.randn(rows, 151936, device="cuda", dtype=BF16) * 4
+        ones = torch.ones(rows, device="cuda")
+        ids = torch.arange(rows, device="cuda")
+        out = gumbel_argmax(logits, ones, ids, ids)
+        assert torch.equal(out, gumbel_argmax_ref(logits, ones, ids, ids))
+
+    sample(1)
+    compiled = _gumbel_argmax_kernel.device_caches[torch.cuda.current_device()][0]
+    before = len(compiled)
+    for rows in (2, 7, 8, 33, 100, 263, 300):
+        sample(rows)
+    assert len(compiled) == before
 
 
 def test_silu_and_mul_bf16():
