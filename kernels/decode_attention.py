@@ -10,9 +10,12 @@ import triton.language as tl
 from kernels.attention_tile import attend_range
 from kernels.kv_store import check_cache_layout
 
-# Split-K sizing (see _partition_size), measured on an H200 at Qwen2.5-1.5B shapes: a program walks its split
-# one tile at a time, latency-bound, so short splits (many programs) win at small batch; _MAX_PROGRAMS keeps a
-# large batch from launching mostly idle splits, and _MAX_SPLITS bounds the reduce kernel's tile.
+# Split-K sizing, measured on an H200 at Qwen2.5-1.5B shapes: a program walks its split one tile at a time,
+# latency-bound, so short splits (many programs) win at small batch. The grid's split count comes from static
+# shapes only (a captured graph must fit every length); each row then cuts its *actual* context into that many
+# splits of whole tiles (_split_len), so a short context runs one tile per program instead of a few programs
+# walking a long fixed partition. _MAX_PROGRAMS keeps a large batch from launching mostly idle splits,
+# _MAX_SPLITS bounds the reduce kernel's tile, and _MIN_PARTITION the splits of a long context (measured best).
 _MIN_PARTITION = 256
 _MAX_PROGRAMS = 4096
 _MAX_SPLITS = 128
@@ -50,12 +53,19 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 
 @triton.jit
+def _split_len(ctx, num_splits, BLOCK_N: tl.constexpr):
+    # The fewest whole tiles that cover ctx in num_splits splits (never more than the static partition,
+    # which covers the longest possible context in as many splits).
+    return tl.maximum(tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N), 1) * BLOCK_N
+
+
+@triton.jit
 def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, part_acc, part_max, part_sum,
                          qk_scale, stride_qb, stride_qh, stride_cb, stride_ch, stride_cs, stride_bt, block_size,
                          group, num_q_heads, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                         GROUP_PAD: tl.constexpr, PARTITION: tl.constexpr, BLOCK_N: tl.constexpr):
+                         GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
     # Program (row, kv head, split): the group of query heads sharing this KV head attends to tokens
-    # [split * PARTITION, (split + 1) * PARTITION) of the row, so each K/V tile is read once for the group.
+    # [split * L, (split + 1) * L) of the row (L = _split_len), so each K/V tile is read once for the group.
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -71,12 +81,13 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, pa
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
-    start = split * PARTITION
+    split_len = _split_len(ctx, num_splits, BLOCK_N)
+    start = split * split_len
     block_table_row = block_tables + b.to(tl.int64) * stride_bt
     # Splits past the row's length run no iteration; the reduce kernel never reads their partials. The
     # query is the row's last token (position ctx - 1): the mask only cuts the tile's tail past the split.
     m_i, l_i, acc = attend_range(q, tl.full([GROUP_PAD], ctx - 1, tl.int32), m_i, l_i, acc, k_cache, v_cache,
-                                 block_table_row, kv_head, start, tl.minimum(start + PARTITION, ctx), stride_cb,
+                                 block_table_row, kv_head, start, tl.minimum(start + split_len, ctx), stride_cb,
                                  stride_ch, stride_cs, block_size, offs_d, d_mask, qk_scale, BLOCK_N, True)
     part = (b * num_q_heads + heads).to(tl.int64) * num_splits + split  # [GROUP_PAD] rows of the partials
     tl.store(part_max + part, m_i, mask=g_mask)
@@ -87,14 +98,15 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, pa
 @triton.jit
 def _decode_reduce_kernel(out_ptr, context_lens, part_acc, part_max, part_sum, stride_ob, stride_oh,
                           num_q_heads, num_splits, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                          SPLITS_PAD: tl.constexpr, PARTITION: tl.constexpr):
+                          SPLITS_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
     # Program (row, query head): combines the row's used splits by log-sum-exp (base 2, as the partials).
     b = tl.program_id(0)
     h = tl.program_id(1)
     ctx = tl.load(context_lens + b)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, D_PAD)
-    s_mask = offs_s < (ctx + PARTITION - 1) // PARTITION
+    split_len = _split_len(ctx, num_splits, BLOCK_N)
+    s_mask = offs_s < (ctx + split_len - 1) // split_len
     d_mask = offs_d < HEAD_DIM
     part = (b * num_q_heads + h).to(tl.int64) * num_splits + offs_s
     m = tl.load(part_max + part, mask=s_mask, other=float("-inf"))
@@ -110,7 +122,7 @@ def _decode_reduce_kernel(out_ptr, context_lens, part_acc, part_max, part_sum, s
 
 
 def _partition_size(batch: int, num_kv_heads: int, max_context: int) -> int:
-    """Tokens per split, from static shapes only: a captured CUDA graph stays right for every length."""
+    """Tokens per split at the longest context, from static shapes only: it sets the grid's split count."""
     splits = max(1, min(_MAX_SPLITS, _MAX_PROGRAMS // max(1, batch * num_kv_heads)))
     return max(_MIN_PARTITION, triton.next_power_of_2(triton.cdiv(max_context, splits)))
 
@@ -118,14 +130,15 @@ def _partition_size(batch: int, num_kv_heads: int, max_context: int) -> int:
 def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                                   partition_size: int | None = None) -> torch.Tensor:
-    """Split-K flash decoding; partition_size (a power of two >= 16) overrides the static choice (tests)."""
+    """Split-K flash decoding; partition_size (a power of two >= 16) overrides the static choice (tests):
+    the grid then has cdiv(max_context, partition_size) splits and tiles of min(64, partition_size) keys."""
     check_cache_layout(k_cache, v_cache)
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
     max_context = block_tables.shape[1] * block_size
     partition = partition_size or _partition_size(batch, num_kv_heads, max_context)
-    num_splits = triton.cdiv(max_context, partition)
+    num_splits, block_n = triton.cdiv(max_context, partition), min(_BLOCK_N, partition)
     part_acc = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     part_max = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
     part_sum = torch.empty_like(part_max)
@@ -134,12 +147,12 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         q, k_cache, v_cache, block_tables, context_lens, part_acc, part_max, part_sum, scale * math.log2(math.e),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         block_size, group, num_q_heads, HEAD_DIM=head_dim, D_PAD=d_pad,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)), PARTITION=partition, BLOCK_N=min(_BLOCK_N, partition),
+        GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         num_warps=_NUM_WARPS, num_stages=_NUM_STAGES)
     out = torch.empty((batch, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     _decode_reduce_kernel[(batch, num_q_heads)](
         out, context_lens, part_acc, part_max, part_sum, out.stride(0), out.stride(1), num_q_heads, num_splits,
-        HEAD_DIM=head_dim, D_PAD=d_pad, SPLITS_PAD=triton.next_power_of_2(num_splits), PARTITION=partition)
+        HEAD_DIM=head_dim, D_PAD=d_pad, SPLITS_PAD=triton.next_power_of_2(num_splits), BLOCK_N=block_n)
     return out
 
 

@@ -76,6 +76,12 @@ def test_decode_with_short_splits_and_the_default_partition(partition):
     run_decode([0, 15, 16, 17, 255, 256, 257], 7, 2, 64, 64, partition)
 
 
+def test_decode_cuts_each_rows_context_into_the_grids_splits():
+    # Tables of 5 blocks of 1024 at 4 rows: 20 splits of 256 in the grid. Each row splits its own length:
+    # 1 token -> one split, 65 -> two tiles of 64, 1000 -> 16 splits of 64, 4095 -> 16 of 256 (four tiles).
+    run_decode([1, 65, 1000, 4095], 3, 1, 32, 1024, None)
+
+
 def test_decode_of_only_empty_rows_gives_zeros():
     k_cache, v_cache = torch.randn(2, 1, 16, 64), torch.randn(2, 1, 16, 64)
     tables = torch.full((3, 2), -1, dtype=torch.int32)
