@@ -3,7 +3,7 @@
 Every parameter carries weight_loader(param, loaded, shard_id=None): it checks the full checkpoint tensor's
 shape and copies this rank's TP shard of it into place, so the loader knows nothing of parallelism.
 Parameters are created in torch's default dtype and device (build the model under them); math runs in
-that dtype, logits come out float32. Linears go through kernels.gemv.linear: for a few rows on the GPU, a
+that dtype, logits too (as Hugging Face's: the sampler widens them only where its math needs float32). Linears go through kernels.gemv.linear: for a few rows on the GPU, a
 split-K Triton GEMV wherever it was timed faster than cuBLAS.
 """
 from __future__ import annotations
@@ -126,7 +126,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Vocab-parallel lm_head: each rank computes its vocab slice of the logits; all ranks get all logits."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden, self.weight).float()
+        logits = linear(hidden, self.weight)
         return all_gather_last_dim(logits, self.tp_size)[:, : self.vocab_size]
 
 

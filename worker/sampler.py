@@ -48,7 +48,7 @@ def _upload(host: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 class Sampler:
-    """Samples one token per row from float32 logits; rows are the runner's mirror rows."""
+    """Samples one token per row from logits in the model's dtype; rows are the runner's mirror rows."""
 
     def __init__(self, max_rows: int, vocab_size: int, device: torch.device, seed: int = 0,
                  eos_token_ids: Sequence[int] = ()) -> None:
@@ -185,7 +185,7 @@ class Sampler:
 
     def _raw_logprobs(self, logits: torch.Tensor, out: SamplerOutput) -> None:
         """log_softmax of the raw logits (vLLM's default); the sampled gather happens after sampling."""
-        logprobs = torch.log_softmax(logits, dim=-1)
+        logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
         k = int(self._logprobs_k.max())
         if k > 0:
             out.top_logprobs, out.top_ids = logprobs.topk(k, dim=-1)

@@ -99,7 +99,7 @@ class Qwen2Model(nn.Module):
 
 
 class Qwen2ForCausalLM(nn.Module):
-    """forward(input_ids[T], positions[T], meta, kv_caches) -> hidden[T, H]; compute_logits -> [N, V] fp32."""
+    """forward(input_ids[T], positions[T], meta, kv_caches) -> hidden[T, H]; compute_logits -> [N, V] in the model's dtype."""
 
     def __init__(self, config: ModelConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
