@@ -3,7 +3,9 @@
 cuBLAS runs the small decode GEMVs far below memory bandwidth (too few thread blocks for 132 SMs). Here
 each program owns a BLOCK_N slice of output rows and a slice of K, reads its weight tile once for all
 M <= 16 rows (one tl.dot tile), and accumulates in float32; split-K partials are summed in a fixed order by
-a second small kernel, so results are bit-reproducible (a graph replay equals the eager run).
+a second small kernel, so results are bit-reproducible (a graph replay equals the eager run). For one row
+(batch-1 decode) a second kernel multiplies and sums without the 16-row tensor-core tile, so a program can
+own as few as 8 output rows and a small matrix spreads over every SM without splitting K.
 
 linear() picks per (rows bucket, N, K, dtype, bias): the first eager call of a shape times cuBLAS and a few
 Triton configs on a cold L2 and caches the fastest, so the Triton path is never the slower one. A shape
@@ -36,6 +38,13 @@ class GemvConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    one_row: bool = False  # _gemv_row_kernel: x must have exactly one row
+
+
+# Candidate tiles: (block_n, block_k, num_warps, programs wanted per SM). The one-row tiles are the fastest
+# of a sweep on an H200 at Qwen2.5-1.5B's shapes, each in a CUDA graph over cold weights (bench/NOTES.md).
+_DOT_TILES = ((64, 128, 4, 2), (32, 256, 4, 2), (128, 128, 8, 2))
+_ONE_ROW_TILES = ((8, 512, 4, 1), (16, 512, 4, 4))
 
 
 def linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -75,6 +84,30 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, k_per_split, stride_x
         tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _gemv_row_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, k_per_split, stride_xk, stride_wn, stride_wk,
+                     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # Program (n, s): x[0] times output rows [n*BLOCK_N, +BLOCK_N) over split s of K, as _gemv_kernel with M = 1.
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(K, k_start + k_per_split)
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + offs_k * stride_xk, mask=offs_k < K, other=0.0).to(tl.float32)
+        w = tl.load(w_rows + offs_k[None, :] * stride_wk, mask=(offs_n[:, None] < N) & (offs_k[None, :] < K),
+                    other=0.0)
+        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+    if PARTIAL:
+        tl.store(out_ptr + pid_k * N + offs_n, acc, mask=offs_n < N)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=offs_n < N)
+
+
 @triton.jit(do_not_specialize=["MN", "SPLIT_K"])
 def _split_k_reduce_kernel(part_ptr, bias_ptr, out_ptr, MN, N, SPLIT_K, HAS_BIAS: tl.constexpr,
                            BLOCK: tl.constexpr):
@@ -99,26 +132,34 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     partial = cfg.split_k > 1
     target = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device) if partial else out
-    grid = (triton.cdiv(n, cfg.block_n), cfg.split_k, triton.cdiv(m, BLOCK_M))
     bias_arg = bias if bias is not None else w  # never read when there is no bias
-    _gemv_kernel[grid](x, w, bias_arg, target, m, n, k, k_per_split, x.stride(0), x.stride(1), w.stride(0),
-                       w.stride(1), HAS_BIAS=bias is not None and not partial, PARTIAL=partial, BLOCK_M=BLOCK_M,
-                       BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
-                       num_stages=cfg.num_stages)
+    meta = dict(HAS_BIAS=bias is not None and not partial, PARTIAL=partial, BLOCK_N=cfg.block_n,
+                 BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.one_row:
+        if m != 1:
+            raise ValueError(f"{cfg} takes exactly one row of x, got {m}; use a config with one_row=False")
+        _gemv_row_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
+            x, w, bias_arg, target, n, k, k_per_split, x.stride(1), w.stride(0), w.stride(1), **meta)
+    else:
+        grid = (triton.cdiv(n, cfg.block_n), cfg.split_k, triton.cdiv(m, BLOCK_M))
+        _gemv_kernel[grid](x, w, bias_arg, target, m, n, k, k_per_split, x.stride(0), x.stride(1), w.stride(0),
+                           w.stride(1), BLOCK_M=BLOCK_M, **meta)
     if partial:
         _split_k_reduce_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](target, bias_arg, out, m * n, n, cfg.split_k,
                                                                     HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK)
     return out
 
 
-def candidate_configs(n: int, k: int, num_sms: int) -> list[GemvConfig]:
-    """Tile shapes worth timing for an [n, k] weight; K is split until there are >= 2 programs per SM."""
+def candidate_configs(n: int, k: int, num_sms: int, rows: int = GEMV_MAX_M) -> list[GemvConfig]:
+    """Tile shapes worth timing for an [n, k] weight and x of `rows` rows (the one-row kernel's too for 1);
+    K is split until each tile shape has its programs per SM."""
+    shapes = [(tile, False) for tile in _DOT_TILES] + [(tile, True) for tile in _ONE_ROW_TILES if rows == 1]
     configs = []
-    for block_n, block_k, warps in ((64, 128, 4), (32, 256, 4), (128, 128, 8)):
+    for (block_n, block_k, warps, per_sm), one_row in shapes:
         chunks = triton.cdiv(k, block_k)
-        wanted = triton.cdiv(2 * num_sms, triton.cdiv(n, block_n))
+        wanted = triton.cdiv(per_sm * num_sms, triton.cdiv(n, block_n))
         per_split = max(1, chunks // wanted)  # whole chunks per split, rounded down: at least `wanted` splits
-        configs.append(GemvConfig(block_n, block_k, triton.cdiv(chunks, per_split), warps))
+        configs.append(GemvConfig(block_n, block_k, triton.cdiv(chunks, per_split), warps, one_row=one_row))
     return configs
 
 
@@ -157,7 +198,7 @@ def fastest_config(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) 
     flush = torch.empty(2 * _l2_bytes(x.device) // 4, dtype=torch.int32, device=x.device)
     cublas_us = _median_us(functools.partial(linear_ref, x, w, bias), flush)
     best, best_us = None, cublas_us * 0.97  # a 3% margin: timing noise must not flip a shape to Triton
-    for config in candidate_configs(w.shape[0], w.shape[1], num_sms(x.device)):
+    for config in candidate_configs(w.shape[0], w.shape[1], num_sms(x.device), x.shape[0]):
         try:
             us = _median_us(functools.partial(gemv_triton, x, w, bias, config), flush)
         except OutOfResources:  # a tile too big for this GPU's shared memory: not a candidate here
