@@ -33,15 +33,20 @@ _TORCH = {np.int64: torch.int64, np.int32: torch.int32}
 _DECODE_READS = ("rows", "positions", "slot_mapping", "context_lens", "sample_pos")
 
 
+# Triton specialises a pointer argument on whether it is 16-byte aligned: fields at 8-byte offsets that move
+# with the step's sizes made eager (prompt) steps compile new kernel variants in the middle of serving.
+FIELD_ALIGN = 16
+
+
 @functools.lru_cache(maxsize=4096)
 def _layout(tokens: int, seqs: int, samples: int, deltas: int) -> tuple[dict[str, tuple[int, int, type]], int]:
-    """Byte offset, byte length and dtype of every field, and the end; each field starts 8-byte aligned."""
+    """Byte offset, byte length and dtype of every field, and the end; each field starts FIELD_ALIGN-aligned."""
     sizes = {"T": tokens, "B": seqs, "B1": seqs + 1, "S": samples, "D": deltas}
     out, offset = {}, 0
     for name, dtype, key in _FIELDS:
         nbytes = sizes[key] * np.dtype(dtype).itemsize
         out[name] = (offset, nbytes, dtype)
-        offset += -(-nbytes // 8) * 8
+        offset += -(-nbytes // FIELD_ALIGN) * FIELD_ALIGN
     return out, offset
 
 
