@@ -131,7 +131,11 @@ def record(name: str, args: argparse.Namespace, numbers: dict | list) -> Path:
 
 
 def git_commit() -> str:
-    """HEAD's hash, '-dirty' when tracked files differ from it; $BENCH_COMMIT where there is no git."""
+    """$BENCH_COMMIT when set (a copied tree's .git can be stale: the device's named a session-old commit),
+    else HEAD's hash, '-dirty' when tracked files differ from it."""
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
+
     def git(*cmd: str) -> str:
         return subprocess.run(["git", *cmd], cwd=REPO_DIR, capture_output=True, text=True, check=True).stdout
 
@@ -139,7 +143,7 @@ def git_commit() -> str:
         head = git("rev-parse", "HEAD").strip()
         dirty = bool(git("status", "--porcelain", "--untracked-files=no").strip())
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("BENCH_COMMIT", "unknown")
+        return "unknown"
     return head + ("-dirty" if dirty else "")
 
 

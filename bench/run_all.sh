@@ -7,7 +7,7 @@
 #   bash bench/run_all.sh latency-eager         # not in the default run: the device returns 8 files at most
 #
 # It fetches nothing. Python packages the machine lacks travel as wheels in .whl/ (carried) and are
-# installed from there. Where the tree has no .git, set BENCH_COMMIT=<hash> so that results name their commit.
+# installed from there. On a copied tree set BENCH_COMMIT=<hash>: results name it (the copy's .git may be stale).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-bench/results}"

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from transformers import Qwen2ForCausalLM
 
+from bench import common
 from bench.common import param_count, roofline
 from bench.hf import hf_config
 from protocol.model_config import config_from_dir, short_model
@@ -87,3 +88,11 @@ def test_roofline_counts_every_parameter_of_the_model(tiny_ckpt):
     assert param_count(qwen) == sum(p.numel() for p in hf.parameters())
     roof = roofline(qwen, "bfloat16", 4.24)  # shared/anchors/README.md: 3.087 GB, 0.728 ms, ~1373 tok/s
     assert round(roof["weight_gb"], 3) == 3.087 and round(roof["roofline_ms"], 3) == 0.728
+
+
+def test_bench_commit_names_the_results_where_set_and_git_head_otherwise(monkeypatch):
+    monkeypatch.setenv("BENCH_COMMIT", "0123abc")
+    assert common.git_commit() == "0123abc"
+    monkeypatch.delenv("BENCH_COMMIT")
+    assert common.git_commit().split("-")[0] == subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=common.REPO_DIR, capture_output=True, text=True, check=True).stdout.strip()
