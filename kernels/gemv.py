@@ -8,7 +8,8 @@ a second small kernel, so results are bit-reproducible (a graph replay equals th
 own as few as 8 output rows and a small matrix spreads over every SM without splitting K.
 
 linear() picks per (rows bucket, N, K, dtype, bias): the first eager call of a shape times cuBLAS and a few
-Triton configs on a cold L2 and caches the fastest, so the Triton path is never the slower one. A shape
+Triton configs, each in a CUDA graph over weights not in L2 (as a decode graph runs them), and caches the
+fastest, so the Triton path is never the slower one. A shape
 first met during CUDA-graph capture (no sync possible) runs cuBLAS and is chosen at its next eager call.
 """
 from __future__ import annotations
@@ -27,8 +28,9 @@ from triton.runtime.errors import OutOfResources
 GEMV_MAX_M = 16  # rows the Triton path takes: one tl.dot tile (its M is at least 16 anyway)
 BLOCK_M = 16
 REDUCE_BLOCK = 1024
-TIMING_REPS = 20
-_HEAD_START_CYCLES = 6_000_000  # ~3 ms of GPU sleep: the host queues every timed rep before the GPU gets there
+GRAPH_CALLS = 32  # timed calls in one CUDA graph
+TIMING_REPLAYS = 5  # the median replay counts
+MAX_COPIES = 16  # weight copies for timing: 16 x 6.3 MB (qkv at 1.5B) is about twice an H200's L2
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,7 @@ class GemvConfig:
 # Candidate tiles: (block_n, block_k, num_warps, programs wanted per SM). The one-row tiles are the fastest
 # of a sweep on an H200 at Qwen2.5-1.5B's shapes, each in a CUDA graph over cold weights (bench/NOTES.md).
 _DOT_TILES = ((64, 128, 4, 2), (32, 256, 4, 2), (128, 128, 8, 2))
-_ONE_ROW_TILES = ((8, 512, 4, 1), (16, 512, 4, 4))
+_ONE_ROW_TILES = ((4, 2048, 8, 4), (8, 512, 4, 1))
 
 
 def linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -194,13 +196,17 @@ def cached_choice(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -
 
 
 def fastest_config(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> GemvConfig | None:
-    """Times cuBLAS and each candidate on these tensors with a cold L2; None unless a candidate is faster."""
-    flush = torch.empty(2 * _l2_bytes(x.device) // 4, dtype=torch.int32, device=x.device)
-    cublas_us = _median_us(functools.partial(linear_ref, x, w, bias), flush)
+    """Times cuBLAS and each candidate as a decode graph runs them; None unless a candidate is faster."""
+    try:
+        copies = _cold_copies(w, bias)
+        cublas_us = graph_us(linear_ref, x, copies)
+    except torch.OutOfMemoryError:  # the copies did not fit beside the KV cache: cuBLAS, untimed
+        log.warning("no memory to time the GEMV candidates for %s: cuBLAS", tuple(w.shape))
+        return None
     best, best_us = None, cublas_us * 0.97  # a 3% margin: timing noise must not flip a shape to Triton
     for config in candidate_configs(w.shape[0], w.shape[1], num_sms(x.device), x.shape[0]):
         try:
-            us = _median_us(functools.partial(gemv_triton, x, w, bias, config), flush)
+            us = graph_us(functools.partial(gemv_triton, config=config), x, copies)
         except OutOfResources:  # a tile too big for this GPU's shared memory: not a candidate here
             continue
         except Exception as e:  # a Triton that cannot build this variant must not stop the engine: cuBLAS stays
@@ -211,20 +217,35 @@ def fastest_config(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) 
     return best
 
 
-def _median_us(fn, flush: torch.Tensor) -> float:
-    """Median µs of fn() over TIMING_REPS runs, each after reading `flush` (evicts the weights from L2)."""
-    fn()  # compiles a Triton candidate outside the timing
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(TIMING_REPS)]
-    torch.cuda.synchronize()
-    torch.cuda._sleep(_HEAD_START_CYCLES)  # else the host's launch overhead would be timed, not the kernel's
-    for start, end in events:
-        flush.sum()  # a read, not a write: dirty lines would cost write-backs inside the timed kernel
+def graph_us(fn, x: torch.Tensor, copies: list[tuple[torch.Tensor, torch.Tensor | None]]) -> float:
+    """µs per fn(x, w, bias) call, GRAPH_CALLS of them back to back in a CUDA graph over the copies in turn.
+
+    In a graph, as in a decode step: a call costs its kernel and the gap to the next, not a host launch, and
+    the copies (over twice L2 together) make each call read its weights from HBM, as a layer's do.
+    """
+    for w, b in copies:
+        fn(x, w, b)  # compiles a Triton candidate and settles the allocator outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(GRAPH_CALLS):
+            fn(x, *copies[i % len(copies)])
+    graph.replay()
+    times = []
+    for _ in range(TIMING_REPLAYS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        graph.replay()
         end.record()
-    torch.cuda.synchronize()
-    return 1000 * statistics.median(start.elapsed_time(end) for start, end in events)
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return 1000 * statistics.median(times) / GRAPH_CALLS
+
+
+def _cold_copies(w: torch.Tensor, bias: torch.Tensor | None) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """w (and bias) and enough clones that together they are over twice L2 (at most MAX_COPIES)."""
+    count = min(MAX_COPIES, -(-2 * _l2_bytes(w.device) // (w.numel() * w.element_size())))
+    clones = [(w.clone(), None if bias is None else bias.clone()) for _ in range(count - 1)]
+    return [(w, bias), *clones]
 
 
 def _l2_bytes(device: torch.device) -> int:
