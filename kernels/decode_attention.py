@@ -20,6 +20,7 @@ _MIN_PARTITION = 256
 _MAX_PROGRAMS = 4096
 _MAX_SPLITS = 128
 _BLOCK_N = 64
+_REDUCE_TILE = 8192  # partial elements [heads, splits, head_dim] one reduce program takes: 64 a thread
 _NUM_WARPS = 4
 _NUM_STAGES = 3
 
@@ -71,54 +72,61 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, pa
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
     ctx = tl.load(context_lens + b)
-    offs_g = tl.arange(0, GROUP_PAD)
-    offs_d = tl.arange(0, D_PAD)
-    g_mask = offs_g < group
-    d_mask = offs_d < HEAD_DIM
-    heads = kv_head * group + offs_g
-    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
     split_len = _split_len(ctx, num_splits, BLOCK_N)
     start = split * split_len
-    block_table_row = block_tables + b.to(tl.int64) * stride_bt
-    # Splits past the row's length run no iteration; the reduce kernel never reads their partials. The
-    # query is the row's last token (position ctx - 1): the mask only cuts the tile's tail past the split.
-    m_i, l_i, acc = attend_range(q, tl.full([GROUP_PAD], ctx - 1, tl.int32), m_i, l_i, acc, k_cache, v_cache,
-                                 block_table_row, kv_head, start, tl.minimum(start + split_len, ctx), stride_cb,
-                                 stride_ch, stride_cs, block_size, offs_d, d_mask, qk_scale, BLOCK_N, True)
-    part = (b * num_q_heads + heads).to(tl.int64) * num_splits + split  # [GROUP_PAD] rows of the partials
-    tl.store(part_max + part, m_i, mask=g_mask)
-    tl.store(part_sum + part, l_i, mask=g_mask)
-    tl.store(part_acc + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None] & d_mask[None, :])
+    # A split past the row's length does nothing, not even store: the reduce reads only the used splits.
+    # (A graph sized for long contexts launches mostly such programs at short ones.)
+    if start < ctx:
+        offs_g = tl.arange(0, GROUP_PAD)
+        offs_d = tl.arange(0, D_PAD)
+        g_mask = offs_g < group
+        d_mask = offs_d < HEAD_DIM
+        heads = kv_head * group + offs_g
+        q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+        block_table_row = block_tables + b.to(tl.int64) * stride_bt
+        # The query is the row's last token (position ctx - 1): the mask only cuts the tile's tail past the split.
+        m_i, l_i, acc = attend_range(q, tl.full([GROUP_PAD], ctx - 1, tl.int32), m_i, l_i, acc, k_cache, v_cache,
+                                     block_table_row, kv_head, start, tl.minimum(start + split_len, ctx),
+                                     stride_cb, stride_ch, stride_cs, block_size, offs_d, d_mask, qk_scale, BLOCK_N,
+                                     True)
+        part = (b * num_q_heads + heads).to(tl.int64) * num_splits + split  # [GROUP_PAD] rows of the partials
+        tl.store(part_max + part, m_i, mask=g_mask)
+        tl.store(part_sum + part, l_i, mask=g_mask)
+        tl.store(part_acc + part[:, None] * HEAD_DIM + offs_d[None, :], acc,
+                 mask=g_mask[:, None] & d_mask[None, :])
 
 
 @triton.jit
 def _decode_reduce_kernel(out_ptr, context_lens, part_acc, part_max, part_sum, stride_ob, stride_oh,
                           num_q_heads, num_splits, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                          SPLITS_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
-    # Program (row, query head): combines the row's used splits by log-sum-exp (base 2, as the partials).
+                          SPLITS_PAD: tl.constexpr, HEADS: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Program (row, HEADS query heads): combines each head's used splits by log-sum-exp (base 2, as the
+    # partials). Several heads a program where the splits are few: a program per head then had only a few
+    # hundred bytes to load, each load waiting on the last (at batch 256, 8% of a decode step).
     b = tl.program_id(0)
-    h = tl.program_id(1)
+    offs_h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
     ctx = tl.load(context_lens + b)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, D_PAD)
     split_len = _split_len(ctx, num_splits, BLOCK_N)
-    s_mask = offs_s < (ctx + split_len - 1) // split_len
+    h_mask = offs_h < num_q_heads
+    hs_mask = h_mask[:, None] & (offs_s < (ctx + split_len - 1) // split_len)[None, :]  # [HEADS, SPLITS_PAD]
     d_mask = offs_d < HEAD_DIM
-    part = (b * num_q_heads + h).to(tl.int64) * num_splits + offs_s
-    m = tl.load(part_max + part, mask=s_mask, other=float("-inf"))
-    m_all = tl.max(m, axis=0)
+    part = (b * num_q_heads + offs_h[:, None]).to(tl.int64) * num_splits + offs_s[None, :]
+    m = tl.load(part_max + part, mask=hs_mask, other=float("-inf"))
+    m_all = tl.max(m, axis=1)
     m_all = tl.where(m_all == float("-inf"), 0.0, m_all)  # context 0: no split used, avoid -inf - -inf
-    weight = tl.where(s_mask, tl.exp2(m - m_all), 0.0)
-    total = tl.sum(tl.load(part_sum + part, mask=s_mask, other=0.0) * weight, axis=0)
-    acc = tl.load(part_acc + part[:, None] * HEAD_DIM + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :],
-                  other=0.0)
-    out = tl.sum(acc * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)  # context 0 -> zeros
-    tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
-             mask=d_mask)
+    weight = tl.where(hs_mask, tl.exp2(m - m_all[:, None]), 0.0)
+    total = tl.sum(tl.load(part_sum + part, mask=hs_mask, other=0.0) * weight, axis=1)
+    acc = tl.load(part_acc + part[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+                  mask=hs_mask[:, :, None] & d_mask[None, None, :], other=0.0)  # [HEADS, SPLITS_PAD, D_PAD]
+    out = tl.sum(acc * weight[:, :, None], axis=1) / tl.where(total > 0, total, 1.0)[:, None]  # context 0 -> 0
+    tl.store(out_ptr + b.to(tl.int64) * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
 
 
 def _partition_size(batch: int, num_kv_heads: int, max_context: int) -> int:
@@ -150,9 +158,11 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         num_warps=_NUM_WARPS, num_stages=_NUM_STAGES)
     out = torch.empty((batch, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
-    _decode_reduce_kernel[(batch, num_q_heads)](
+    splits_pad = triton.next_power_of_2(num_splits)
+    heads = max(1, min(triton.next_power_of_2(num_q_heads), _REDUCE_TILE // (splits_pad * d_pad)))
+    _decode_reduce_kernel[(batch, triton.cdiv(num_q_heads, heads))](
         out, context_lens, part_acc, part_max, part_sum, out.stride(0), out.stride(1), num_q_heads, num_splits,
-        HEAD_DIM=head_dim, D_PAD=d_pad, SPLITS_PAD=triton.next_power_of_2(num_splits), BLOCK_N=block_n)
+        HEAD_DIM=head_dim, D_PAD=d_pad, SPLITS_PAD=splits_pad, HEADS=heads, BLOCK_N=block_n)
     return out
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels import decode_attention
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from kernels.decode_attention import paged_decode_attention_ref, paged_decode_attention_triton
 from kernels.gemv import GemvConfig, candidate_configs, gemv_triton, linear_ref
@@ -80,6 +81,13 @@ def test_decode_cuts_each_rows_context_into_the_grids_splits():
     # Tables of 5 blocks of 1024 at 4 rows: 20 splits of 256 in the grid. Each row splits its own length:
     # 1 token -> one split, 65 -> two tiles of 64, 1000 -> 16 splits of 64, 4095 -> 16 of 256 (four tiles).
     run_decode([1, 65, 1000, 4095], 3, 1, 32, 1024, None)
+
+
+@pytest.mark.parametrize("tile", [1, 256], ids=["one-head-a-program", "two-heads-a-program"])
+def test_decode_reduce_takes_any_number_of_heads_a_program(monkeypatch, tile):
+    # 4 splits of 32 dims: tile 256 gives 2 heads a program, so 7 heads end in a half-empty program.
+    monkeypatch.setattr(decode_attention, "_REDUCE_TILE", tile)
+    run_decode([0, 5, 33, 64, 100], 7, 1, 32, 16, 32)
 
 
 def test_decode_of_only_empty_rows_gives_zeros():
