@@ -87,7 +87,16 @@ def test_decode_cuts_each_rows_context_into_the_grids_splits():
 def test_decode_reduce_takes_any_number_of_heads_a_program(monkeypatch, tile):
     # 4 splits of 32 dims: tile 256 gives 2 heads a program, so 7 heads end in a half-empty program.
     monkeypatch.setattr(decode_attention, "_REDUCE_TILE", tile)
+    monkeypatch.setattr(decode_attention, "num_sms", lambda device: 1)  # 5 rows then fill "every SM"
     run_decode([0, 5, 33, 64, 100], 7, 1, 32, 16, 32)
+
+
+def test_reduce_heads_fill_the_tile_but_leave_every_sm_a_program():
+    assert decode_attention.reduce_heads(256, 12, 4, 128, 132) == 16  # 16 x 4 x 128 = the 8192 tile
+    assert decode_attention.reduce_heads(256, 12, 8, 128, 132) == 8
+    assert decode_attention.reduce_heads(256, 12, 128, 128, 132) == 1  # long contexts: one head fills it
+    assert decode_attention.reduce_heads(1, 12, 4, 128, 132) == 1  # batch 1: 12 programs, not one
+    assert decode_attention.reduce_heads(32, 12, 4, 128, 132) == 2  # 384 heads over 132 SMs
 
 
 def test_decode_of_only_empty_rows_gives_zeros():
