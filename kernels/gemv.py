@@ -5,18 +5,19 @@ each program owns a BLOCK_N slice of output rows and a slice of K, reads its wei
 M <= 16 rows (one tl.dot tile), and accumulates in float32; split-K partials are summed in a fixed order by
 a second small kernel, so results are bit-reproducible (a graph replay equals the eager run). For one row
 (batch-1 decode) a second kernel multiplies and sums without the 16-row tensor-core tile, so a program can
-own as few as 8 output rows and a small matrix spreads over every SM without splitting K.
+own as few as 4 output rows and a small matrix spreads over every SM without splitting K.
 
 linear() picks per (rows bucket, N, K, dtype, bias): the first eager call of a shape times cuBLAS and a few
 Triton configs, each in a CUDA graph over weights not in L2 (as a decode graph runs them), and caches the
-fastest, so the Triton path is never the slower one. A shape
-first met during CUDA-graph capture (no sync possible) runs cuBLAS and is chosen at its next eager call.
+fastest, so the Triton path is never the slower one. A shape first met during CUDA-graph capture (no sync
+possible) runs cuBLAS and is chosen at its next eager call.
 """
 from __future__ import annotations
 
 import functools
 import logging
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -217,7 +218,8 @@ def fastest_config(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) 
     return best
 
 
-def graph_us(fn, x: torch.Tensor, copies: list[tuple[torch.Tensor, torch.Tensor | None]]) -> float:
+def graph_us(fn: Callable[..., torch.Tensor], x: torch.Tensor,
+             copies: list[tuple[torch.Tensor, torch.Tensor | None]]) -> float:
     """µs per fn(x, w, bias) call, GRAPH_CALLS of them back to back in a CUDA graph over the copies in turn.
 
     In a graph, as in a decode step: a call costs its kernel and the gap to the next, not a host launch, and
