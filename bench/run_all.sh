@@ -4,7 +4,7 @@
 #
 #   bash bench/run_all.sh                       # every step, in this order:
 #   bash bench/run_all.sh latency serving       # tests latency throughput trace startup serving profile
-#   bash bench/run_all.sh latency-eager         # not in the default run: the device returns 8 files at most
+#   bash bench/run_all.sh latency-eager kernels # not in the default run: the device returns 8 files at most
 #
 # It fetches nothing. Python packages the machine lacks travel as wheels in .whl/ (carried) and are
 # installed from there. On a copied tree set BENCH_COMMIT=<hash>: results name it (the copy's .git may be stale).
@@ -42,6 +42,7 @@ for name in ${*:-tests latency throughput trace startup serving profile}; do
     startup) step startup 60 python3 -m bench.startup "${MODEL[@]}" ;;
     serving) step serving 90 python3 -m bench.serving "${MODEL[@]}" ;;
     profile) step profile 120 python3 -m bench.profile "${MODEL[@]}" ;;
+    kernels) step kernels 150 python3 -m bench.kernels --out "$OUT" ;;
     latency-eager) step latency-eager 50 python3 -m bench.latency "${MODEL[@]}" --enforce-eager --prompt-lens 32 --max-tokens 65 --repeats 1 ;;
     # Batch-1 decode traced; merged here (idempotent) and only summary.txt kept: the device returns 8 files.
     trace) rm -rf /tmp/bench-trace
@@ -49,7 +50,8 @@ for name in ${*:-tests latency throughput trace startup serving profile}; do
              --trace-dir /tmp/bench-trace --out /tmp/bench-trace-results \
            && python3 -c "from protocol.tracing import merge_traces; merge_traces('/tmp/bench-trace')" \
            && cp /tmp/bench-trace/summary.txt "$OUT/trace_summary.txt" ;;
-    *) echo "unknown step '$name': use tests latency throughput trace startup serving profile latency-eager"; exit 2 ;;
+    *) echo "unknown step '$name': use tests latency throughput trace startup serving profile latency-eager kernels"
+       exit 2 ;;
   esac
 done
 

@@ -199,15 +199,15 @@ def cached_choice(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -
 def fastest_config(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> GemvConfig | None:
     """Times cuBLAS and each candidate as a decode graph runs them; None unless a candidate is faster."""
     try:
-        copies = _cold_copies(w, bias)
-        cublas_us = graph_us(linear_ref, x, copies)
+        copies = cold_copies(w, bias)
+        cublas_us = graph_us([functools.partial(linear_ref, x, *wb) for wb in copies])
     except torch.OutOfMemoryError:  # the copies did not fit beside the KV cache: cuBLAS, untimed
         log.warning("no memory to time the GEMV candidates for %s: cuBLAS", tuple(w.shape))
         return None
     best, best_us = None, cublas_us * 0.97  # a 3% margin: timing noise must not flip a shape to Triton
     for config in candidate_configs(w.shape[0], w.shape[1], num_sms(x.device), x.shape[0]):
         try:
-            us = graph_us(functools.partial(gemv_triton, config=config), x, copies)
+            us = graph_us([functools.partial(gemv_triton, x, *wb, config) for wb in copies])
         except OutOfResources:  # a tile too big for this GPU's shared memory: not a candidate here
             continue
         except Exception as e:  # a Triton that cannot build this variant must not stop the engine: cuBLAS stays
@@ -218,19 +218,18 @@ def fastest_config(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) 
     return best
 
 
-def graph_us(fn: Callable[..., torch.Tensor], x: torch.Tensor,
-             copies: list[tuple[torch.Tensor, torch.Tensor | None]]) -> float:
-    """µs per fn(x, w, bias) call, GRAPH_CALLS of them back to back in a CUDA graph over the copies in turn.
+def graph_us(calls: list[Callable[[], object]]) -> float:
+    """µs a call: GRAPH_CALLS calls back to back in a CUDA graph, taking `calls` in turn.
 
-    In a graph, as in a decode step: a call costs its kernel and the gap to the next, not a host launch, and
-    the copies (over twice L2 together) make each call read its weights from HBM, as a layer's do.
+    In a graph, as in a decode step, a call costs its kernels and the gaps to the next, not a host launch;
+    calls over weight copies larger than L2 together (cold_copies) each read their weights from HBM.
     """
-    for w, b in copies:
-        fn(x, w, b)  # compiles a Triton candidate and settles the allocator outside the capture
+    for call in calls:
+        call()  # compiles a Triton kernel and settles the allocator outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for i in range(GRAPH_CALLS):
-            fn(x, *copies[i % len(copies)])
+            calls[i % len(calls)]()
     graph.replay()
     times = []
     for _ in range(TIMING_REPLAYS):
@@ -243,7 +242,7 @@ def graph_us(fn: Callable[..., torch.Tensor], x: torch.Tensor,
     return 1000 * statistics.median(times) / GRAPH_CALLS
 
 
-def _cold_copies(w: torch.Tensor, bias: torch.Tensor | None) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+def cold_copies(w: torch.Tensor, bias: torch.Tensor | None) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """w (and bias) and enough clones that together they are over twice L2 (at most MAX_COPIES)."""
     count = min(MAX_COPIES, -(-2 * _l2_bytes(w.device) // (w.numel() * w.element_size())))
     clones = [(w.clone(), None if bias is None else bias.clone()) for _ in range(count - 1)]

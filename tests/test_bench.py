@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import Qwen2ForCausalLM
 
@@ -96,3 +97,32 @@ def test_bench_commit_names_the_results_where_set_and_git_head_otherwise(monkeyp
     monkeypatch.delenv("BENCH_COMMIT")
     assert common.git_commit().split("-")[0] == subprocess.run(
         ["git", "rev-parse", "HEAD"], cwd=common.REPO_DIR, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def run_kernels(*flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "bench.kernels", *flags], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_kernel_bench_refuses_bad_cases_and_says_it_needs_a_gpu(tmp_path):
+    bad = run_kernels("--attention", "1:40")
+    assert bad.returncode == 2 and "'1:40' is not batch:context:max_model_len" in bad.stderr
+    assert run_kernels("--attention", "1:64:32").returncode == 2  # context over max_model_len
+    assert run_kernels("--rows", "0").returncode == 2
+    if not torch.cuda.is_available():
+        proc = run_kernels("--out", str(tmp_path))
+        assert proc.returncode == 1 and "needs a CUDA GPU" in proc.stderr and not list(tmp_path.iterdir())
+
+
+@pytest.mark.gpu
+def test_kernel_bench_times_every_linear_and_each_attention_case(tmp_path):
+    proc = run_kernels("--rows", "1", "2", "--attention", "2:40:256", "1:100:4096", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (path,) = tmp_path.glob("*-kernels.json")
+    numbers = json.loads(path.read_text())["numbers"]
+    assert [(r["linear"], r["rows"]) for r in numbers["linears"]] == [
+        (name, m) for name in ("qkv", "o_proj", "gate_up", "down", "lm_head") for m in (1, 2)]
+    assert all(r["cublas_us"] > 0 and r["chosen_us"] > 0 for r in numbers["linears"])
+    assert [(r["batch"], r["context"], r["max_model_len"]) for r in numbers["attention"]] == [(2, 40, 256),
+                                                                                           (1, 100, 4096)]
+    assert all(r["us"] > 0 for r in numbers["attention"])

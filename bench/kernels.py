@@ -1,0 +1,119 @@
+"""Decode kernels at a model's shapes, each timed in a CUDA graph as a decode step runs it: every layer linear
+at a few row counts, cuBLAS beside what kernels.gemv.linear picks, and paged decode attention at
+(batch, context, max_model_len) cases, max_model_len setting the grid as in the engine's graphs. One device
+call checks a kernel change against what bench/NOTES.md expected of it.
+
+    python -m bench.kernels --rows 1 8 --attention 1:32:32768 256:512:2048
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+
+from bench.common import RESULTS_DIR, print_table, record
+from protocol.config import ModelConfig
+from protocol.model_config import resolve_model
+
+# (batch, context, max_model_len): batch 1 in the latency engine's 32K grid, the throughput recipe's batches.
+ATTENTION_CASES = [(1, 32, 32768), (1, 4096, 32768), (1, 32640, 32768), (64, 640, 32768), (256, 512, 2048),
+                   (256, 1024, 2048)]
+
+
+def attention_case(text: str) -> tuple[int, int, int]:
+    """'batch:context:max_model_len' -> three positive ints, context <= max_model_len."""
+    try:
+        batch, context, max_len = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not batch:context:max_model_len, e.g. 1:32:32768")
+    if min(batch, context, max_len) < 1 or context > max_len:
+        raise argparse.ArgumentTypeError(f"{text!r}: use positive numbers with context <= max_model_len")
+    return batch, context, max_len
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="qwen2.5-1.5b", help="short name, Hugging Face directory or repo id")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8], help="rows of x for every linear")
+    p.add_argument("--attention", type=attention_case, nargs="+", default=ATTENTION_CASES,
+                   help="decode attention cases, batch:context:max_model_len")
+    p.add_argument("--block-size", type=int, default=16, help="KV cache block size")
+    p.add_argument("--out", default=str(RESULTS_DIR), help="folder the result JSON is written to")
+    args = p.parse_args(argv)
+    if min(args.rows) < 1:
+        p.error(f"--rows {args.rows}: every row count must be 1 or more")
+    return args
+
+
+def linear_shapes(c: ModelConfig) -> dict[str, tuple[int, int, bool]]:
+    """(out features, in features, has bias) of each linear of a decode step, unsharded."""
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    return {"qkv": (q + 2 * kv, c.hidden_size, True), "o_proj": (c.hidden_size, q, False),
+            "gate_up": (2 * c.intermediate_size, c.hidden_size, False),
+            "down": (c.hidden_size, c.intermediate_size, False), "lm_head": (c.vocab_size, c.hidden_size, False)}
+
+
+def time_linears(c: ModelConfig, rows: list[int]) -> list[dict]:
+    import torch
+
+    from kernels import gemv
+
+    results = []
+    for name, (n, k, has_bias) in linear_shapes(c).items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+        copies = gemv.cold_copies(w, torch.randn(n, device="cuda", dtype=torch.bfloat16) if has_bias else None)
+        for m in rows:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            choice = gemv.cached_choice(x, *copies[0])
+            cublas = gemv.graph_us([functools.partial(gemv.linear_ref, x, *wb) for wb in copies])
+            chosen = gemv.graph_us([functools.partial(gemv.linear, x, *wb) for wb in copies])
+            mb = n * k * 2 / 1e6  # MB per µs is TB/s
+            results.append({"linear": name, "rows": m, "weight_mb": mb, "cublas_us": cublas, "chosen_us": chosen,
+                            "chosen_tb_s": mb / chosen, "chosen": str(choice) if choice else "cuBLAS"})
+        del w, copies
+    return results
+
+
+def time_attention(c: ModelConfig, cases: list[tuple[int, int, int]], block_size: int) -> list[dict]:
+    import torch
+
+    from kernels import paged_decode_attention
+    from kernels.gemv import graph_us
+
+    results = []
+    for batch, context, max_len in cases:
+        per_row = -(-context // block_size)
+        k_cache = torch.randn(batch * per_row, c.num_key_value_heads, block_size, c.head_dim, device="cuda",
+                              dtype=torch.bfloat16)
+        v_cache = torch.randn_like(k_cache)
+        tables = torch.zeros(batch, -(-max_len // block_size), dtype=torch.int32, device="cuda")
+        tables[:, :per_row] = torch.randperm(batch * per_row, device="cuda").int().view(batch, per_row)
+        lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+        q = torch.randn(batch, c.num_attention_heads, c.head_dim, device="cuda", dtype=torch.bfloat16)
+        us = graph_us([functools.partial(paged_decode_attention, q, k_cache, v_cache, tables, lens,
+                                         c.head_dim ** -0.5)])
+        kv_gb = 2 * batch * context * c.num_key_value_heads * c.head_dim * 2 / 1e9  # K and V read, bf16
+        results.append({"batch": batch, "context": context, "max_model_len": max_len, "us": us,
+                        "kv_tb_s": kv_gb / us * 1e3})
+        del k_cache, v_cache
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.kernels times CUDA graphs: it needs a CUDA GPU (this machine has none)")
+    config, _ = resolve_model(args.model, load_format="dummy")
+    numbers = {"linears": time_linears(config, args.rows),
+               "attention": time_attention(config, args.attention, args.block_size)}
+    print_table(f"linears of {args.model} in bf16, each in a CUDA graph over weights not in L2", numbers["linears"])
+    print_table("decode attention per layer (one layer's cache; max_model_len sets the split grid)",
+                numbers["attention"])
+    record("kernels", args, numbers)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
