@@ -149,7 +149,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
                                   partition_size: int | None = None) -> torch.Tensor:
     """Split-K flash decoding; partition_size (a power of two >= 16) overrides the static choice (tests):
     the grid then has cdiv(max_context, partition_size) splits and tiles of min(64, partition_size) keys."""
-    check_cache_layout(k_cache, v_cache)
+    check_cache_layout(k_cache, v_cache, q)
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads

@@ -94,11 +94,14 @@ def _kv_store_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, s
                   kv_heads, HALF, KV_HEADS_PAD, HALF_PAD, False)
 
 
-def check_cache_layout(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    """The Triton kernels address K and V with one set of strides and a unit stride on head_dim."""
+def check_cache_layout(k_cache: torch.Tensor, v_cache: torch.Tensor, q: torch.Tensor | None = None) -> None:
+    """The Triton kernels address K and V with one set of strides, and K, V and q with a unit stride on
+    head_dim."""
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
         raise ValueError(f"k_cache/v_cache need equal strides and a contiguous head_dim, got {k_cache.stride()} "
                          f"and {v_cache.stride()}; allocate both with torch.empty of one shape")
+    if q is not None and q.stride(-1) != 1:
+        raise ValueError(f"q needs a unit stride on head_dim, got strides {q.stride()}; pass q.contiguous()")
 
 
 def _check_layout(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:

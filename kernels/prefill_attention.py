@@ -99,7 +99,7 @@ def _prefill_kernel(q_ptr, out_ptr, k_cache, v_cache, block_tables, cu_seqlens_q
 def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                    block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                                    context_lens: torch.Tensor, scale: float, max_seqlen_q: int) -> torch.Tensor:
-    check_cache_layout(k_cache, v_cache)
+    check_cache_layout(k_cache, v_cache, q)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads

@@ -270,3 +270,14 @@ def test_float32_attention_on_the_gpu_is_not_rounded_to_tf32():
     out = paged_prefill_attention_triton(qp, k_cache, v_cache, tables, cu, ctx, d ** -0.5, 77)
     torch.testing.assert_close(out, paged_prefill_attention_ref(qp, k_cache, v_cache, tables, cu, ctx, d ** -0.5, 77),
                                atol=1e-5, rtol=1e-5)
+
+
+def test_attention_refuses_a_query_without_a_unit_stride_on_head_dim():
+    k_cache, v_cache, tables = paged_cache([20], 1, 16, 16)
+    q = torch.randn(1, 2, 32)[:, :, ::2]  # head_dim 16 at stride 2
+    ctx = torch.tensor([20], dtype=torch.int32)
+    cu = torch.tensor([0, 1], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"q needs a unit stride on head_dim, got strides \(64, 32, 2\)"):
+        paged_decode_attention_triton(q, k_cache, v_cache, tables, ctx, 0.25)
+    with pytest.raises(ValueError, match="q needs a unit stride on head_dim"):
+        paged_prefill_attention_triton(q, k_cache, v_cache, tables, cu, ctx, 0.25, 1)
