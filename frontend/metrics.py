@@ -58,8 +58,7 @@ class Metrics:
             self._preemptions_seen = stats["num_preemptions"]
 
     def request(self, prompt_tokens: int) -> RequestTimer:
-        self.prompt_tokens.labels(self.model_name).inc(prompt_tokens)
-        return RequestTimer(self)
+        return RequestTimer(self, prompt_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -68,8 +67,8 @@ class Metrics:
 class RequestTimer:
     """Latency of one engine request: first token, each token after it, and the whole request."""
 
-    def __init__(self, metrics: Metrics):
-        self.metrics = metrics
+    def __init__(self, metrics: Metrics, prompt_tokens: int):
+        self.metrics, self.prompt_tokens = metrics, prompt_tokens
         self.arrival = self.last = time.perf_counter()
         self.counts: list[int] = []
 
@@ -79,7 +78,8 @@ class RequestTimer:
         if sum(new) <= 0:
             return
         now, m, name = time.perf_counter(), self.metrics, self.metrics.model_name
-        if not self.counts:
+        if not self.counts:  # the prompt was processed: counted now, so that refused requests never count
+            m.prompt_tokens.labels(name).inc(self.prompt_tokens)
             m.ttft.labels(name).observe(now - self.arrival)
         else:  # each sample waited the whole gap; one that got several tokens in it spreads the gap over them
             for k in new:

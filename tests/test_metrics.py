@@ -24,3 +24,16 @@ def test_inter_token_latency_is_per_sample_for_n_outputs(monkeypatch):
     assert count == 6 and abs(total - (1 + 1 + 2 + 3 * 2 / 3)) < 1e-9  # not the gap split across samples
     generated = {s.name: s.value for metric in m.registry.collect() for s in metric.samples}
     assert generated["vllm:generation_tokens_total"] == 8 and generated["vllm:prompt_tokens_total"] == 7
+
+
+def test_prompt_tokens_count_once_the_prompt_is_processed_and_never_for_a_refused_request():
+    m = Metrics("m")
+    refused = m.request(prompt_tokens=50)
+    refused.finish(["abort"])  # the engine refused it: no output ever came
+    served = m.request(prompt_tokens=7)
+    counted = {s.name: s.value for metric in m.registry.collect() for s in metric.samples}
+    assert counted.get("vllm:prompt_tokens_total", 0) == 0  # (a labelled counter shows once incremented)
+    served.on_tokens([1])
+    served.on_tokens([2])
+    counted = {s.name: s.value for metric in m.registry.collect() for s in metric.samples}
+    assert counted["vllm:prompt_tokens_total"] == 7
