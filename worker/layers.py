@@ -3,8 +3,9 @@
 Every parameter carries weight_loader(param, loaded, shard_id=None): it checks the full checkpoint tensor's
 shape and copies this rank's TP shard of it into place, so the loader knows nothing of parallelism.
 Parameters are created in torch's default dtype and device (build the model under them); math runs in
-that dtype, logits too (as Hugging Face's: the sampler widens them only where its math needs float32). Linears go through kernels.gemv.linear: for a few rows on the GPU, a
-split-K Triton GEMV wherever it was timed faster than cuBLAS.
+that dtype, logits too (as Hugging Face's: the sampler widens them only where its math needs float32).
+Linears go through kernels.gemv.linear: for a few rows on the GPU, a Triton GEMV wherever it was timed
+faster than cuBLAS.
 """
 from __future__ import annotations
 
