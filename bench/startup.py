@@ -20,15 +20,17 @@ def main(argv: list[str] | None = None) -> int:
     config, _ = resolve_model(args.model, args.load_format)
     prompt = random_ids(random.Random(args.seed), args.prompt_len, config.vocab_size)
 
-    start = time.perf_counter()
+    start, start_wall = time.perf_counter(), time.time()
     from frontend import SamplingParams  # the frontend's imports (transformers) are part of a launch
     imported = time.perf_counter()
     with start_engine(args) as llm:  # defaults, as `launch.py --model M` starts
         ready = time.perf_counter()
         first = timed(llm.generate, prompt, SamplingParams(temperature=0, max_tokens=1), False)
-        parts = llm.client.info.get("startup") or {}  # the worker's own timings, when it reports them
+        parts = dict(llm.client.info.get("startup") or {})  # the worker's own timings, when it reports them
+    # The worker's wall-clock marks as seconds since this launch began: where the time before its timers goes.
+    marks = {f"{name}_at_s": at - start_wall for name, at in parts.pop("clock", {}).items()}
     numbers = {"launch_to_first_token_s": ready - start + first, "import_s": imported - start,
-               "engine_ready_s": ready - imported, "first_token_s": first, **parts}
+               "engine_ready_s": ready - imported, "first_token_s": first, **marks, **parts}
     print_table(f"startup: {args.model}" + ("" if parts else " (the engine reports no parts: totals only)"),
                 [numbers])
     record("startup", args, numbers)

@@ -68,8 +68,17 @@ def test_profile_lists_the_kernels_of_decode_steps_per_batch_and_of_a_prefill_st
         assert abs(sum(row["share"] for row in table) - 1) < 1e-6
         assert any("mm" in row["kernel"] for row in table)  # the linears are there
     assert numbers["prefill"]["tokens"] == 3 * 20  # three whole prompts: as many rows as the engine has
-    assert set(numbers["startup"]) == {"weights_s", "kv_cache_s", "graph_capture_s", "recapture_s"}
+    assert set(numbers["startup"]) == {"weights_s", "kv_cache_s", "graph_capture_s", "graph_warmup_s",
+                                       "recapture_s"}
     assert numbers["startup"]["recapture_s"] is None  # no graphs on the CPU
+
+
+def test_startup_places_the_workers_marks_on_the_launchs_timeline(tiny_ckpt, tmp_path):
+    numbers = run_bench("startup", tiny_ckpt, tmp_path)["numbers"]
+    marks = [numbers[f"{m}_at_s"] for m in ("worker_entered", "torch_imported", "device_selected", "worker_ready")]
+    assert 0 < marks[0] and marks == sorted(marks)
+    assert marks[-1] < numbers["import_s"] + numbers["engine_ready_s"] <= numbers["launch_to_first_token_s"]
+    assert numbers["graph_capture_s"] >= numbers["graph_warmup_s"] == 0.0  # no graphs on the CPU
 
 
 def test_frontend_records_the_host_cost_per_token_of_both_detokenizers(tiny_ckpt, tmp_path):

@@ -255,7 +255,12 @@ def test_worker_process_says_ready_answers_plans_and_exits_on_shutdown(workers, 
     readies = sorted((decode(results.recv()) for _ in procs), key=lambda r: r.rank)
     want = [("worker", rank, 16) for rank in range(len(procs))]
     assert [(r.role, r.rank, r.info["num_kv_blocks"]) for r in readies] == want
-    assert all(set(r.info["startup"]) == {"weights_s", "kv_cache_s", "graph_capture_s"} for r in readies)
+    parts = {"weights_s", "kv_cache_s", "graph_capture_s", "graph_warmup_s", "clock"}
+    assert all(set(r.info["startup"]) == parts for r in readies)
+    marks = ["worker_entered", "torch_imported", "device_selected", "worker_ready"]
+    assert all(list(r.info["startup"]["clock"]) == marks for r in readies)
+    assert all(sorted(r.info["startup"]["clock"].values()) == list(r.info["startup"]["clock"].values())
+               for r in readies)
     prompt = _prompt(7, seed=11)
     new = NewRow(0, i32(prompt), len(prompt), 0, i32([0]), SamplingParams(temperature=0.0).to_dict())
     for msg in (StepPlan(1, i32([0]), i32([7]), [new], []),

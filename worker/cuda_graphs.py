@@ -7,6 +7,7 @@ and write a spare dummy row, store to slot -1 (skipped) and attend to nothing (c
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Callable
 
 import torch
@@ -34,6 +35,7 @@ class DecodeGraphs:
         self._forward, self._dummy_row = forward, dummy_row
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.warmup_s = 0.0  # of capture(): the eager warm-ups (Triton compiles, GEMV timing) before each graph
 
     def size_for(self, batch: int) -> int | None:
         """The smallest captured size >= batch, or None when the batch is larger than every graph."""
@@ -45,7 +47,10 @@ class DecodeGraphs:
         for size in tqdm(self.sizes[::-1], desc="Capturing decode graphs", unit="graph"):
             views = self.views[size]
             self._fill_padding(views)
+            started = time.perf_counter()
             self._forward(views)  # warm-up outside the graph: compiles kernels, settles the allocator
+            torch.cuda.synchronize()
+            self.warmup_s += time.perf_counter() - started
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self._outputs[size] = self._forward(views)

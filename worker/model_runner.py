@@ -91,7 +91,8 @@ class ModelRunner:
                 self.graphs.capture()
         # Seconds per start-up phase, reported in Ready for bench/startup.py.
         self.startup = {"weights_s": weights_done - started, "kv_cache_s": kv_done - weights_done,
-                        "graph_capture_s": time.perf_counter() - kv_done}
+                        "graph_capture_s": time.perf_counter() - kv_done,
+                        "graph_warmup_s": self.graphs.warmup_s if self.graphs is not None else 0.0}
 
     # ---- set-up -------------------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ log = logging.getLogger("pico_vllm.worker")
 
 def run_worker(config_dict: dict, addresses_dict: dict, rank: int) -> None:
     """Process entry: build the runner, say Ready, serve plans until Shutdown (exit 0) or an error (exit 1)."""
+    clock = {"worker_entered": time.time()}  # wall-clock marks: bench/startup places them on its launch's timeline
     config = EngineConfig.from_dict(config_dict)
     addresses = Addresses(**addresses_dict)
     _exit_with_parent()
@@ -35,10 +36,11 @@ def run_worker(config_dict: dict, addresses_dict: dict, rank: int) -> None:
     tracer = Tracer(f"worker{rank}", config.trace_dir)
     failed = False
     try:
-        runner = _build_runner(config, addresses, rank)
+        runner = _build_runner(config, addresses, rank, clock)
         gc.collect()
         gc.freeze()  # torch's and the model's objects leave the collector's view: no long pauses between steps
-        info = {"num_kv_blocks": runner.num_kv_blocks, "startup": runner.startup}
+        clock["worker_ready"] = time.time()
+        info = {"num_kv_blocks": runner.num_kv_blocks, "startup": {**runner.startup, "clock": clock}}
         results.send(encode(Ready(role="worker", rank=rank, info=info)))
         _serve(runner, plans, results, rank, tracer)
     except Exception as e:  # anything that stops this rank must reach the scheduler as a reason
@@ -54,13 +56,15 @@ def run_worker(config_dict: dict, addresses_dict: dict, rank: int) -> None:
         raise SystemExit(1)
 
 
-def _build_runner(config: EngineConfig, addresses: Addresses, rank: int):
+def _build_runner(config: EngineConfig, addresses: Addresses, rank: int, clock: dict[str, float]):
     # Imported here: torch and CUDA load only once this process is committed to being a worker.
     from worker.model_runner import ModelRunner, select_device
     from worker.parallel import init_tp_group
 
+    clock["torch_imported"] = time.time()
     tp_size = config.tensor_parallel_size
     device = select_device(config.device, rank)
+    clock["device_selected"] = time.time()
     if tp_size > 1:
         # A file in the engine's private ipc directory: no TCP port to collide with another engine's.
         init_method = f"file://{addresses.ipc_dir}/tp-rendezvous" if addresses.ipc_dir else "tcp://127.0.0.1:29500"
