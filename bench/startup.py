@@ -27,8 +27,10 @@ def main(argv: list[str] | None = None) -> int:
         ready = time.perf_counter()
         first = timed(llm.generate, prompt, SamplingParams(temperature=0, max_tokens=1), False)
         parts = dict(llm.client.info.get("startup") or {})  # the worker's own timings, when it reports them
-    # The worker's wall-clock marks as seconds since this launch began: where the time before its timers goes.
-    marks = {f"{name}_at_s": at - start_wall for name, at in parts.pop("clock", {}).items()}
+        clock = {**parts.pop("clock", {}), **llm.client.clock}
+    # The worker's and the frontend's wall-clock marks as seconds since this launch began: where the time
+    # outside the worker's own timers goes.
+    marks = {f"{name}_at_s": at - start_wall for name, at in sorted(clock.items(), key=lambda item: item[1])}
     numbers = {"launch_to_first_token_s": ready - start + first, "import_s": imported - start,
                "engine_ready_s": ready - imported, "first_token_s": first, **marks, **parts}
     print_table(f"startup: {args.model}" + ("" if parts else " (the engine reports no parts: totals only)"),

@@ -34,6 +34,7 @@ class EngineClient:
         self.procs: EngineProcesses | None = None
         self.latest_stats: dict = {}
         self.trace_dir = config.trace_dir if config is not None else None
+        self.clock: dict[str, float] = {}  # wall-clock marks of the start-up, for bench/startup
         self.tracer = Tracer("frontend", self.trace_dir)
         if config is not None:
             config = resolve_config(config)
@@ -49,7 +50,9 @@ class EngineClient:
         try:
             self.send(GetStats())  # hello: the scheduler answers Ready once the workers are up
             self.tokenizer = load_tokenizer(config.model, config.model_path) if config else None
+            self.clock["tokenizer_loaded"] = time.time()
             self.info = self._wait_ready(ready_timeout)
+            self.clock["engine_ready"] = time.time()
             if self.tokenizer is None:
                 self.tokenizer = load_tokenizer(self.info["model"], self.info.get("model_path"))
         except BaseException:

@@ -18,12 +18,13 @@ from typing import TYPE_CHECKING
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
+from protocol.config import cache_root
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 QWEN25_SHORT_NAMES = frozenset(f"qwen2.5-{size}{kind}" for size in ("0.5b", "1.5b", "3b", "7b")
                                for kind in ("", "-base"))
-CACHE_ENV = "PICO_VLLM_CACHE"
 _CACHE_SUBDIR = "qwen2.5-tokenizer-v1"  # bump the suffix when what we write changes
 
 # Qwen2's pre-tokenizer: like GPT-4's but digits split one per token.
@@ -143,8 +144,7 @@ def load_qwen25_tokenizer(instruct: bool = True, cache_dir: str | os.PathLike | 
 
 
 def default_cache_dir() -> Path:
-    root = os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "pico-vllm")
-    return Path(root) / _CACHE_SUBDIR
+    return cache_root() / _CACHE_SUBDIR
 
 
 def _build_into(path: Path) -> None:

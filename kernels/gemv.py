@@ -9,11 +9,13 @@ own as few as 4 output rows and a small matrix spreads over every SM without spl
 
 linear() picks per (rows bucket, N, K, dtype, bias): the first eager call of a shape times cuBLAS and a few
 Triton configs, each in a CUDA graph over weights not in L2 (as a decode graph runs them), and caches the
-fastest, so the Triton path is never the slower one. A shape first met during CUDA-graph capture (no sync
-possible) runs cuBLAS and is chosen at its next eager call.
+fastest, so the Triton path is never the slower one; kernels/tuning_cache.py keeps the picks on disk for the
+next start. A shape first met during CUDA-graph capture (no sync possible) runs cuBLAS and is chosen at its
+next eager call.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import statistics
@@ -25,6 +27,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
+
+from kernels import tuning_cache
 
 GEMV_MAX_M = 16  # rows the Triton path takes: one tl.dot tile (its M is at least 16 anyway)
 BLOCK_M = 16
@@ -187,13 +191,34 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
 
 
 def cached_choice(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> GemvConfig | None:
-    """The cached pick for this shape, timing it on first sight; cuBLAS (None) while a graph is captured."""
+    """The cached pick for this shape, from memory, then the disk cache, else timed (and kept on disk);
+    cuBLAS (None) while a graph is captured."""
     key = (triton.next_power_of_2(x.shape[0]), *w.shape, x.dtype, bias is not None, x.device)
     if key not in _CHOICES:
         if torch.cuda.is_current_stream_capturing():
             return None  # timing needs a sync, which capture forbids: cuBLAS, and time it at the next eager call
-        _CHOICES[key] = fastest_config(x, w, bias)
+        disk_key = _disk_key(key)
+        kept = _kept_choices().get(disk_key, False)  # False: never timed here; None: cuBLAS won
+        if kept is False:
+            kept = fastest_config(x, w, bias)
+            tuning_cache.save_choice(disk_key, None if kept is None else dataclasses.asdict(kept))
+        elif kept is not None:
+            kept = GemvConfig(**kept)
+        _CHOICES[key] = kept
     return _CHOICES[key]
+
+
+@functools.lru_cache(maxsize=1)
+def _kept_choices() -> dict[str, object]:
+    return tuning_cache.load_choices()  # read once a process: later saves go to the file, _CHOICES keeps them
+
+
+def _disk_key(key: tuple) -> str:
+    """The in-memory key plus what makes a timing stale: the GPU, torch, Triton and this file's source."""
+    rows, n, k, dtype, has_bias, device = key
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return (f"gemv {gpu} torch {torch.__version__} triton {triton.__version__} "
+            f"src {tuning_cache.source_hash(__file__)} rows {rows} w {n}x{k} {dtype} bias {has_bias}")
 
 
 def fastest_config(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> GemvConfig | None:

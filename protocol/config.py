@@ -1,7 +1,16 @@
 """Engine and model configuration: the typed dataclasses every process is built from."""
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+CACHE_ENV = "PICO_VLLM_CACHE"
+
+
+def cache_root() -> Path:
+    """Where every process keeps what it builds once (tokenizer files, timed kernel choices)."""
+    return Path(os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "pico-vllm"))
 
 
 @dataclass(slots=True)

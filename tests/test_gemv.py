@@ -2,12 +2,14 @@
 on the GPU, Qwen2.5-1.5B's decode shapes in bfloat16, graph replay, and the chosen path's speed."""
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
 
 import pytest
 import torch
 
-from kernels import gemv
+from kernels import gemv, tuning_cache
 from kernels.gemv import GemvConfig, candidate_configs, gemv_triton, linear, linear_ref
 
 TOL = dict(atol=1e-4, rtol=1e-4)
@@ -59,8 +61,19 @@ def test_linear_on_cpu_is_torch_linear_without_a_choice(monkeypatch):
     assert torch.equal(linear(x, w, bias), torch.nn.functional.linear(x, w, bias))
 
 
-def test_a_shape_first_met_during_capture_runs_cublas_and_is_chosen_at_the_next_eager_call(monkeypatch):
+@pytest.fixture
+def fresh_choices(monkeypatch, tmp_path):
+    """No pick in memory, an empty disk cache under tmp_path, nothing read from it yet, no capture."""
     monkeypatch.setattr(gemv, "_CHOICES", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setenv("PICO_VLLM_CACHE", str(tmp_path))
+    gemv._kept_choices.cache_clear()
+    yield tmp_path
+    gemv._kept_choices.cache_clear()
+
+
+def test_a_shape_first_met_during_capture_runs_cublas_and_is_chosen_at_the_next_eager_call(monkeypatch,
+                                                                                           fresh_choices):
     capturing, timed = [True], []
     picked = GemvConfig(64, 128)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
@@ -74,6 +87,37 @@ def test_a_shape_first_met_during_capture_runs_cublas_and_is_chosen_at_the_next_
     capturing[0] = True
     assert gemv.cached_choice(torch.randn(4, 24), w, None) == picked  # a graph replays the eager pick
     assert timed == [3]
+
+
+def test_choices_are_kept_on_disk_for_the_next_process_until_the_kernel_source_changes(monkeypatch,
+                                                                                        fresh_choices):
+    timed = []
+    monkeypatch.setattr(gemv, "fastest_config", lambda x, w, bias: timed.append(w.shape) or (
+        GemvConfig(4, 2048, one_row=True) if w.shape[0] == 8 else None))
+    x, w8, w16 = torch.randn(1, 24), torch.randn(8, 24), torch.randn(16, 24)
+    assert gemv.cached_choice(x, w8, None) == GemvConfig(4, 2048, one_row=True)
+    assert gemv.cached_choice(x, w16, None) is None  # cuBLAS won: kept too, not timed again
+    assert timed == [(8, 24), (16, 24)]
+
+    def new_process():
+        gemv._CHOICES.clear()
+        gemv._kept_choices.cache_clear()
+
+    new_process()
+    assert gemv.cached_choice(x, w8, None) == GemvConfig(4, 2048, one_row=True)
+    assert gemv.cached_choice(x, w16, None) is None and len(timed) == 2
+    new_process()
+    monkeypatch.setattr(tuning_cache, "source_hash", lambda path: "edited")
+    assert gemv.cached_choice(x, w8, None) == GemvConfig(4, 2048, one_row=True) and len(timed) == 3
+
+
+def test_an_unreadable_choice_cache_means_timing_again(monkeypatch, fresh_choices, caplog):
+    (fresh_choices / tuning_cache.FILE_NAME).write_text("{not json")
+    monkeypatch.setattr(gemv, "fastest_config", lambda x, w, bias: GemvConfig(64, 128))
+    assert gemv.cached_choice(torch.randn(2, 24), torch.randn(8, 24), None) == GemvConfig(64, 128)
+    assert "ignoring the kernel choice cache" in caplog.text
+    assert list(json.loads((fresh_choices / tuning_cache.FILE_NAME).read_text()).values()) == [
+        dataclasses.asdict(GemvConfig(64, 128))]
 
 
 # ---- GPU (the LEAD runs these: python -m pytest -q -s -m gpu tests/test_gemv.py) ----------------------

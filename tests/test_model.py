@@ -155,6 +155,20 @@ def test_greedy_32_tokens_equal_hf_generate(case):
         assert out[s] == ref[0, len(prompt):].tolist()
 
 
+def test_fewer_kv_caches_than_layers_run_the_first_layers_alone(tiny_ckpt):
+    # What a graph's warm-up runs: the model cut to its first layer, as Hugging Face's with one layer.
+    from transformers import Qwen2ForCausalLM as HFQwen2
+
+    ours, prompt = build_model(tiny_ckpt), tokens_for(6, 9)
+    assert len(ours.model.layers) > 1
+    run = PagedRun(ours, 16)
+    run.kv = run.kv[:1]
+    (logits,) = run.step({0: prompt})
+    one_layer = HFQwen2.from_pretrained(tiny_ckpt, dtype=torch.float32, num_hidden_layers=1).eval()
+    torch.testing.assert_close(logits, hf_logits(one_layer, prompt), atol=ATOL, rtol=0)
+    assert not torch.allclose(logits, PagedRun(ours, 16).step({0: prompt})[0], atol=ATOL, rtol=0)
+
+
 def test_rope_table_stays_float32_when_the_model_changes_dtype(tiny_ckpt):
     model = build_model(tiny_ckpt).to(torch.bfloat16)
     assert model.model.cos_sin.dtype == torch.float32

@@ -6,6 +6,7 @@ chunk runs eagerly.
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -23,6 +24,9 @@ from worker.models.qwen2 import Qwen2ForCausalLM
 from worker.parallel import local_kv_heads
 from worker.sampler import Sampler, SamplerOutput
 
+# A graph's warm-up runs this many layers: the first (no residual yet) and one as every later layer runs,
+# which compiles every kernel variant the full model launches at that batch size, at a fraction of its time.
+WARMUP_LAYERS = 2
 _CPU_KV_CACHE_CAP = 1 << 30  # bytes: a CPU run sizes its cache to the workload, up to this
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -86,7 +90,8 @@ class ModelRunner:
             self.num_kv_blocks = self._num_kv_blocks()
             self.kv_caches = self._allocate_kv_cache(self.num_kv_blocks)
             kv_done = time.perf_counter()
-            self.graphs = DecodeGraphs(sizes, self.buffers, self._decode_forward, self.dummy_row) if sizes else None
+            self.graphs = DecodeGraphs(sizes, self.buffers, self._decode_forward, self.dummy_row,
+                                       functools.partial(self._decode_forward, layers=WARMUP_LAYERS)) if sizes else None
             if self.graphs is not None:
                 self.graphs.capture()
         # Seconds per start-up phase, reported in Ready for bench/startup.py.
@@ -260,15 +265,17 @@ class ModelRunner:
         for row in np.asarray(rows).tolist():
             self.sampler.remove_row(row)
 
-    def _decode_forward(self, views: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode_forward(self, views: dict[str, torch.Tensor],
+                        layers: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One token per row, the row's last sampled token; greedy picks become the new last tokens.
 
         This is the body a decode graph captures: it reads only static views, allocates from the graph pool.
+        `layers` runs only the first few decoder layers (a graph's warm-up).
         """
         rows = views["rows"]
         meta = AttentionMetadata(views["slot_mapping"], self.block_tables[rows], views["context_lens"],
                                  self.decode_cu[:rows.shape[0] + 1], 1)
-        hidden = self.model(self.last_token[rows], views["positions"], meta, self.kv_caches)
+        hidden = self.model(self.last_token[rows], views["positions"], meta, self.kv_caches[:layers])
         logits = self.model.compute_logits(hidden)
         greedy = logits.argmax(dim=-1)
         self.last_token[rows] = greedy

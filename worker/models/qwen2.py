@@ -92,7 +92,8 @@ class Qwen2Model(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[KVCache]) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        # Fewer caches than layers run the first layers alone: a graph's warm-up (worker/cuda_graphs.py).
+        for layer, kv_cache in zip(self.layers[:len(kv_caches)], kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, self.cos_sin, kv_cache, meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
