@@ -98,10 +98,11 @@ def _gumbel_argmax_kernel(logits_ptr, stride, temps_ptr, seeds_ptr, pos_ptr, bes
     for start in range(chunk * chunk_len, chunk * chunk_len + chunk_len, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < vocab
-        x = tl.load(logits_ptr + row * stride + cols, mask=mask, other=float("-inf")).to(tl.float32)
-        z = _mix64(row_key + cols.to(tl.uint64) * GOLDEN)
-        u = ((z >> 41).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # as uniform_from_bits
-        score = tl.where(temp > 0, x / tl.where(temp > 0, temp, 1.0) - tl.log(_neg_log(u)), x)
+        score = tl.load(logits_ptr + row * stride + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        if temp > 0:  # a greedy row (a decode graph draws every row here) skips the hash: a plain argmax
+            z = _mix64(row_key + cols.to(tl.uint64) * GOLDEN)
+            u = ((z >> 41).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # as uniform_from_bits
+            score = score / temp - tl.log(_neg_log(u))
         better = score > best_val  # strict: of equal scores the earlier column stays
         best_val = tl.where(better, score, best_val)
         best_idx = tl.where(better, cols, best_idx)

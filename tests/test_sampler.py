@@ -180,7 +180,7 @@ def test_any_valid_seed_is_accepted(seed):
 def test_profile_runs_every_stage_and_leaves_no_row_behind():
     s = Sampler(max_rows=4, vocab_size=V, device=torch.device("cpu"))
     s.profile(_logits(4))
-    assert s.simple_greedy
+    assert s.drawn_in_graph
     assert _run(s, _logits(1), [0], [0]).logprobs is None
 
 
@@ -191,7 +191,7 @@ def test_eos_and_stop_ids_are_banned_until_min_tokens_outputs():
     s.add_row(1, SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[5], ignore_eos=True), prompt, no_out)
     s.add_row(2, SamplingParams(temperature=0.0, stop_token_ids=[5]), prompt, no_out)
     s.add_row(3, SamplingParams(temperature=0.0, min_tokens=2), prompt, np.array([7, 8], np.int32))  # resumed
-    assert not s.simple_greedy  # the graph's plain argmax would skip the ban
+    assert not s.drawn_in_graph  # the graph's draw would skip the ban
     logits = torch.zeros(4, V)
     logits[:, [3, 5, 1]] = torch.tensor([10.0, 9.0, 8.0])
     for position, expected in [(4, [1, 3, 3, 3]), (5, [1, 3, 3, 3]), (6, [3, 3, 3, 3])]:

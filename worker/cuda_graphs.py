@@ -27,7 +27,7 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """forward(views) -> (logits, greedy) captured per size over the static views StepBuffers gives it."""
+    """forward(views) -> (logits, drawn tokens) captured per size over the static views StepBuffers gives it."""
 
     def __init__(self, sizes: list[int], buffers: StepBuffers, forward: DecodeForward, dummy_row: int,
                  warmup: DecodeForward | None = None) -> None:

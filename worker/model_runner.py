@@ -76,7 +76,8 @@ class ModelRunner:
         with torch.inference_mode():
             self.model = self._build_model(model_dir)
             weights_done = time.perf_counter()
-            self.sampler = Sampler(self.max_rows, self.model_config.vocab_size, self.device, config.seed,
+            # One row more than the engine's: the dummy row that padded graph lanes draw from (temperature 0).
+            self.sampler = Sampler(self.max_rows + 1, self.model_config.vocab_size, self.device, config.seed,
                                    self.model_config.eos_token_ids)
             self.last_token = torch.zeros(self.max_rows + 1, dtype=torch.int64, device=self.device)
             self.block_tables = torch.zeros(self.max_rows + 1, max_blocks, dtype=torch.int32, device=self.device)
@@ -267,7 +268,8 @@ class ModelRunner:
 
     def _decode_forward(self, views: dict[str, torch.Tensor],
                         layers: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One token per row, the row's last sampled token; greedy picks become the new last tokens.
+        """One token per row, the row's last sampled token; the tokens drawn (argmax, or Gumbel-max for rows with
+        a temperature) become the new last tokens.
 
         This is the body a decode graph captures: it reads only static views, allocates from the graph pool.
         `layers` runs only the first few decoder layers (a graph's warm-up).
@@ -277,17 +279,18 @@ class ModelRunner:
                                  self.decode_cu[:rows.shape[0] + 1], 1)
         hidden = self.model(self.last_token[rows], views["positions"], meta, self.kv_caches[:layers])
         logits = self.model.compute_logits(hidden)
-        greedy = logits.argmax(dim=-1)
-        self.last_token[rows] = greedy
-        return logits, greedy
+        drawn = self.sampler.draw(logits, rows, views["sample_pos"])
+        self.last_token[rows] = drawn
+        return logits, drawn
 
     def _run_decode(self, step: HostStep, size: int) -> SamplerOutput:
         graphs = self.graphs if self.graphs is not None and size in self.graphs.sizes else None
         views = graphs.views[size] if graphs else self.buffers.decode_views(size)
-        logits, greedy = graphs.replay(size) if graphs else self._decode_forward(views)
+        self.sampler.sync_params()  # before the graph: its draw reads the rows' temperatures and seeds
+        logits, drawn = graphs.replay(size) if graphs else self._decode_forward(views)
         b = len(step.rows)
-        if self.sampler.simple_greedy:
-            return SamplerOutput(greedy[:b])
+        if self.sampler.drawn_in_graph:
+            return SamplerOutput(drawn[:b])
         rows = views["rows"][:b]
         out = self.sampler(logits[:b], rows, views["sample_pos"][:b], step.rows)
         self.last_token.index_copy_(0, rows, out.token_ids)

@@ -146,11 +146,23 @@ class Sampler:
             self.remove_row(row)
 
     @property
-    def simple_greedy(self) -> bool:
-        """True when every active row is plain argmax (what a captured graph may do itself)."""
-        return not any(self._count.values())  # top-k/top-p and min_p rows are random rows anyway
+    def drawn_in_graph(self) -> bool:
+        """True when draw() gives every active row its token: none needs more than a temperature and a seed."""
+        return not any(count for name, count in self._count.items() if name != "random")
+
+    def sync_params(self) -> None:
+        """Refresh the device tables after rows were added: draw() and __call__ read them on the device."""
+        if self._dirty:
+            self.floats.copy_(_upload(self._floats, self.device))
+            self.ints.copy_(_upload(self._ints, self.device))
+            self._dirty = False
 
     # ---- sampling -----------------------------------------------------------------------------------
+
+    def draw(self, logits: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Each row's token from its temperature and seed alone (argmax at temperature 0), in one kernel that
+        reads only device tables: the part of sampling a decode graph captures."""
+        return gumbel_argmax(logits, self.floats[rows, _TEMP], self.ints[rows, _SEED], positions)
 
     def __call__(self, logits: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
                  rows_host: np.ndarray) -> SamplerOutput:
@@ -158,10 +170,7 @@ class Sampler:
 
         rows_host is the host copy of rows; it is read only when some row needs top-k/top-p.
         """
-        if self._dirty:
-            self.floats.copy_(_upload(self._floats, self.device))
-            self.ints.copy_(_upload(self._ints, self.device))
-            self._dirty = False
+        self.sync_params()
         out = SamplerOutput(token_ids=None)
         if self._count["logprobs"]:
             self._raw_logprobs(logits, out)
