@@ -8,7 +8,6 @@ import triton
 import triton.language as tl
 
 from kernels.attention_tile import attend_range
-from kernels.gemv import num_sms
 from kernels.kv_store import check_cache_layout
 
 # Split-K sizing, measured on an H200 at Qwen2.5-1.5B shapes: a program walks its split one tile at a time,
@@ -16,12 +15,14 @@ from kernels.kv_store import check_cache_layout
 # shapes only (a captured graph must fit every length); each row then cuts its *actual* context into that many
 # splits of whole tiles (_split_len), so a short context runs one tile per program instead of a few programs
 # walking a long fixed partition. _MAX_PROGRAMS keeps a large batch from launching mostly idle splits,
-# _MAX_SPLITS bounds the reduce kernel's tile, and _MIN_PARTITION the splits of a long context (measured best).
+# _MAX_SPLITS (a power of two) is the combine's tile of per-split maxima and sums, and _MIN_PARTITION bounds
+# the splits of a long context (measured best with a separate reduce kernel).
 _MIN_PARTITION = 256
 _MAX_PROGRAMS = 4096
 _MAX_SPLITS = 128
 _BLOCK_N = 64
-_REDUCE_TILE = 8192  # partial elements [heads, splits, head_dim] one reduce program takes: 64 a thread
+_COMBINE_TILE = 8192  # partial elements [heads, splits, head_dim] a combine step loads: 64 a thread, as the
+#                      separate reduce kernel had (more would raise the whole split kernel's register count)
 _NUM_WARPS = 4
 _NUM_STAGES = 3
 
@@ -62,22 +63,26 @@ def _split_len(ctx, num_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, part_acc, part_max, part_sum,
-                         qk_scale, stride_qb, stride_qh, stride_cb, stride_ch, stride_cs, stride_bt, block_size,
-                         group, num_q_heads, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                         GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, out_ptr, part_acc, part_max, part_sum,
+                         arrivals, qk_scale, stride_qb, stride_qh, stride_ob, stride_oh, stride_cb, stride_ch,
+                         stride_cs, stride_bt, block_size, group, num_q_heads, HEAD_DIM: tl.constexpr,
+                         D_PAD: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr,
+                         SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr):
     # Program (row, kv head, split): the group of query heads sharing this KV head attends to tokens
     # [split * L, (split + 1) * L) of the row (L = _split_len), so each K/V tile is read once for the group.
+    # A row of one used split writes its output here; otherwise the last of its used splits to arrive combines
+    # them (no second kernel: at batch 1 its launch cost more than its work).
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
     ctx = tl.load(context_lens + b)
     split_len = _split_len(ctx, num_splits, BLOCK_N)
+    used = tl.cdiv(ctx, split_len)  # splits that start before ctx: 0 at context 0
     start = split * split_len
-    # A split past the row's length does nothing, not even store: the reduce reads only the used splits.
-    # (A graph sized for long contexts launches mostly such programs at short ones.)
-    if start < ctx:
+    # A split past the row's length does nothing: no store, no arrival (a graph sized for long contexts
+    # launches mostly such programs at short ones). Split 0 also runs at context 0, to write its zeros.
+    if (split < used) | (split == 0):
         offs_g = tl.arange(0, GROUP_PAD)
         offs_d = tl.arange(0, D_PAD)
         g_mask = offs_g < group
@@ -94,48 +99,60 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, pa
                                      block_table_row, kv_head, start, tl.minimum(start + split_len, ctx),
                                      stride_cb, stride_ch, stride_cs, block_size, offs_d, d_mask, qk_scale, BLOCK_N,
                                      True)
-        part = (b * num_q_heads + heads).to(tl.int64) * num_splits + split  # [GROUP_PAD] rows of the partials
-        tl.store(part_max + part, m_i, mask=g_mask)
-        tl.store(part_sum + part, l_i, mask=g_mask)
-        tl.store(part_acc + part[:, None] * HEAD_DIM + offs_d[None, :], acc,
-                 mask=g_mask[:, None] & d_mask[None, :])
+        if used <= 1:  # the whole row in this program: no partials, no arrival; context 0 gives 0 / 1
+            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+        else:
+            part = (b * num_q_heads + heads).to(tl.int64) * num_splits + split  # [GROUP_PAD] rows of the partials
+            tl.store(part_max + part, m_i, mask=g_mask)
+            tl.store(part_sum + part, l_i, mask=g_mask)
+            tl.store(part_acc + part[:, None] * HEAD_DIM + offs_d[None, :], acc,
+                     mask=g_mask[:, None] & d_mask[None, :])
+            # Every thread's stores come before the one thread's release (a scalar atomic runs on one thread
+            # and broadcasts its result through shared memory behind a barrier, which orders the loads after).
+            tl.debug_barrier()
+            counter = arrivals + b * tl.num_programs(1) + kv_head
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == used - 1:
+                tl.store(counter, 0)  # every used split has arrived: zero again for the next call (or replay)
+                _combine_splits(out_ptr, part_acc, part_max, part_sum, b, kv_head, group, num_q_heads, used,
+                                num_splits, stride_ob, stride_oh, HEAD_DIM, D_PAD, GROUP_P2, SPLITS_PAD, CHUNK)
 
 
 @triton.jit
-def _decode_reduce_kernel(out_ptr, context_lens, part_acc, part_max, part_sum, stride_ob, stride_oh,
-                          num_q_heads, num_splits, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                          SPLITS_PAD: tl.constexpr, HEADS: tl.constexpr, BLOCK_N: tl.constexpr):
-    # Program (row, HEADS query heads): combines each head's used splits by log-sum-exp (base 2, as the
-    # partials). Several heads a program where the splits are few: a program per head then had only a few
-    # hundred bytes to load, each load waiting on the last (at batch 256, 8% of a decode step).
-    b = tl.program_id(0)
-    offs_h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
-    ctx = tl.load(context_lens + b)
+def _combine_splits(out_ptr, part_acc, part_max, part_sum, b, kv_head, group, num_q_heads, used, num_splits,
+                    stride_ob, stride_oh, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP_P2: tl.constexpr,
+                    SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    # The group's used splits by log-sum-exp (base 2, as the partials), always in split order whoever runs it,
+    # so a result does not depend on which program came last. Loads are .cg (L2, not L1): other SMs wrote these
+    # partials during this launch, and an L1 line filled earlier here could hold a stale copy.
+    offs_g = tl.arange(0, GROUP_P2)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, D_PAD)
-    split_len = _split_len(ctx, num_splits, BLOCK_N)
-    h_mask = offs_h < num_q_heads
-    hs_mask = h_mask[:, None] & (offs_s < (ctx + split_len - 1) // split_len)[None, :]  # [HEADS, SPLITS_PAD]
+    heads = kv_head * group + offs_g
+    g_mask = offs_g < group
     d_mask = offs_d < HEAD_DIM
-    part = (b * num_q_heads + offs_h[:, None]).to(tl.int64) * num_splits + offs_s[None, :]
-    m = tl.load(part_max + part, mask=hs_mask, other=float("-inf"))
+    rows = (b * num_q_heads + heads).to(tl.int64) * num_splits  # [GROUP_P2]: a head's split 0
+    gs_mask = g_mask[:, None] & (offs_s < used)[None, :]
+    m = tl.load(part_max + rows[:, None] + offs_s[None, :], mask=gs_mask, other=float("-inf"), cache_modifier=".cg")
     m_all = tl.max(m, axis=1)
-    m_all = tl.where(m_all == float("-inf"), 0.0, m_all)  # context 0: no split used, avoid -inf - -inf
-    weight = tl.where(hs_mask, tl.exp2(m - m_all[:, None]), 0.0)
-    total = tl.sum(tl.load(part_sum + part, mask=hs_mask, other=0.0) * weight, axis=1)
-    acc = tl.load(part_acc + part[:, :, None] * HEAD_DIM + offs_d[None, None, :],
-                  mask=hs_mask[:, :, None] & d_mask[None, None, :], other=0.0)  # [HEADS, SPLITS_PAD, D_PAD]
-    out = tl.sum(acc * weight[:, :, None], axis=1) / tl.where(total > 0, total, 1.0)[:, None]  # context 0 -> 0
-    tl.store(out_ptr + b.to(tl.int64) * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
-
-
-def reduce_heads(batch: int, num_q_heads: int, splits_pad: int, d_pad: int, sms: int) -> int:
-    """Query heads a reduce program takes: as many as fit its tile while every SM still gets a program (the
-    H200 at batch 1 and 3 splits: 12 heads in one program took 3.2 µs a layer, one head a program 1.9)."""
-    per_sm = batch * num_q_heads // sms
-    return max(1, min(triton.next_power_of_2(num_q_heads), _REDUCE_TILE // (splits_pad * d_pad),
-                      1 << max(0, per_sm.bit_length() - 1)))  # the largest power of two <= per_sm
+    m_all = tl.where(m_all == float("-inf"), 0.0, m_all)  # padded heads: avoid -inf - -inf
+    weight = tl.where(gs_mask, tl.exp2(m - m_all[:, None]), 0.0)
+    l = tl.load(part_sum + rows[:, None] + offs_s[None, :], mask=gs_mask, other=0.0, cache_modifier=".cg")
+    total = tl.sum(l * weight, axis=1)
+    acc = tl.zeros([GROUP_P2, D_PAD], tl.float32)
+    for s0 in range(0, used, CHUNK):  # [heads, CHUNK, head_dim] of the accumulators a step
+        offs_c = s0 + tl.arange(0, CHUNK)
+        gc_mask = g_mask[:, None] & (offs_c < used)[None, :]
+        part = rows[:, None] + offs_c[None, :]
+        w = tl.where(gc_mask, tl.exp2(tl.load(part_max + part, mask=gc_mask, other=float("-inf"),
+                                              cache_modifier=".cg") - m_all[:, None]), 0.0)
+        a = tl.load(part_acc + part[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+                    mask=gc_mask[:, :, None] & d_mask[None, None, :], other=0.0, cache_modifier=".cg")
+        acc += tl.sum(a * w[:, :, None], axis=1)
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
 
 
 def _partition_size(batch: int, num_kv_heads: int, max_context: int) -> int:
@@ -144,11 +161,36 @@ def _partition_size(batch: int, num_kv_heads: int, max_context: int) -> int:
     return max(_MIN_PARTITION, triton.next_power_of_2(triton.cdiv(max_context, splits)))
 
 
+# Arrival counters, int32 [rows, kv heads] flattened, one buffer per device, all zero between calls: a call's
+# last arriver of each (row, kv head) resets its counter, and a row of one used split never touches it. So one
+# zeroed buffer serves every call and every graph replay on the device, given that calls on a device run one at
+# a time (one stream, as the worker runs). It is only grown on an eager call: a capture that needed a new one
+# would bake in its allocation, so it fails instead (the engine and bench.kernels warm each size up eagerly
+# before capturing it, largest first). A grown-out buffer stays alive: graphs captured on it still use it.
+_arrivals: dict[torch.device, torch.Tensor] = {}
+_outgrown: list[torch.Tensor] = []
+
+
+def arrival_counters(device: torch.device, size: int) -> torch.Tensor:
+    """The device's zeroed int32 counters, at least size of them (grown, never shrunk, outside graph capture)."""
+    counters = _arrivals.get(device)
+    if counters is not None and counters.numel() >= size:
+        return counters
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        have = 0 if counters is None else counters.numel()
+        raise RuntimeError(f"decode attention needs {size} arrival counters on {device} but has {have}, and a "
+                           "CUDA graph is being captured: make the same call eagerly before capturing it")
+    if counters is not None:
+        _outgrown.append(counters)
+    _arrivals[device] = torch.zeros(size, dtype=torch.int32, device=device)
+    return _arrivals[device]
+
+
 def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                                   partition_size: int | None = None) -> torch.Tensor:
-    """Split-K flash decoding; partition_size (a power of two >= 16) overrides the static choice (tests):
-    the grid then has cdiv(max_context, partition_size) splits and tiles of min(64, partition_size) keys."""
+    """Split-K flash decoding in one kernel; partition_size (a power of two >= 16) overrides the static choice
+    (tests): the grid then has cdiv(max_context, partition_size) splits and tiles of min(64, partition_size) keys."""
     check_cache_layout(k_cache, v_cache, q)
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
@@ -156,22 +198,25 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     max_context = block_tables.shape[1] * block_size
     partition = partition_size or _partition_size(batch, num_kv_heads, max_context)
     num_splits, block_n = triton.cdiv(max_context, partition), min(_BLOCK_N, partition)
+    if num_splits > _MAX_SPLITS:
+        raise ValueError(f"partition_size {partition} cuts {max_context} tokens into {num_splits} splits, over "
+                         f"{_MAX_SPLITS}: use a partition_size of at least"
+                         f" {triton.next_power_of_2(triton.cdiv(max_context, _MAX_SPLITS))}")
     part_acc = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     part_max = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
     part_sum = torch.empty_like(part_max)
-    d_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot wants every dim >= 16
-    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, part_acc, part_max, part_sum, scale * math.log2(math.e),
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        block_size, group, num_q_heads, HEAD_DIM=head_dim, D_PAD=d_pad,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
-        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES)
     out = torch.empty((batch, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
-    splits_pad = triton.next_power_of_2(num_splits)
-    heads = reduce_heads(batch, num_q_heads, splits_pad, d_pad, num_sms(q.device))
-    _decode_reduce_kernel[(batch, triton.cdiv(num_q_heads, heads))](
-        out, context_lens, part_acc, part_max, part_sum, out.stride(0), out.stride(1), num_q_heads, num_splits,
-        HEAD_DIM=head_dim, D_PAD=d_pad, SPLITS_PAD=splits_pad, HEADS=heads, BLOCK_N=block_n)
+    d_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot wants every dim >= 16
+    group_p2 = triton.next_power_of_2(group)  # the combine's heads: no tl.dot there, so no padding to 16
+    # Splits a combine step takes: from static shapes only, so the kernel compiles once per model.
+    chunk = max(1, min(_MAX_SPLITS, _COMBINE_TILE // (group_p2 * d_pad)))
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_max, part_sum,
+        arrival_counters(q.device, batch * num_kv_heads), scale * math.log2(math.e), q.stride(0), q.stride(1),
+        out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), block_size, group, num_q_heads, HEAD_DIM=head_dim, D_PAD=d_pad,
+        GROUP_PAD=max(16, group_p2), GROUP_P2=group_p2, SPLITS_PAD=_MAX_SPLITS, CHUNK=chunk, BLOCK_N=block_n,
+        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES)
     return out
 
 

@@ -55,13 +55,19 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     return out.transpose(0, 1)
 
 
-def run_decode(lens: list[int], group: int, hkv: int, d: int, block_size: int, partition: int | None) -> None:
+def run_decode(lens: list[int], group: int, hkv: int, d: int, block_size: int, partition: int | None,
+               calls: int = 1) -> list[torch.Tensor]:
+    """Each of `calls` calls on the same random inputs against the reference; returns their outputs."""
     k_cache, v_cache, tables = paged_cache(lens, hkv, d, block_size)
     q = torch.randn(len(lens), group * hkv, d)
     ctx = torch.tensor(lens, dtype=torch.int32)
-    out = paged_decode_attention_triton(q, k_cache, v_cache, tables, ctx, d ** -0.5, partition_size=partition)
-    torch.testing.assert_close(out, paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, d ** -0.5), **TOL)
-    assert all(out[b].abs().max() == 0 for b, n in enumerate(lens) if n == 0)
+    outs = [paged_decode_attention_triton(q, k_cache, v_cache, tables, ctx, d ** -0.5, partition_size=partition)
+            for _ in range(calls)]
+    ref = paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, d ** -0.5)
+    for out in outs:
+        torch.testing.assert_close(out, ref, **TOL)
+        assert all(out[b].abs().max() == 0 for b, n in enumerate(lens) if n == 0)
+    return outs
 
 
 @pytest.mark.parametrize("block_size,group,d", SWEEP)
@@ -83,20 +89,46 @@ def test_decode_cuts_each_rows_context_into_the_grids_splits():
     run_decode([1, 65, 1000, 4095], 3, 1, 32, 1024, None)
 
 
-@pytest.mark.parametrize("tile", [1, 256], ids=["one-head-a-program", "two-heads-a-program"])
-def test_decode_reduce_takes_any_number_of_heads_a_program(monkeypatch, tile):
-    # 4 splits of 32 dims: tile 256 gives 2 heads a program, so 7 heads end in a half-empty program.
-    monkeypatch.setattr(decode_attention, "_REDUCE_TILE", tile)
-    monkeypatch.setattr(decode_attention, "num_sms", lambda device: 1)  # 5 rows then fill "every SM"
-    run_decode([0, 5, 33, 64, 100], 7, 1, 32, 16, 32)
+@pytest.mark.parametrize("tile", [256, 512, 1024], ids=["one-split-a-step", "two-a-step", "four-a-step"])
+def test_decode_combine_takes_its_splits_in_steps_of_any_size(monkeypatch, tile):
+    # 8 heads (7 padded) x 32 dims: tile 256 combines one split a step, 512 two; partition 16 gives 8 splits
+    # in the grid, and rows using 2, 3, 5 and 7 of them end on a partial step.
+    monkeypatch.setattr(decode_attention, "_COMBINE_TILE", tile)
+    run_decode([0, 5, 33, 65, 100, 127], 7, 1, 32, 16, 16)
 
 
-def test_reduce_heads_fill_the_tile_but_leave_every_sm_a_program():
-    assert decode_attention.reduce_heads(256, 12, 4, 128, 132) == 16  # 16 x 4 x 128 = the 8192 tile
-    assert decode_attention.reduce_heads(256, 12, 8, 128, 132) == 8
-    assert decode_attention.reduce_heads(256, 12, 128, 128, 132) == 1  # long contexts: one head fills it
-    assert decode_attention.reduce_heads(1, 12, 4, 128, 132) == 1  # batch 1: 12 programs, not one
-    assert decode_attention.reduce_heads(32, 12, 4, 128, 132) == 2  # 384 heads over 132 SMs
+def test_decode_leaves_every_arrival_counter_at_zero():
+    # Rows of 0 (padded graph lanes), 1 (one split: no counter), 24 splits of 16, and one split short of that.
+    run_decode([0, 1, 380, 0, 366], 3, 2, 32, 16, 16)
+    counters = decode_attention.arrival_counters(torch.device("cpu"), 5 * 2)
+    assert counters.numel() >= 5 * 2 and not counters.any()
+
+
+def test_decode_twice_gives_the_same_bits():
+    # The combine reads every split in order, whichever program arrives last: a replay equals the first call.
+    first, second = run_decode([700, 0, 64, 65, 1], 2, 2, 64, 32, 32, calls=2)
+    assert torch.equal(first, second)
+
+
+def test_arrival_counters_grow_outside_capture_only(monkeypatch):
+    monkeypatch.setattr(decode_attention, "_arrivals", {})
+    monkeypatch.setattr(decode_attention, "_outgrown", [])
+    small = decode_attention.arrival_counters(torch.device("cpu"), 4)
+    assert decode_attention.arrival_counters(torch.device("cpu"), 3) is small
+    large = decode_attention.arrival_counters(torch.device("cpu"), 9)
+    assert large.numel() == 9 and not large.any() and decode_attention._outgrown == [small]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="needs 8 arrival counters on cuda:0 but has 0, and a CUDA graph"):
+        decode_attention.arrival_counters(torch.device("cuda", 0), 8)
+
+
+def test_decode_refuses_more_splits_than_the_combine_takes():
+    k_cache, v_cache, tables = paged_cache([2100], 1, 16, 128)
+    q = torch.randn(1, 2, 16)
+    # 17 blocks of 128 and one padded: 2304 tokens in 144 splits of 16.
+    with pytest.raises(ValueError, match="into 144 splits, over 128: use a partition_size of at least 32"):
+        paged_decode_attention_triton(q, k_cache, v_cache, tables, torch.tensor([2100], dtype=torch.int32), 0.25,
+                                      partition_size=16)
 
 
 def test_decode_of_only_empty_rows_gives_zeros():

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kernels.activation import silu_and_mul, silu_and_mul_ref
+from kernels import decode_attention
 from kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
 from kernels.kv_store import make_cos_sin, rope_store_kv, rope_store_kv_ref, store_kv, store_kv_ref
 from kernels.norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
@@ -129,6 +130,20 @@ def test_decode_attention_replays_in_a_cuda_graph_with_new_lengths():
     ctx.copy_(torch.tensor([7, 3000, 0, 4096], dtype=torch.int32))
     graph.replay()
     assert_close_rel(out, paged_decode_attention_ref(*fp32(q, k_cache, v_cache), tables, ctx, 0.1))
+    # The combine reads its splits in order whichever program arrives last: a replay equals an eager call bit for
+    # bit, and every arrival counter is back at zero after each.
+    assert torch.equal(out, paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.1))
+    assert not decode_attention.arrival_counters(q.device, 4 * HKV).any()
+
+
+def test_decode_attention_capture_without_an_eager_call_of_its_size_is_refused(monkeypatch):
+    monkeypatch.setattr(decode_attention, "_arrivals", {})  # as if no eager call had run on this device
+    k_cache, v_cache, tables = paged_cache([100], width=512 // BLOCK)
+    q = torch.randn(1, HQ, D, device="cuda", dtype=BF16)
+    ctx = torch.tensor([100], dtype=torch.int32, device="cuda")
+    with pytest.raises(RuntimeError, match="make the same call eagerly before capturing it"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.1)
 
 
 def test_prefill_attention_bf16_with_cached_prefixes():
