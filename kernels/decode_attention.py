@@ -10,21 +10,25 @@ import triton.language as tl
 from kernels.attention_tile import attend_range
 from kernels.kv_store import check_cache_layout
 
-# Split-K sizing, measured on an H200 at Qwen2.5-1.5B shapes: a program walks its split one tile at a time,
-# latency-bound, so short splits (many programs) win at small batch. The grid's split count comes from static
-# shapes only (a captured graph must fit every length); each row then cuts its *actual* context into that many
-# splits of whole tiles (_split_len), so a short context runs one tile per program instead of a few programs
-# walking a long fixed partition. _MAX_PROGRAMS keeps a large batch from launching mostly idle splits,
-# _MAX_SPLITS (a power of two) is the combine's tile of per-split maxima and sums, and _MIN_PARTITION bounds
-# the splits of a long context (measured best with a separate reduce kernel).
+# Split-K sizing, measured on an H200 at Qwen2.5-1.5B shapes (bench/NOTES.md, the 987288b probe): a program
+# walks its split one tile at a time, latency-bound, so short splits (many programs) win at small batch. The
+# grid's split count comes from static shapes only (a captured graph must fit every length); each row then
+# cuts its *actual* context into that many splits of whole tiles (_split_len), so a short context runs one
+# tile per program instead of a few programs walking a long fixed partition. _MAX_PROGRAMS caps the grid at
+# about four programs an SM: at batch 256 one split a row beat eight (37.7 vs 52.5 µs a layer at context 512,
+# no partials to write and combine), at batch 128 two beat eight. _MAX_SPLITS (a power of two) is the
+# combine's tile of per-split maxima and sums; _MIN_PARTITION bounds the splits of a long context.
 _MIN_PARTITION = 256
-_MAX_PROGRAMS = 4096
+_MAX_PROGRAMS = 512
 _MAX_SPLITS = 128
 _BLOCK_N = 64
-_COMBINE_TILE = 8192  # partial elements [heads, splits, head_dim] a combine step loads: 64 a thread, as the
-#                      separate reduce kernel had (more would raise the whole split kernel's register count)
-_NUM_WARPS = 4
-_NUM_STAGES = 3
+_COMBINE_TILE = 64  # partial elements [heads, splits, head_dim] a combine step loads, per thread
+# A few rows run a few hundred long programs: 8 warps each keep more loads in flight (batch 1: 36.4 -> 19.6 µs
+# a layer at 32K, 6.96 -> 5.75 at 512). Many rows fill the SMs with programs: 4 warps, 2 stages (batch 64:
+# 8 warps 31.5 µs, 4 warps 3 stages 23.5, 2 stages 20.9).
+_FEW_ROWS_KV_HEADS = 8  # rows x KV heads up to which the few-rows launch applies
+_FEW_ROWS_LAUNCH = dict(num_warps=8, num_stages=3)
+_MANY_ROWS_LAUNCH = dict(num_warps=4, num_stages=2)
 
 
 def gather_kv_ref(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
@@ -208,15 +212,16 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     out = torch.empty((batch, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     d_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot wants every dim >= 16
     group_p2 = triton.next_power_of_2(group)  # the combine's heads: no tl.dot there, so no padding to 16
-    # Splits a combine step takes: from static shapes only, so the kernel compiles once per model.
-    chunk = max(1, min(_MAX_SPLITS, _COMBINE_TILE // (group_p2 * d_pad)))
+    launch = _FEW_ROWS_LAUNCH if batch * num_kv_heads <= _FEW_ROWS_KV_HEADS else _MANY_ROWS_LAUNCH
+    # Splits a combine step takes: from static shapes only, so the kernel compiles once per launch shape.
+    chunk = max(1, min(_MAX_SPLITS, _COMBINE_TILE * 32 * launch["num_warps"] // (group_p2 * d_pad)))
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_max, part_sum,
         arrival_counters(q.device, batch * num_kv_heads), scale * math.log2(math.e), q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), block_size, group, num_q_heads, HEAD_DIM=head_dim, D_PAD=d_pad,
         GROUP_PAD=max(16, group_p2), GROUP_P2=group_p2, SPLITS_PAD=_MAX_SPLITS, CHUNK=chunk, BLOCK_N=block_n,
-        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES)
+        **launch)
     return out
 
 

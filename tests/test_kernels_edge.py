@@ -89,10 +89,11 @@ def test_decode_cuts_each_rows_context_into_the_grids_splits():
     run_decode([1, 65, 1000, 4095], 3, 1, 32, 1024, None)
 
 
-@pytest.mark.parametrize("tile", [256, 512, 1024], ids=["one-split-a-step", "two-a-step", "four-a-step"])
+@pytest.mark.parametrize("tile", [1, 2, 4], ids=["one-split-a-step", "two-a-step", "four-a-step"])
 def test_decode_combine_takes_its_splits_in_steps_of_any_size(monkeypatch, tile):
-    # 8 heads (7 padded) x 32 dims: tile 256 combines one split a step, 512 two; partition 16 gives 8 splits
-    # in the grid, and rows using 2, 3, 5 and 7 of them end on a partial step.
+    # The tile is per thread: 6 rows x 1 KV head launch 8 warps, so 1 is 256 elements, one split of 8 heads
+    # (7 padded) x 32 dims a step, 2 two; partition 16 gives 8 splits in the grid, and rows using 2, 3, 5 and
+    # 7 of them end on a partial step.
     monkeypatch.setattr(decode_attention, "_COMBINE_TILE", tile)
     run_decode([0, 5, 33, 65, 100, 127], 7, 1, 32, 16, 16)
 
