@@ -119,10 +119,32 @@ def load_tokenizer(model: str, model_dir: str | None) -> PreTrainedTokenizerBase
 
 
 def _from_pretrained(path, **kwargs) -> PreTrainedTokenizerBase:
-    # Imported here: transformers takes seconds to import, and the launcher starts the engine first.
-    from transformers import AutoTokenizer
+    """AutoTokenizer's pick, but Qwen2's class is imported directly: AutoTokenizer's own import pulls in torch
+    and torch.distributed (10 s of a 12 s load on the H200 host), which the frontend never uses and which made
+    the tokenizer, not the engine, the last thing a launch waited for."""
+    if _declared_tokenizer_class(path) in ("Qwen2Tokenizer", "Qwen2TokenizerFast"):
+        return _qwen2_tokenizer_class().from_pretrained(path, **kwargs)
+    from transformers import AutoTokenizer  # imported here: seconds to import, and the engine starts first
 
     return AutoTokenizer.from_pretrained(path, **kwargs)
+
+
+def _declared_tokenizer_class(path) -> str | None:
+    try:
+        return json.loads((Path(path) / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):  # no or odd config: AutoTokenizer decides, as it would anyway
+        return None
+
+
+def _qwen2_tokenizer_class():
+    """The class AutoTokenizer gives a Qwen2 checkpoint: the tokenizers-backed one of each transformers major."""
+    try:
+        from transformers.models.qwen2.tokenization_qwen2_fast import Qwen2TokenizerFast  # transformers 4
+    except ImportError:
+        from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer  # 5: tokenizers-backed itself
+
+        return Qwen2Tokenizer
+    return Qwen2TokenizerFast
 
 
 def has_tokenizer_files(model_dir: str | os.PathLike) -> bool:

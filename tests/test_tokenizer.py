@@ -2,12 +2,18 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
 import unicodedata
+from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
 
 from frontend.tokenizer import QWEN2_PATTERN, load_tokenizer, read_qwen_ranks
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="session")
@@ -23,6 +29,25 @@ def qwen_tokenizer(qwen_cache_root):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PICO_VLLM_CACHE", str(qwen_cache_root))
         return load_tokenizer("qwen2.5-1.5b", None)
+
+
+def test_a_qwen2_tokenizer_is_autotokenizers_own_class_without_importing_torch(qwen_tokenizer, qwen_cache_root):
+    from frontend.tokenizer import default_cache_dir
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PICO_VLLM_CACHE", str(qwen_cache_root))
+        auto = AutoTokenizer.from_pretrained(default_cache_dir())
+    assert type(qwen_tokenizer) is type(auto)
+    texts = ["Hello world", "<|im_start|>user\nhi<|im_end|>\n", "12345 + 678"]
+    assert [qwen_tokenizer.encode(t) for t in texts] == [auto.encode(t) for t in texts]
+    messages = [{"role": "user", "content": "hi"}]
+    assert (qwen_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            == auto.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+    code = ("import sys; from frontend.tokenizer import load_tokenizer; load_tokenizer('qwen2.5-1.5b', None); "
+            "print('torch' in sys.modules)")
+    env = {**os.environ, "PICO_VLLM_CACHE": str(qwen_cache_root)}
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stdout + out.stderr
 
 
 # Pinned with the offline build; "Hello world", the ChatML ids and the per-digit split are Qwen2's known values.
