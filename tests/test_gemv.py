@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from kernels import gemv
-from kernels.gemv import GemvConfig, candidate_configs, gemv_triton, linear, linear_ref
+from kernels.gemv import (GemvConfig, candidate_configs, gemv_triton, linear, linear_ref, norm_gemv_triton,
+                          norm_linear_ref, silu_gemv_triton, silu_linear_ref)
 
 TOL = dict(atol=1e-4, rtol=1e-4)
 SMALL_CONFIGS = [GemvConfig(16, 16, split_k=3), GemvConfig(32, 16)]  # split-K with a short last split; direct
@@ -35,6 +36,60 @@ def test_gemv_triton_matches_linear_for_one_to_eight_rows(config, with_bias):
         out = gemv_triton(x, w, bias, config)
         assert out.shape == (m, n) and out.is_contiguous()
         torch.testing.assert_close(out, linear_ref(x, w, bias), **TOL)
+
+
+# Every kernel path a prologue takes: the dot kernel split and whole, the one-row kernel whole and split.
+PROLOGUE_CONFIGS = [GemvConfig(16, 16, split_k=3), GemvConfig(32, 32), GemvConfig(8, 32, one_row=True),
+                    GemvConfig(4, 16, split_k=4, one_row=True)]
+PROLOGUE_IDS = ["split-k", "direct", "one-row", "one-row-split-k"]
+
+
+def prologue_inputs(n: int, k: int, dtype: torch.dtype = torch.float32):
+    """Weights and a norm weight far from 1, so that a missing or misplaced rstd or norm weight shows."""
+    w = (torch.randn(n, k) / k ** 0.5).to(dtype)
+    return w, (torch.randn(n) / 4).to(dtype), (1 + torch.rand(k)).to(dtype)
+
+
+@pytest.mark.parametrize("config", PROLOGUE_CONFIGS, ids=PROLOGUE_IDS)
+@pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "first-layer"])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
+def test_norm_gemv_equals_add_rms_norm_then_linear(config, with_residual, with_bias):
+    n, k = 45, 100  # neither a multiple of the block sizes; the split-K configs leave a short last split
+    w, bias, norm_w = prologue_inputs(n, k)
+    for m in [1] if config.one_row else [1, 3, 5]:
+        x, residual = 3 * torch.randn(m, k), (torch.randn(m, k) if with_residual else None)
+        out, new_residual = norm_gemv_triton(x, residual, norm_w, 1e-6, w, bias if with_bias else None, config)
+        ref, ref_residual = norm_linear_ref(x, residual, norm_w, 1e-6, w, bias if with_bias else None)
+        assert out.shape == (m, n) and out.is_contiguous()
+        torch.testing.assert_close(out, ref, **TOL)
+        assert torch.equal(new_residual, ref_residual)  # x + residual, stored by the programs of column 0
+        assert with_residual or new_residual is x
+
+
+def test_norm_gemv_takes_strided_rows_and_rounds_the_sum_to_float16():
+    w, bias, norm_w = prologue_inputs(45, 100, torch.float16)
+    x, residual = strided_rows(4, 100, dtype=torch.float16), 20 * torch.randn(4, 100, dtype=torch.float16)
+    for config in PROLOGUE_CONFIGS[:2]:
+        out, new_residual = norm_gemv_triton(x, residual, norm_w, 1e-6, w, bias, config)
+        ref, ref_residual = norm_linear_ref(x, residual, norm_w, 1e-6, w, bias)
+        assert torch.equal(new_residual, ref_residual)
+        torch.testing.assert_close(out, ref, atol=4e-3, rtol=4e-3)  # roundings differ: norm_w * s, not normed
+
+
+@pytest.mark.parametrize("config", PROLOGUE_CONFIGS, ids=PROLOGUE_IDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_silu_gemv_equals_silu_and_mul_then_linear(config, dtype):
+    n, k = 45, 100
+    w = prologue_inputs(n, k, dtype)[0]
+    tol = TOL if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
+    for m in [1] if config.one_row else [1, 3, 5]:
+        gate_up = strided_rows(m, 2 * k, dtype=dtype)  # [gate | up] as a strided view
+        torch.testing.assert_close(silu_gemv_triton(gate_up, w, config), silu_linear_ref(gate_up, w), **tol)
+
+
+def test_silu_gemv_refuses_an_input_that_is_not_gate_and_up():
+    with pytest.raises(ValueError, match="gate_up"):
+        silu_gemv_triton(torch.randn(1, 100), torch.randn(45, 100), GemvConfig(32, 32))
 
 
 def test_gemv_triton_default_config_takes_more_rows_than_one_tile():
