@@ -13,24 +13,17 @@ out[n] = rstd * sum_k W[n, k] * (norm_w[k] * s[k]) with s = x + residual, so one
 products and s[k]^2, and rstd = 1 / sqrt(mean(s^2) + eps) scales the sums at the end (in the split-K reduce
 when K is split: both sums are additive). silu_gemv_triton computes silu(gate) * up as it loads its input.
 
-linear() picks per (rows bucket, N, K, dtype, bias): the first eager call of a shape times cuBLAS and a few
-Triton configs, each in a CUDA graph over weights not in L2 (as a decode graph runs them), and caches the
-fastest, so the Triton path is never the slower one. A shape first met during CUDA-graph capture (no sync
-possible) runs cuBLAS and is chosen at its next eager call.
+Each function here beside its reference; kernels/linear.py picks per shape between the two by timing them.
 """
 from __future__ import annotations
 
 import functools
-import logging
-import statistics
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from triton.runtime.errors import OutOfResources
 
 from kernels.activation import silu_and_mul
 from kernels.norm import add_rms_norm, rms_norm
@@ -38,9 +31,6 @@ from kernels.norm import add_rms_norm, rms_norm
 GEMV_MAX_M = 16  # rows the Triton path takes: one tl.dot tile (its M is at least 16 anyway)
 BLOCK_M = 16
 REDUCE_BLOCK = 1024
-GRAPH_CALLS = 32  # timed calls in one CUDA graph
-TIMING_REPLAYS = 5  # the median replay counts
-MAX_COPIES = 16  # weight copies for timing: 16 x 6.3 MB (qkv at 1.5B) is about twice an H200's L2
 
 
 @dataclass(frozen=True)
@@ -77,12 +67,9 @@ def norm_linear_ref(x: torch.Tensor, residual: torch.Tensor | None, norm_weight:
     return linear_ref(normed, w, bias), new_residual
 
 
-def silu_linear_ref(gate_up: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """linear_ref(silu_and_mul(gate_up), w): the unfused path (SwiGLU's kernel, then cuBLAS, on the GPU)."""
-    return linear_ref(silu_and_mul(gate_up), w)
-
-
-log = logging.getLogger("pico_vllm.kernels")
+def silu_linear_ref(gate_up: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """linear_ref(silu_and_mul(gate_up), w, bias): the unfused path (SwiGLU's kernel, then cuBLAS, on the GPU)."""
+    return linear_ref(silu_and_mul(gate_up), w, bias)
 
 
 @triton.jit
@@ -219,9 +206,10 @@ def norm_gemv_triton(x: torch.Tensor, residual: torch.Tensor | None, norm_weight
     return out, (x if residual is None else new_residual)
 
 
-def silu_gemv_triton(gate_up: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
-    """silu_linear_ref(gate_up, w) in one GEMV; gate_up[M, 2K] may be a strided view."""
-    return _gemv(gate_up, w, None, config, silu=True)[0]
+def silu_gemv_triton(gate_up: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+                     config: GemvConfig | None = None) -> torch.Tensor:
+    """silu_linear_ref(gate_up, w, bias) in one GEMV; gate_up[M, 2K] may be a strided view."""
+    return _gemv(gate_up, w, bias, config, silu=True)[0]
 
 
 def _gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig | None,
@@ -282,83 +270,3 @@ def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 132  # the interpreter: any count gives the same result
     return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-# (rows bucket, N, K, dtype, has bias, device) -> the Triton config that beat cuBLAS, or None for cuBLAS.
-_CHOICES: dict[tuple, GemvConfig | None] = {}
-
-
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x[M, K] @ w[N, K]^T + bias: the Triton GEMV for few rows on CUDA where it was timed faster, else torch."""
-    few_rows = x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_M
-    if not (x.is_cuda and few_rows and x.dtype in (torch.float16, torch.bfloat16) and w.dtype == x.dtype):
-        return linear_ref(x, w, bias)
-    config = cached_choice(x, w, bias)
-    return linear_ref(x, w, bias) if config is None else gemv_triton(x, w, bias, config)
-
-
-def cached_choice(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> GemvConfig | None:
-    """The cached pick for this shape, timing it on first sight; cuBLAS (None) while a graph is captured."""
-    key = (triton.next_power_of_2(x.shape[0]), *w.shape, x.dtype, bias is not None, x.device)
-    if key not in _CHOICES:
-        if torch.cuda.is_current_stream_capturing():
-            return None  # timing needs a sync, which capture forbids: cuBLAS, and time it at the next eager call
-        _CHOICES[key] = fastest_config(x, w, bias)
-    return _CHOICES[key]
-
-
-def fastest_config(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> GemvConfig | None:
-    """Times cuBLAS and each candidate as a decode graph runs them; None unless a candidate is faster."""
-    try:
-        copies = cold_copies(w, bias)
-        cublas_us = graph_us([functools.partial(linear_ref, x, *wb) for wb in copies])
-    except torch.OutOfMemoryError:  # the copies did not fit beside the KV cache: cuBLAS, untimed
-        log.warning("no memory to time the GEMV candidates for %s: cuBLAS", tuple(w.shape))
-        return None
-    best, best_us = None, cublas_us * 0.97  # a 3% margin: timing noise must not flip a shape to Triton
-    for config in candidate_configs(w.shape[0], w.shape[1], num_sms(x.device), x.shape[0]):
-        try:
-            us = graph_us([functools.partial(gemv_triton, x, *wb, config) for wb in copies])
-        except OutOfResources:  # a tile too big for this GPU's shared memory: not a candidate here
-            continue
-        except Exception as e:  # a Triton that cannot build this variant must not stop the engine: cuBLAS stays
-            log.warning("GEMV candidate %s failed for %s: %s", config, tuple(w.shape), e)
-            continue
-        if us < best_us:
-            best, best_us = config, us
-    return best
-
-
-def graph_us(calls: list[Callable[[], object]]) -> float:
-    """µs a call: GRAPH_CALLS calls back to back in a CUDA graph, taking `calls` in turn.
-
-    In a graph, as in a decode step, a call costs its kernels and the gaps to the next, not a host launch;
-    calls over weight copies larger than L2 together (cold_copies) each read their weights from HBM.
-    """
-    for call in calls:
-        call()  # compiles a Triton kernel and settles the allocator outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(GRAPH_CALLS):
-            calls[i % len(calls)]()
-    graph.replay()
-    times = []
-    for _ in range(TIMING_REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return 1000 * statistics.median(times) / GRAPH_CALLS
-
-
-def cold_copies(w: torch.Tensor, bias: torch.Tensor | None) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    """w (and bias) and enough clones that together they are over twice L2 (at most MAX_COPIES)."""
-    count = min(MAX_COPIES, -(-2 * _l2_bytes(w.device) // (w.numel() * w.element_size())))
-    clones = [(w.clone(), None if bias is None else bias.clone()) for _ in range(count - 1)]
-    return [(w, bias), *clones]
-
-
-def _l2_bytes(device: torch.device) -> int:
-    return getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 << 20)

@@ -4,7 +4,7 @@ Every parameter carries weight_loader(param, loaded, shard_id=None): it checks t
 shape and copies this rank's TP shard of it into place, so the loader knows nothing of parallelism.
 Parameters are created in torch's default dtype and device (build the model under them); math runs in
 that dtype, logits too (as Hugging Face's: the sampler widens them only where its math needs float32).
-Linears go through kernels.gemv.linear: for a few rows on the GPU, a Triton GEMV wherever it was timed
+Linears go through kernels.linear.linear: for a few rows on the GPU, a Triton GEMV wherever it was timed
 faster than cuBLAS.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import add_rms_norm, rms_norm
-from kernels.gemv import linear
+from kernels.linear import linear
 from worker.parallel import all_gather_last_dim, all_reduce, local_kv_heads
 
 

@@ -1,0 +1,82 @@
+"""Which path a linear runs (kernels/linear.py): the unfused references off the GPU, the capture rule, the
+unfused side timed with its prologue kernel, the winner run; on the GPU, the chosen path's speed."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import linear as lin
+from kernels.gemv import GemvConfig, norm_gemv_triton, norm_linear_ref
+from kernels.linear import linear, norm_linear, silu_linear
+from kernels.norm import add_rms_norm_ref, rms_norm_ref
+
+
+def test_off_the_gpu_every_op_is_its_unfused_torch_reference_without_a_choice(monkeypatch):
+    monkeypatch.setattr(lin, "cached_choice", lambda *a: pytest.fail("CPU tensors must not be timed"))
+    x, residual, w, bias, norm_w = torch.randn(2, 24), torch.randn(2, 24), torch.randn(8, 24), torch.randn(8), \
+        torch.rand(24)
+    assert torch.equal(linear(x, w, bias), F.linear(x, w, bias))
+    out, new_residual = norm_linear(x, residual, norm_w, 1e-6, w, bias)
+    normed, ref_residual = add_rms_norm_ref(x, residual, norm_w, 1e-6)
+    assert torch.equal(out, F.linear(normed, w, bias)) and torch.equal(new_residual, ref_residual)
+    out, new_residual = norm_linear(x, None, norm_w, 1e-6, w)
+    assert torch.equal(out, F.linear(rms_norm_ref(x, norm_w, 1e-6), w)) and new_residual is x
+    gate_up = torch.randn(2, 48)
+    assert torch.equal(silu_linear(gate_up, w), F.linear(F.silu(gate_up[:, :24]) * gate_up[:, 24:], w))
+
+
+def test_a_shape_first_met_during_capture_runs_unfused_and_is_chosen_at_the_next_eager_call(monkeypatch):
+    monkeypatch.setattr(lin, "_CHOICES", {})
+    capturing, timed = [True], []
+    picked = GemvConfig(64, 128)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(lin, "fastest_config", lambda prologue, inputs, w, bias: timed.append(
+        (prologue, inputs[0].shape[0])) or picked)
+    w = torch.randn(8, 24)
+    assert lin.cached_choice("", (torch.randn(3, 24),), w, None) is None  # unfused while capturing, untimed
+    assert timed == [] and lin._CHOICES == {}
+    capturing[0] = False
+    assert lin.cached_choice("", (torch.randn(3, 24),), w, None) == picked
+    assert lin.cached_choice("", (torch.randn(4, 24),), w, None) == picked  # 3 and 4 rows share the bucket of 4
+    capturing[0] = True
+    assert lin.cached_choice("", (torch.randn(4, 24),), w, None) == picked  # a graph replays the eager pick
+    assert lin.cached_choice("norm", (torch.randn(4, 24), None, torch.rand(24), 1e-6), w, None) is None
+    capturing[0] = False
+    assert lin.cached_choice("norm", (torch.randn(4, 24), None, torch.rand(24), 1e-6), w, None) == picked
+    assert timed == [("", 3), ("norm", 4)]  # a prologue is a shape of its own
+
+
+@pytest.mark.parametrize("fast", [GemvConfig(8, 512, 1, one_row=True), None], ids=["one-row-wins", "unfused-wins"])
+def test_the_unfused_side_is_timed_with_its_norm_and_the_faster_side_runs(monkeypatch, fast):
+    ran = []  # the paths graph_us ran, in order: "unfused" or a config
+    monkeypatch.setitem(lin.PATHS, "norm", (lambda *a: ran.append("unfused") or norm_linear_ref(*a),
+                                            lambda *a: ran.append(a[-1]) or norm_gemv_triton(*a)))
+    monkeypatch.setattr(lin, "cold_copies", lambda w, bias: [(w, bias)])
+    monkeypatch.setattr(lin, "graph_us", lambda calls: [call() for call in calls] and (
+        0.5 if ran[-1] == fast else 1.0 if ran[-1] == "unfused" else 2.0))
+    x, residual, norm_w, w = torch.randn(1, 100), torch.randn(1, 100), torch.rand(100), torch.randn(45, 100)
+    inputs = (x, residual, norm_w, 1e-6)
+    assert lin.fastest_config("norm", inputs, w, None) == fast
+    assert ran[0] == "unfused" and fast in ran[1:] + [None]  # the one-row candidates are timed at one row
+    ran.clear()
+    monkeypatch.setattr(lin, "choice", lambda *a: fast)
+    out, new_residual = norm_linear(x, residual, norm_w, 1e-6, w)
+    assert ran == [fast or "unfused"]
+    ref, ref_residual = norm_linear_ref(*inputs, w)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    assert torch.equal(new_residual, ref_residual)
+
+
+# ---- GPU (the LEAD runs these: python -m pytest -q -s -m gpu tests/test_linear.py) --------------------
+
+@pytest.mark.gpu
+def test_chosen_path_is_not_slower_than_the_unfused_one_at_qwen_shapes():
+    from bench.kernels import time_linears
+    from protocol.model_config import resolve_model
+
+    config, _ = resolve_model("qwen2.5-1.5b", load_format="dummy")
+    for row in time_linears(config, [1, 8]):
+        print(f"M={row['rows']} {row['linear']:8s} {row['prologue']:4s} unfused {row['unfused_us']:7.2f} us | "
+              f"chosen {row['chosen_us']:7.2f} us {row['chosen_tb_s']:5.2f} TB/s | {row['chosen']}")
+        assert row["chosen_us"] <= 1.10 * row["unfused_us"], row
