@@ -11,9 +11,12 @@ own as few as 2 output rows and a small matrix spreads over every SM without spl
 Prologues, each saving a kernel launch: norm_gemv_triton computes linear(rms_norm(x + residual)) as
 out[n] = rstd * sum_k W[n, k] * (norm_w[k] * s[k]) with s = x + residual, so one pass over K sums both the
 products and s[k]^2, and rstd = 1 / sqrt(mean(s^2) + eps) scales the sums at the end (in the split-K reduce
-when K is split: both sums are additive). silu_gemv_triton computes silu(gate) * up as it loads its input.
+when K is split: both sums are additive). The rounding differs from the unfused path's by about an ulp of
+the dtype: norm_w * s is rounded (for tl.dot), not the normed s and then its product with norm_w.
+silu_gemv_triton computes silu(gate) * up as it loads its input, rounded as silu_and_mul rounds.
 
-Each function here beside its reference; kernels/linear.py picks per shape between the two by timing them.
+Each Triton function here sits beside its unfused reference; kernels/linear.py picks between the two per
+shape by timing them.
 """
 from __future__ import annotations
 
@@ -254,8 +257,8 @@ def _or_w(t: torch.Tensor | None, w: torch.Tensor) -> torch.Tensor:
 def candidate_configs(n: int, k: int, num_sms: int, rows: int = GEMV_MAX_M) -> list[GemvConfig]:
     """Tile shapes worth timing for an [n, k] weight and x of `rows` rows (the one-row kernel's too for 1);
     K is split until each tile shape has its programs per SM; a config two tiles share is listed once."""
-    one_row = (*_ONE_ROW_TILES, *(_LONG_K_TILES if k >= LONG_K else ())) if rows == 1 else ()
-    shapes = [(tile, False) for tile in _DOT_TILES] + [(tile, True) for tile in one_row]
+    row_tiles = (*_ONE_ROW_TILES, *(_LONG_K_TILES if k >= LONG_K else ())) if rows == 1 else ()
+    shapes = [(tile, False) for tile in _DOT_TILES] + [(tile, True) for tile in row_tiles]
     configs = {}
     for (block_n, block_k, warps, per_sm), one_row in shapes:
         chunks = triton.cdiv(k, block_k)

@@ -5,7 +5,7 @@ linear(), norm_linear() and silu_linear() pick per (prologue, rows bucket, N, K,
 call of a shape times the unfused path and a few Triton configs, each in a CUDA graph over weights not in L2
 (as a decode graph runs them), and caches the fastest, so the Triton path is never the slower one. A shape
 first met during CUDA-graph capture (no sync possible) runs the unfused path and is chosen at its next eager
-call; so does every call off the GPU, in float32, or of more than GEMV_MAX_M rows.
+call; so does every call off the GPU, in float32 (float16 too for the norm), or of more than GEMV_MAX_M rows.
 """
 from __future__ import annotations
 
@@ -29,6 +29,9 @@ MAX_COPIES = 16  # weight copies for timing: 16 x 6.3 MB (qkv at 1.5B) is about 
 PATHS = {"": (linear_ref, gemv_triton), "norm": (norm_linear_ref, norm_gemv_triton),
          "silu": (silu_linear_ref, silu_gemv_triton)}
 Inputs = tuple  # what a path takes before (w, bias): (x,), (x, residual, norm_weight, eps) or (gate_up,)
+# The dtypes each Triton path takes. The norm's tensor-core tile holds norm_w * s, not the normed s: float16's
+# range (65504) cannot hold that where the residual stream is large, bfloat16's can.
+DTYPES = {"": (torch.float16, torch.bfloat16), "norm": (torch.bfloat16,), "silu": (torch.float16, torch.bfloat16)}
 
 log = logging.getLogger("pico_vllm.kernels")
 
@@ -59,14 +62,15 @@ def run_path(prologue: str, inputs: Inputs, w: torch.Tensor, bias: torch.Tensor 
 
 
 def choice(prologue: str, inputs: Inputs, w: torch.Tensor, bias: torch.Tensor | None) -> GemvConfig | None:
-    """The Triton config this call runs, or None for the unfused path (off CUDA, too many rows, float32,
-    mixed dtypes)."""
+    """The Triton config this call runs, or None for the unfused path (off CUDA, too many rows, a dtype the
+    Triton path does not take, mixed dtypes)."""
     x = inputs[0]
     few_rows = x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_M
     one_dtype = all(t.dtype == x.dtype for t in (*inputs, w, bias) if isinstance(t, torch.Tensor))
-    if x.is_cuda and few_rows and x.dtype in (torch.float16, torch.bfloat16) and one_dtype:
+    if x.is_cuda and few_rows and x.dtype in DTYPES[prologue] and one_dtype:
         return cached_choice(prologue, inputs, w, bias)
     return None
+
 
 
 # (prologue, rows bucket, N, K, dtype, has bias, device) -> the config that beat the unfused path, or None.
