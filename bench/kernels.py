@@ -1,6 +1,6 @@
 """Decode kernels at a model's shapes, each timed in a CUDA graph as a decode step runs it: every layer linear
-at a few row counts, alone and with the norm or SwiGLU before it folded in, the unfused path (that op's kernel,
-then cuBLAS) beside what kernels.linear picks, and paged decode attention at
+at a few row counts, alone and with the norm or SwiGLU before it folded in: the unfused path (cuBLAS alone, or
+that op's kernel then linear()'s pick) beside what kernels.linear picks, and paged decode attention at
 (batch, context, max_model_len) cases, max_model_len setting the grid as in the engine's graphs. One device
 call checks a kernel change against what bench/NOTES.md expected of it.
 
@@ -68,8 +68,8 @@ def prologue_inputs(prologue: str, rows: int, k: int) -> tuple:
 
 
 def time_linears(c: ModelConfig, rows: list[int]) -> list[dict]:
-    """Each linear alone and with its prologue folded in: the unfused path (the prologue's kernel + cuBLAS)
-    beside the one kernels.linear picks."""
+    """Each linear alone and with its prologue folded in: the unfused path (cuBLAS; the prologue's kernel then
+    linear()'s pick) beside the one kernels.linear picks."""
     import torch
 
     from kernels.linear import timed_choice

@@ -21,6 +21,7 @@ shape by timing them.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -61,18 +62,20 @@ def linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
 
 
 def norm_linear_ref(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                    w: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(linear_ref(rms_norm(s, norm_weight, eps), w, bias), s) for s = x + residual (s = x when residual
-    is None): the unfused path (the norm kernel, then cuBLAS, on the GPU; plain torch on the CPU)."""
+                    w: torch.Tensor, bias: torch.Tensor | None = None,
+                    linear: Callable = linear_ref) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(rms_norm(s, norm_weight, eps), w, bias), s) for s = x + residual (s = x when residual is None),
+    unfused: the norm's own kernel on the GPU (plain torch on the CPU), then `linear`."""
     if residual is None:
-        return linear_ref(rms_norm(x, norm_weight, eps), w, bias), x
+        return linear(rms_norm(x, norm_weight, eps), w, bias), x
     normed, new_residual = add_rms_norm(x, residual, norm_weight, eps)
-    return linear_ref(normed, w, bias), new_residual
+    return linear(normed, w, bias), new_residual
 
 
-def silu_linear_ref(gate_up: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """linear_ref(silu_and_mul(gate_up), w, bias): the unfused path (SwiGLU's kernel, then cuBLAS, on the GPU)."""
-    return linear_ref(silu_and_mul(gate_up), w, bias)
+def silu_linear_ref(gate_up: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+                    linear: Callable = linear_ref) -> torch.Tensor:
+    """linear(silu_and_mul(gate_up), w, bias), unfused: SwiGLU's own kernel on the GPU, then `linear`."""
+    return linear(silu_and_mul(gate_up), w, bias)
 
 
 @triton.jit

@@ -1,5 +1,6 @@
 """Which path runs a linear of a few rows: the Triton GEMV of kernels/gemv.py, with the op before the linear
-folded in, or the unfused path (that op's own kernel, then cuBLAS), picked per shape by timing both.
+folded in, or the unfused path (that op's own kernel, then cuBLAS or the plain GEMV, as linear() picked),
+chosen per shape by timing both.
 
 linear(), norm_linear() and silu_linear() pick per (prologue, rows bucket, N, K, dtype, bias): the first eager
 call of a shape times the unfused path and a few Triton configs, each in a CUDA graph over weights not in L2
@@ -25,9 +26,6 @@ GRAPH_CALLS = 32  # timed calls in one CUDA graph
 TIMING_REPLAYS = 5  # the median replay counts
 MAX_COPIES = 16  # weight copies for timing: 16 x 6.3 MB (qkv at 1.5B) is about twice an H200's L2
 
-# prologue -> (unfused path, fused Triton GEMV): both take (*inputs, w, bias), the Triton one a config after.
-PATHS = {"": (linear_ref, gemv_triton), "norm": (norm_linear_ref, norm_gemv_triton),
-         "silu": (silu_linear_ref, silu_gemv_triton)}
 Inputs = tuple  # what a path takes before (w, bias): (x,), (x, residual, norm_weight, eps) or (gate_up,)
 # The dtypes each Triton path takes. The norm's tensor-core tile holds norm_w * s, not the normed s: float16's
 # range (65504) cannot hold that where the residual stream is large, bfloat16's can.
@@ -44,14 +42,20 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                 w: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(rms_norm(s, norm_weight, eps), w, bias), s) for s = x + residual (s = x when residual is None),
-    in one GEMV where that was timed faster than add_rms_norm + cuBLAS."""
+    in one GEMV where that was timed faster than add_rms_norm, then linear()."""
     inputs = (x, residual, norm_weight, eps)
     return run_path("norm", inputs, w, bias, choice("norm", inputs, w, bias))
 
 
 def silu_linear(gate_up: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """linear(silu_and_mul(gate_up), w, bias), in one GEMV where that was timed faster than SwiGLU + cuBLAS."""
+    """linear(silu_and_mul(gate_up), w, bias), in one GEMV where that was timed faster than SwiGLU, then linear()."""
     return run_path("silu", (gate_up,), w, bias, choice("silu", (gate_up,), w, bias))
+
+
+# prologue -> (unfused path, fused Triton GEMV): both take (*inputs, w, bias), the Triton one a config after.
+# A prologue's unfused path runs its own kernel, then linear(): cuBLAS or the plain GEMV, whichever was faster.
+PATHS = {"": (linear_ref, gemv_triton), "norm": (functools.partial(norm_linear_ref, linear=linear), norm_gemv_triton),
+         "silu": (functools.partial(silu_linear_ref, linear=linear), silu_gemv_triton)}
 
 
 def run_path(prologue: str, inputs: Inputs, w: torch.Tensor, bias: torch.Tensor | None,

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import linear as lin
-from kernels.gemv import GemvConfig, norm_gemv_triton, norm_linear_ref
+from kernels.gemv import GemvConfig, gemv_triton, norm_gemv_triton, norm_linear_ref, silu_linear_ref
 from kernels.linear import linear, norm_linear, silu_linear
 from kernels.norm import add_rms_norm_ref, rms_norm_ref
 
@@ -66,6 +66,19 @@ def test_the_unfused_side_is_timed_with_its_norm_and_the_faster_side_runs(monkey
     ref, ref_residual = norm_linear_ref(*inputs, w)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
     assert torch.equal(new_residual, ref_residual)
+
+
+def test_the_unfused_norm_and_swiglu_run_their_linear_by_linears_own_pick(monkeypatch):
+    plain = GemvConfig(32, 32)  # what linear() picked for the plain shape: a Triton GEMV, not cuBLAS
+    ran = []
+    monkeypatch.setitem(lin.PATHS, "", (F.linear, lambda *a: ran.append(a[-1]) or gemv_triton(*a)))
+    monkeypatch.setattr(lin, "choice", lambda prologue, *a: plain if prologue == "" else None)
+    x, residual, norm_w, w = torch.randn(2, 24), torch.randn(2, 24), torch.rand(24), torch.randn(8, 24)
+    out, _ = norm_linear(x, residual, norm_w, 1e-6, w)
+    torch.testing.assert_close(out, norm_linear_ref(x, residual, norm_w, 1e-6, w)[0], atol=1e-4, rtol=1e-4)
+    gate_up = torch.randn(2, 48)
+    torch.testing.assert_close(silu_linear(gate_up, w), silu_linear_ref(gate_up, w), atol=1e-4, rtol=1e-4)
+    assert ran == [plain, plain]
 
 
 # ---- GPU (the LEAD runs these: python -m pytest -q -s -m gpu tests/test_linear.py) --------------------
