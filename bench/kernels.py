@@ -1,5 +1,6 @@
 """Decode kernels at a model's shapes, each timed in a CUDA graph as a decode step runs it: every layer linear
-at a few row counts, cuBLAS beside what kernels.gemv.linear picks, and paged decode attention at
+at a few row counts, alone and with the norm or SwiGLU before it folded in: the unfused path (cuBLAS alone, or
+that op's kernel then linear()'s pick) beside what kernels.linear picks, and paged decode attention at
 (batch, context, max_model_len) cases, max_model_len setting the grid as in the engine's graphs. One device
 call checks a kernel change against what bench/NOTES.md expected of it.
 
@@ -45,32 +46,46 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def linear_shapes(c: ModelConfig) -> dict[str, tuple[int, int, bool]]:
-    """(out features, in features, has bias) of each linear of a decode step, unsharded."""
+def linear_shapes(c: ModelConfig) -> dict[str, tuple[int, int, bool, str]]:
+    """(out features, in features, has bias, the prologue folded into it) of each linear of a decode step,
+    unsharded."""
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    return {"qkv": (q + 2 * kv, c.hidden_size, True), "o_proj": (c.hidden_size, q, False),
-            "gate_up": (2 * c.intermediate_size, c.hidden_size, False),
-            "down": (c.hidden_size, c.intermediate_size, False), "lm_head": (c.vocab_size, c.hidden_size, False)}
+    return {"qkv": (q + 2 * kv, c.hidden_size, True, "norm"), "o_proj": (c.hidden_size, q, False, ""),
+            "gate_up": (2 * c.intermediate_size, c.hidden_size, False, "norm"),
+            "down": (c.hidden_size, c.intermediate_size, False, "silu"),
+            "lm_head": (c.vocab_size, c.hidden_size, False, "")}
+
+
+def prologue_inputs(prologue: str, rows: int, k: int) -> tuple:
+    """Random bf16 CUDA inputs of kernels.linear's op before (w, bias): (x,), (x, residual, norm weight, eps)
+    or (gate_up,)."""
+    import torch
+
+    rand = functools.partial(torch.randn, device="cuda", dtype=torch.bfloat16)
+    if prologue == "norm":
+        return rand(rows, k), rand(rows, k), 1 + rand(k).abs(), 1e-6
+    return (rand(rows, 2 * k if prologue == "silu" else k),)
 
 
 def time_linears(c: ModelConfig, rows: list[int]) -> list[dict]:
+    """Each linear alone and with its prologue folded in: the unfused path (cuBLAS; the prologue's kernel then
+    linear()'s pick) beside the one kernels.linear picks."""
     import torch
 
-    from kernels import gemv
+    from kernels.linear import timed_choice
 
     results = []
-    for name, (n, k, has_bias) in linear_shapes(c).items():
+    for name, (n, k, has_bias, prologue) in linear_shapes(c).items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
-        copies = gemv.cold_copies(w, torch.randn(n, device="cuda", dtype=torch.bfloat16) if has_bias else None)
-        for m in rows:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            choice = gemv.cached_choice(x, *copies[0])
-            cublas = gemv.graph_us([functools.partial(gemv.linear_ref, x, *wb) for wb in copies])
-            chosen = gemv.graph_us([functools.partial(gemv.linear, x, *wb) for wb in copies])
-            mb = n * k * 2 / 1e6  # MB per µs is TB/s
-            results.append({"linear": name, "rows": m, "weight_mb": mb, "cublas_us": cublas, "chosen_us": chosen,
-                            "chosen_tb_s": mb / chosen, "chosen": str(choice) if choice else "cuBLAS"})
-        del w, copies
+        bias = torch.randn(n, device="cuda", dtype=torch.bfloat16) if has_bias else None
+        for folded in dict.fromkeys(("", prologue)):
+            for m in rows:
+                choice, unfused, chosen = timed_choice(folded, prologue_inputs(folded, m, k), w, bias)
+                mb = n * k * 2 / 1e6  # MB per µs is TB/s
+                results.append({"linear": name, "prologue": folded or "-", "rows": m, "weight_mb": mb,
+                                "unfused_us": unfused, "chosen_us": chosen, "chosen_tb_s": mb / chosen,
+                                "chosen": str(choice) if choice else "unfused (cuBLAS)"})
+        del w, bias
     return results
 
 
@@ -78,7 +93,7 @@ def time_attention(c: ModelConfig, cases: list[tuple[int, int, int]], block_size
     import torch
 
     from kernels import paged_decode_attention
-    from kernels.gemv import graph_us
+    from kernels.linear import graph_us
 
     results = []
     for batch, context, max_len in cases:

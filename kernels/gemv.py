@@ -1,24 +1,26 @@
-"""Linear layers of a few rows (batch-1 decode): a split-K Triton GEMV, used only where it beats cuBLAS.
+"""Linear layers of a few rows (batch-1 decode): a split-K Triton GEMV, used only where it beats cuBLAS, with
+the small op before a linear (residual add + RMSNorm, SwiGLU) folded into its loads.
 
 cuBLAS runs the small decode GEMVs far below memory bandwidth (too few thread blocks for 132 SMs). Here
 each program owns a BLOCK_N slice of output rows and a slice of K, reads its weight tile once for all
 M <= 16 rows (one tl.dot tile), and accumulates in float32; split-K partials are summed in a fixed order by
 a second small kernel, so results are bit-reproducible (a graph replay equals the eager run). For one row
 (batch-1 decode) a second kernel multiplies and sums without the 16-row tensor-core tile, so a program can
-own as few as 4 output rows and a small matrix spreads over every SM without splitting K.
+own as few as 2 output rows and a small matrix spreads over every SM without splitting K.
 
-linear() picks per (rows bucket, N, K, dtype, bias): the first eager call of a shape times cuBLAS and a few
-Triton configs, each in a CUDA graph over weights not in L2 (as a decode graph runs them), and caches the
-fastest, so the Triton path is never the slower one; kernels/tuning_cache.py keeps the picks on disk for the
-next start. A shape first met during CUDA-graph capture (no sync possible) runs cuBLAS and is chosen at its
-next eager call.
+Prologues, each saving a kernel launch: norm_gemv_triton computes linear(rms_norm(x + residual)) as
+out[n] = rstd * sum_k W[n, k] * (norm_w[k] * s[k]) with s = x + residual, so one pass over K sums both the
+products and s[k]^2, and rstd = 1 / sqrt(mean(s^2) + eps) scales the sums at the end (in the split-K reduce
+when K is split: both sums are additive). The rounding differs from the unfused path's by about an ulp of
+the dtype: norm_w * s is rounded (for tl.dot), not the normed s and then its product with norm_w.
+silu_gemv_triton computes silu(gate) * up as it loads its input, rounded as silu_and_mul rounds.
+
+Each Triton function here sits beside its unfused reference; kernels/linear.py picks between the two per
+shape by timing them.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
-import logging
-import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,16 +28,13 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from triton.runtime.errors import OutOfResources
 
-from kernels import tuning_cache
+from kernels.activation import silu_and_mul
+from kernels.norm import add_rms_norm, rms_norm
 
 GEMV_MAX_M = 16  # rows the Triton path takes: one tl.dot tile (its M is at least 16 anyway)
 BLOCK_M = 16
 REDUCE_BLOCK = 1024
-GRAPH_CALLS = 32  # timed calls in one CUDA graph
-TIMING_REPLAYS = 5  # the median replay counts
-MAX_COPIES = 16  # weight copies for timing: 16 x 6.3 MB (qkv at 1.5B) is about twice an H200's L2
 
 
 @dataclass(frozen=True)
@@ -50,8 +49,11 @@ class GemvConfig:
 
 # Candidate tiles: (block_n, block_k, num_warps, programs wanted per SM). The one-row tiles are the fastest
 # of a sweep on an H200 at Qwen2.5-1.5B's shapes, each in a CUDA graph over cold weights (bench/NOTES.md).
+# The long-K ones (unmeasured yet) run all of a K >= LONG_K (down_proj's 8960 at 1.5B) in each program.
 _DOT_TILES = ((64, 128, 4, 2), (32, 256, 4, 2), (128, 128, 8, 2))
 _ONE_ROW_TILES = ((4, 2048, 8, 4), (8, 512, 4, 1))
+_LONG_K_TILES = ((2, 1024, 4, 1), (4, 2048, 8, 1), (2, 4096, 8, 1))
+LONG_K = 4096
 
 
 def linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -59,15 +61,73 @@ def linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
     return F.linear(x, w, bias)
 
 
-log = logging.getLogger("pico_vllm.kernels")
+def norm_linear_ref(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                    w: torch.Tensor, bias: torch.Tensor | None = None,
+                    linear: Callable = linear_ref) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(rms_norm(s, norm_weight, eps), w, bias), s) for s = x + residual (s = x when residual is None),
+    unfused: the norm's own kernel on the GPU (plain torch on the CPU), then `linear`."""
+    if residual is None:
+        return linear(rms_norm(x, norm_weight, eps), w, bias), x
+    normed, new_residual = add_rms_norm(x, residual, norm_weight, eps)
+    return linear(normed, w, bias), new_residual
+
+
+def silu_linear_ref(gate_up: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+                    linear: Callable = linear_ref) -> torch.Tensor:
+    """linear(silu_and_mul(gate_up), w, bias), unfused: SwiGLU's own kernel on the GPU, then `linear`."""
+    return linear(silu_and_mul(gate_up), w, bias)
+
+
+@triton.jit
+def _load_x(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, offs, offs_k, mask, K, up_offset, store_sum,
+            NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU: tl.constexpr):
+    # A tile of the GEMV's input at x's element offsets `offs` (float32 after a prologue), and the squares of
+    # s = x + residual (RMSNorm's terms; used only under NORM). The residual and new residual share x's layout.
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:  # s rounded to the dtype, as add_rms_norm does; one program of each K range stores it
+        x = (x.to(tl.float32) + tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32))
+        x = x.to(x_ptr.dtype.element_ty)
+        tl.store(new_res_ptr + offs, x, mask=tl.where(store_sum, mask, False))  # (a & scalar: the interpreter fails)
+    xf = x.to(tl.float32)
+    if NORM:  # norm_w * s; the caller scales the sums by rstd once they hold all of K
+        x = xf * tl.load(norm_w_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+    if SILU:  # x is [gate | up]: silu(gate), then the product, each rounded to the dtype as silu_and_mul does
+        up = tl.load(x_ptr + offs + up_offset, mask=mask, other=0.0).to(tl.float32)
+        act = (xf / (1.0 + tl.exp(-xf))).to(x_ptr.dtype.element_ty).to(tl.float32)
+        x = (act * up).to(x_ptr.dtype.element_ty)
+    return x, xf * xf
+
+
+@triton.jit
+def _rstd(sumsq, K, eps):
+    return 1.0 / tl.sqrt(sumsq / K + eps)
+
+
+@triton.jit
+def _epilogue(acc, sumsq, out_ptr, bias_ptr, sumsq_ptr, offs_m, offs_n, pid_n, pid_k, M, N, K, eps,
+              NORM: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
+    # acc[rows, cols] over this program's K range. PARTIAL: store float32 partials [split, M, N] (and, from
+    # the programs of column 0, the rows' sums of squares [split, M]) for the reduce; else the output.
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    if PARTIAL:
+        tl.store(out_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
+        if NORM:
+            tl.store(sumsq_ptr + pid_k * M + offs_m, sumsq, mask=tl.where(pid_n == 0, offs_m < M, False))
+    else:
+        if NORM:
+            acc = acc * _rstd(sumsq, K, eps)[:, None]
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["M"])
-def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_xk, stride_wn,
-                 stride_wk, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_kernel(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, w_ptr, bias_ptr, out_ptr, sumsq_ptr, M, N, K,
+                 k_per_split, eps, stride_xm, stride_xk, stride_wn, stride_wk, NORM: tl.constexpr,
+                 HAS_RESIDUAL: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # Program (n, s, m): rows [m*BLOCK_M, +BLOCK_M) of x times output rows [n*BLOCK_N, +BLOCK_N) over split s
-    # of K. PARTIAL: write float32 partials [split, M, N] for the reduce kernel; else the output (+ bias).
+    # of K. PARTIAL: write float32 partials for the reduce kernel; else the output (+ bias).
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -75,25 +135,27 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, k_per_split, stride_x
     k_end = tl.minimum(K, k_start + k_per_split)
     w_rows = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn  # the tile is loaded as w^T: [BLOCK_K, BLOCK_N]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-                    mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
+        offs_x = offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
+        x, sq = _load_x(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, offs_x, offs_k[None, :],
+                        (offs_m[:, None] < M) & (offs_k[None, :] < K), K, K * stride_xk, pid_n == 0, NORM,
+                        HAS_RESIDUAL, SILU)
+        if NORM:
+            sumsq += tl.sum(sq, axis=1)
         w = tl.load(w_rows + offs_k[:, None] * stride_wk, mask=(offs_k[:, None] < K) & (offs_n[None, :] < N),
                     other=0.0)
         acc += tl.dot(x.to(w.dtype), w)
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    if PARTIAL:
-        tl.store(out_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    _epilogue(acc, sumsq, out_ptr, bias_ptr, sumsq_ptr, offs_m, offs_n, pid_n, pid_k, M, N, K, eps, NORM, HAS_BIAS,
+              PARTIAL)
 
 
 @triton.jit
-def _gemv_row_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, k_per_split, stride_xk, stride_wn, stride_wk,
-                     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_row_kernel(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, w_ptr, bias_ptr, out_ptr, sumsq_ptr, N, K,
+                     k_per_split, eps, stride_xk, stride_wn, stride_wk, NORM: tl.constexpr,
+                     HAS_RESIDUAL: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # Program (n, s): x[0] times output rows [n*BLOCK_N, +BLOCK_N) over split s of K, as _gemv_kernel with M = 1.
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -101,29 +163,34 @@ def _gemv_row_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, k_per_split, stride_
     k_end = tl.minimum(K, k_start + k_per_split)
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    sumsq = tl.zeros([1], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + offs_k * stride_xk, mask=offs_k < K, other=0.0).to(tl.float32)
+        x, sq = _load_x(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, offs_k * stride_xk, offs_k, offs_k < K, K,
+                        K * stride_xk, pid_n == 0, NORM, HAS_RESIDUAL, SILU)
+        if NORM:
+            sumsq += tl.sum(sq, axis=0)
         w = tl.load(w_rows + offs_k[None, :] * stride_wk, mask=(offs_n[:, None] < N) & (offs_k[None, :] < K),
                     other=0.0)
-        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-    if PARTIAL:
-        tl.store(out_ptr + pid_k * N + offs_n, acc, mask=offs_n < N)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
-        tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=offs_n < N)
+        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+    _epilogue(acc[None, :], sumsq, out_ptr, bias_ptr, sumsq_ptr, tl.arange(0, 1), offs_n, pid_n, pid_k, 1, N, K, eps,
+              NORM, HAS_BIAS, PARTIAL)
 
 
 @triton.jit(do_not_specialize=["MN", "SPLIT_K"])
-def _split_k_reduce_kernel(part_ptr, bias_ptr, out_ptr, MN, N, SPLIT_K, HAS_BIAS: tl.constexpr,
-                           BLOCK: tl.constexpr):
+def _split_k_reduce_kernel(part_ptr, sumsq_ptr, bias_ptr, out_ptr, MN, N, K, SPLIT_K, eps, NORM: tl.constexpr,
+                           HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     # Sums the partials split 0, 1, ... in this order: the same bits every run, unlike atomic adds.
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
     acc = tl.zeros([BLOCK], dtype=tl.float32)
+    sumsq = tl.zeros([BLOCK], dtype=tl.float32)
     for s in range(SPLIT_K):
         acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0)
+        if NORM:
+            sumsq += tl.load(sumsq_ptr + s * (MN // N) + offs // N, mask=mask, other=0.0)
+    if NORM:
+        acc = acc * _rstd(sumsq, K, eps)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -132,42 +199,76 @@ def _split_k_reduce_kernel(part_ptr, bias_ptr, out_ptr, MN, N, SPLIT_K, HAS_BIAS
 def gemv_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
                 config: GemvConfig | None = None) -> torch.Tensor:
     """linear_ref(x, w, bias) by the split-K kernel; x may be a strided view, the output is contiguous."""
-    m, k = x.shape
-    n = w.shape[0]
+    return _gemv(x, w, bias, config)[0]
+
+
+def norm_gemv_triton(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                     w: torch.Tensor, bias: torch.Tensor | None = None,
+                     config: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """norm_linear_ref(...) in one GEMV (and its split-K reduce); x and residual are made contiguous."""
+    x = x.contiguous()
+    residual = None if residual is None else residual.contiguous()
+    out, new_residual = _gemv(x, w, bias, config, residual, norm_weight, eps)
+    return out, (x if residual is None else new_residual)
+
+
+def silu_gemv_triton(gate_up: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+                     config: GemvConfig | None = None) -> torch.Tensor:
+    """silu_linear_ref(gate_up, w, bias) in one GEMV; gate_up[M, 2K] may be a strided view."""
+    return _gemv(gate_up, w, bias, config, silu=True)[0]
+
+
+def _gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig | None,
+          residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+          silu: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    # (out, new residual or None). Tensors a variant does not read are passed as w: never dereferenced.
+    (n, k), m = w.shape, x.shape[0]
+    if x.shape[1] != (2 * k if silu else k):
+        raise ValueError(f"x has {x.shape[1]} columns for a weight of {k} (SwiGLU input: {silu}): pass x[M, K]"
+                         " to linear and norm_linear, gate_up[M, 2K] to silu_linear")
     cfg = config or candidate_configs(n, k, num_sms(x.device))[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    new_res = None if residual is None else torch.empty_like(x)
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
-    partial = cfg.split_k > 1
+    partial, norm = cfg.split_k > 1, norm_weight is not None
     target = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device) if partial else out
-    bias_arg = bias if bias is not None else w  # never read when there is no bias
-    meta = dict(HAS_BIAS=bias is not None and not partial, PARTIAL=partial, BLOCK_N=cfg.block_n,
-                 BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    sumsq = torch.empty((cfg.split_k, m), dtype=torch.float32, device=x.device) if partial and norm else w
+    pointers = (x, _or_w(residual, w), _or_w(norm_weight, w), _or_w(new_res, w), w, _or_w(bias, w), target, sumsq)
+    meta = dict(NORM=norm, HAS_RESIDUAL=residual is not None, SILU=silu, HAS_BIAS=bias is not None and not partial,
+                PARTIAL=partial, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages)
     if cfg.one_row:
         if m != 1:
             raise ValueError(f"{cfg} takes exactly one row of x, got {m}; use a config with one_row=False")
         _gemv_row_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
-            x, w, bias_arg, target, n, k, k_per_split, x.stride(1), w.stride(0), w.stride(1), **meta)
+            *pointers, n, k, k_per_split, eps, x.stride(1), w.stride(0), w.stride(1), **meta)
     else:
         grid = (triton.cdiv(n, cfg.block_n), cfg.split_k, triton.cdiv(m, BLOCK_M))
-        _gemv_kernel[grid](x, w, bias_arg, target, m, n, k, k_per_split, x.stride(0), x.stride(1), w.stride(0),
-                           w.stride(1), BLOCK_M=BLOCK_M, **meta)
+        _gemv_kernel[grid](*pointers, m, n, k, k_per_split, eps, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
+                           BLOCK_M=BLOCK_M, **meta)
     if partial:
-        _split_k_reduce_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](target, bias_arg, out, m * n, n, cfg.split_k,
-                                                                    HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK)
-    return out
+        _split_k_reduce_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](
+            target, sumsq, _or_w(bias, w), out, m * n, n, k, cfg.split_k, eps, NORM=norm, HAS_BIAS=bias is not None,
+            BLOCK=REDUCE_BLOCK)
+    return out, new_res
+
+
+def _or_w(t: torch.Tensor | None, w: torch.Tensor) -> torch.Tensor:
+    return w if t is None else t
 
 
 def candidate_configs(n: int, k: int, num_sms: int, rows: int = GEMV_MAX_M) -> list[GemvConfig]:
     """Tile shapes worth timing for an [n, k] weight and x of `rows` rows (the one-row kernel's too for 1);
-    K is split until each tile shape has its programs per SM."""
-    shapes = [(tile, False) for tile in _DOT_TILES] + [(tile, True) for tile in _ONE_ROW_TILES if rows == 1]
-    configs = []
+    K is split until each tile shape has its programs per SM; a config two tiles share is listed once."""
+    row_tiles = (*_ONE_ROW_TILES, *(_LONG_K_TILES if k >= LONG_K else ())) if rows == 1 else ()
+    shapes = [(tile, False) for tile in _DOT_TILES] + [(tile, True) for tile in row_tiles]
+    configs = {}
     for (block_n, block_k, warps, per_sm), one_row in shapes:
         chunks = triton.cdiv(k, block_k)
         wanted = triton.cdiv(per_sm * num_sms, triton.cdiv(n, block_n))
         per_split = max(1, chunks // wanted)  # whole chunks per split, rounded down: at least `wanted` splits
-        configs.append(GemvConfig(block_n, block_k, triton.cdiv(chunks, per_split), warps, one_row=one_row))
-    return configs
+        configs[GemvConfig(block_n, block_k, triton.cdiv(chunks, per_split), warps, one_row=one_row)] = None
+    return list(configs)
 
 
 @functools.lru_cache(maxsize=None)
@@ -175,104 +276,3 @@ def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 132  # the interpreter: any count gives the same result
     return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-# (rows bucket, N, K, dtype, has bias, device) -> the Triton config that beat cuBLAS, or None for cuBLAS.
-_CHOICES: dict[tuple, GemvConfig | None] = {}
-
-
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x[M, K] @ w[N, K]^T + bias: the Triton GEMV for few rows on CUDA where it was timed faster, else torch."""
-    few_rows = x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_M
-    if not (x.is_cuda and few_rows and x.dtype in (torch.float16, torch.bfloat16) and w.dtype == x.dtype):
-        return linear_ref(x, w, bias)
-    config = cached_choice(x, w, bias)
-    return linear_ref(x, w, bias) if config is None else gemv_triton(x, w, bias, config)
-
-
-def cached_choice(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> GemvConfig | None:
-    """The cached pick for this shape, from memory, then the disk cache, else timed (and kept on disk);
-    cuBLAS (None) while a graph is captured."""
-    key = (triton.next_power_of_2(x.shape[0]), *w.shape, x.dtype, bias is not None, x.device)
-    if key not in _CHOICES:
-        if torch.cuda.is_current_stream_capturing():
-            return None  # timing needs a sync, which capture forbids: cuBLAS, and time it at the next eager call
-        disk_key = _disk_key(key)
-        kept = _kept_choices().get(disk_key, False)  # False: never timed here; None: cuBLAS won
-        if kept is False:
-            kept = fastest_config(x, w, bias)
-            tuning_cache.save_choice(disk_key, None if kept is None else dataclasses.asdict(kept))
-        elif kept is not None:
-            kept = GemvConfig(**kept)
-        _CHOICES[key] = kept
-    return _CHOICES[key]
-
-
-@functools.lru_cache(maxsize=1)
-def _kept_choices() -> dict[str, object]:
-    return tuning_cache.load_choices()  # read once a process: later saves go to the file, _CHOICES keeps them
-
-
-def _disk_key(key: tuple) -> str:
-    """The in-memory key plus what makes a timing stale: the GPU, torch, Triton and this file's source."""
-    rows, n, k, dtype, has_bias, device = key
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    return (f"gemv {gpu} torch {torch.__version__} triton {triton.__version__} "
-            f"src {tuning_cache.source_hash(__file__)} rows {rows} w {n}x{k} {dtype} bias {has_bias}")
-
-
-def fastest_config(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> GemvConfig | None:
-    """Times cuBLAS and each candidate as a decode graph runs them; None unless a candidate is faster."""
-    try:
-        copies = cold_copies(w, bias)
-        cublas_us = graph_us([functools.partial(linear_ref, x, *wb) for wb in copies])
-    except torch.OutOfMemoryError:  # the copies did not fit beside the KV cache: cuBLAS, untimed
-        log.warning("no memory to time the GEMV candidates for %s: cuBLAS", tuple(w.shape))
-        return None
-    best, best_us = None, cublas_us * 0.97  # a 3% margin: timing noise must not flip a shape to Triton
-    for config in candidate_configs(w.shape[0], w.shape[1], num_sms(x.device), x.shape[0]):
-        try:
-            us = graph_us([functools.partial(gemv_triton, x, *wb, config) for wb in copies])
-        except OutOfResources:  # a tile too big for this GPU's shared memory: not a candidate here
-            continue
-        except Exception as e:  # a Triton that cannot build this variant must not stop the engine: cuBLAS stays
-            log.warning("GEMV candidate %s failed for %s: %s", config, tuple(w.shape), e)
-            continue
-        if us < best_us:
-            best, best_us = config, us
-    return best
-
-
-def graph_us(calls: list[Callable[[], object]]) -> float:
-    """µs a call: GRAPH_CALLS calls back to back in a CUDA graph, taking `calls` in turn.
-
-    In a graph, as in a decode step, a call costs its kernels and the gaps to the next, not a host launch;
-    calls over weight copies larger than L2 together (cold_copies) each read their weights from HBM.
-    """
-    for call in calls:
-        call()  # compiles a Triton kernel and settles the allocator outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(GRAPH_CALLS):
-            calls[i % len(calls)]()
-    graph.replay()
-    times = []
-    for _ in range(TIMING_REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return 1000 * statistics.median(times) / GRAPH_CALLS
-
-
-def cold_copies(w: torch.Tensor, bias: torch.Tensor | None) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    """w (and bias) and enough clones that together they are over twice L2 (at most MAX_COPIES)."""
-    count = min(MAX_COPIES, -(-2 * _l2_bytes(w.device) // (w.numel() * w.element_size())))
-    clones = [(w.clone(), None if bias is None else bias.clone()) for _ in range(count - 1)]
-    return [(w, bias), *clones]
-
-
-def _l2_bytes(device: torch.device) -> int:
-    return getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 << 20)

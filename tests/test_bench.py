@@ -131,9 +131,11 @@ def test_kernel_bench_times_every_linear_and_each_attention_case(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     (path,) = tmp_path.glob("*-kernels.json")
     numbers = json.loads(path.read_text())["numbers"]
-    assert [(r["linear"], r["rows"]) for r in numbers["linears"]] == [
-        (name, m) for name in ("qkv", "o_proj", "gate_up", "down", "lm_head") for m in (1, 2)]
-    assert all(r["cublas_us"] > 0 and r["chosen_us"] > 0 for r in numbers["linears"])
+    prologues = {"qkv": "norm", "o_proj": "-", "gate_up": "norm", "down": "silu", "lm_head": "-"}
+    assert [(r["linear"], r["prologue"], r["rows"]) for r in numbers["linears"]] == [
+        (name, folded, m) for name, prologue in prologues.items() for folded in dict.fromkeys(("-", prologue))
+        for m in (1, 2)]
+    assert all(r["unfused_us"] > 0 and r["chosen_us"] > 0 for r in numbers["linears"])
     assert [(r["batch"], r["context"], r["max_model_len"]) for r in numbers["attention"]] == [(2, 40, 256),
                                                                                            (1, 100, 4096)]
     assert all(r["us"] > 0 for r in numbers["attention"])

@@ -1,16 +1,14 @@
-"""The split-K GEMV against torch's linear (CPU: Triton's interpreter), and the dispatcher's choice rules;
-on the GPU, Qwen2.5-1.5B's decode shapes in bfloat16, graph replay, and the chosen path's speed."""
+"""The split-K GEMV and its prologues against the unfused torch references (CPU: Triton's interpreter); on the
+GPU, every candidate at Qwen2.5-1.5B's decode shapes in bfloat16, and graph replay."""
 from __future__ import annotations
-
-import dataclasses
-import functools
-import json
 
 import pytest
 import torch
 
-from kernels import gemv, tuning_cache
-from kernels.gemv import GemvConfig, candidate_configs, gemv_triton, linear, linear_ref
+from kernels import gemv
+from kernels.gemv import (GemvConfig, candidate_configs, gemv_triton, linear_ref, norm_gemv_triton, norm_linear_ref,
+                          silu_gemv_triton, silu_linear_ref)
+from kernels.linear import PATHS
 
 TOL = dict(atol=1e-4, rtol=1e-4)
 SMALL_CONFIGS = [GemvConfig(16, 16, split_k=3), GemvConfig(32, 16)]  # split-K with a short last split; direct
@@ -39,6 +37,63 @@ def test_gemv_triton_matches_linear_for_one_to_eight_rows(config, with_bias):
         torch.testing.assert_close(out, linear_ref(x, w, bias), **TOL)
 
 
+# Every kernel path a prologue takes: the dot kernel split and whole, the one-row kernel whole and split.
+PROLOGUE_CONFIGS = [GemvConfig(16, 16, split_k=3), GemvConfig(32, 32), GemvConfig(8, 32, one_row=True),
+                    GemvConfig(4, 16, split_k=4, one_row=True)]
+PROLOGUE_IDS = ["split-k", "direct", "one-row", "one-row-split-k"]
+
+
+def prologue_weights(n: int, k: int, dtype: torch.dtype = torch.float32):
+    """Weights and a norm weight far from 1, so that a missing or misplaced rstd or norm weight shows."""
+    w = (torch.randn(n, k) / k ** 0.5).to(dtype)
+    return w, (torch.randn(n) / 4).to(dtype), (1 + torch.rand(k)).to(dtype)
+
+
+@pytest.mark.parametrize("config", PROLOGUE_CONFIGS, ids=PROLOGUE_IDS)
+@pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "first-layer"])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
+def test_norm_gemv_equals_add_rms_norm_then_linear(config, with_residual, with_bias):
+    n, k = 45, 100  # neither a multiple of the block sizes; the split-K configs leave a short last split
+    w, bias, norm_w = prologue_weights(n, k)
+    for m in [1] if config.one_row else [1, 3, 5]:
+        x, residual = 3 * torch.randn(m, k), (torch.randn(m, k) if with_residual else None)
+        out, new_residual = norm_gemv_triton(x, residual, norm_w, 1e-6, w, bias if with_bias else None, config)
+        ref, ref_residual = norm_linear_ref(x, residual, norm_w, 1e-6, w, bias if with_bias else None)
+        assert out.shape == (m, n) and out.is_contiguous()
+        torch.testing.assert_close(out, ref, **TOL)
+        assert torch.equal(new_residual, ref_residual)  # x + residual, stored by the programs of column 0
+        assert with_residual or new_residual is x
+
+
+def test_norm_gemv_takes_strided_rows_and_rounds_the_sum_to_float16():
+    w, bias, norm_w = prologue_weights(45, 100, torch.float16)
+    x, residual = strided_rows(4, 100, dtype=torch.float16), 20 * torch.randn(4, 100, dtype=torch.float16)
+    for config in PROLOGUE_CONFIGS[:2]:
+        out, new_residual = norm_gemv_triton(x, residual, norm_w, 1e-6, w, bias, config)
+        ref, ref_residual = norm_linear_ref(x, residual, norm_w, 1e-6, w, bias)
+        assert torch.equal(new_residual, ref_residual)
+        torch.testing.assert_close(out, ref, atol=4e-3, rtol=4e-3)  # roundings differ: norm_w * s, not normed
+
+
+@pytest.mark.parametrize("config", PROLOGUE_CONFIGS, ids=PROLOGUE_IDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
+def test_silu_gemv_equals_silu_and_mul_then_linear(config, dtype, with_bias):
+    n, k = 45, 100
+    w, bias, _ = prologue_weights(n, k, dtype)
+    bias = bias if with_bias else None
+    tol = TOL if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
+    for m in [1] if config.one_row else [1, 3, 5]:
+        gate_up = strided_rows(m, 2 * k, dtype=dtype)  # [gate | up] as a strided view
+        out = silu_gemv_triton(gate_up, w, bias, config)
+        torch.testing.assert_close(out, silu_linear_ref(gate_up, w, bias), **tol)
+
+
+def test_silu_gemv_refuses_an_input_that_is_not_gate_and_up():
+    with pytest.raises(ValueError, match="gate_up"):
+        silu_gemv_triton(torch.randn(1, 100), torch.randn(45, 100), None, GemvConfig(32, 32))
+
+
 def test_gemv_triton_default_config_takes_more_rows_than_one_tile():
     w, bias = torch.randn(70, 300), torch.randn(70)
     x = strided_rows(gemv.BLOCK_M + 3, 300)
@@ -53,71 +108,6 @@ def test_candidates_give_every_sm_two_programs_and_no_empty_split(shape):
         per_split = -(-chunks // cfg.split_k)
         assert (cfg.split_k - 1) * per_split < chunks  # the last split has work
         assert -(-n // cfg.block_n) * cfg.split_k >= 2 * 132 or per_split == 1
-
-
-def test_linear_on_cpu_is_torch_linear_without_a_choice(monkeypatch):
-    monkeypatch.setattr(gemv, "cached_choice", lambda *a: pytest.fail("CPU tensors must not be timed"))
-    x, w, bias = torch.randn(2, 24), torch.randn(8, 24), torch.randn(8)
-    assert torch.equal(linear(x, w, bias), torch.nn.functional.linear(x, w, bias))
-
-
-@pytest.fixture
-def fresh_choices(monkeypatch, tmp_path):
-    """No pick in memory, an empty disk cache under tmp_path, nothing read from it yet, no capture."""
-    monkeypatch.setattr(gemv, "_CHOICES", {})
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setenv("PICO_VLLM_CACHE", str(tmp_path))
-    gemv._kept_choices.cache_clear()
-    yield tmp_path
-    gemv._kept_choices.cache_clear()
-
-
-def test_a_shape_first_met_during_capture_runs_cublas_and_is_chosen_at_the_next_eager_call(monkeypatch,
-                                                                                           fresh_choices):
-    capturing, timed = [True], []
-    picked = GemvConfig(64, 128)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
-    monkeypatch.setattr(gemv, "fastest_config", lambda x, w, bias: timed.append(x.shape[0]) or picked)
-    w = torch.randn(8, 24)
-    assert gemv.cached_choice(torch.randn(3, 24), w, None) is None  # cuBLAS while capturing, nothing timed
-    assert timed == [] and gemv._CHOICES == {}
-    capturing[0] = False
-    assert gemv.cached_choice(torch.randn(3, 24), w, None) == picked
-    assert gemv.cached_choice(torch.randn(4, 24), w, None) == picked  # 3 and 4 rows share the bucket of 4
-    capturing[0] = True
-    assert gemv.cached_choice(torch.randn(4, 24), w, None) == picked  # a graph replays the eager pick
-    assert timed == [3]
-
-
-def test_choices_are_kept_on_disk_for_the_next_process_until_the_kernel_source_changes(monkeypatch,
-                                                                                        fresh_choices):
-    timed = []
-    monkeypatch.setattr(gemv, "fastest_config", lambda x, w, bias: timed.append(w.shape) or (
-        GemvConfig(4, 2048, one_row=True) if w.shape[0] == 8 else None))
-    x, w8, w16 = torch.randn(1, 24), torch.randn(8, 24), torch.randn(16, 24)
-    assert gemv.cached_choice(x, w8, None) == GemvConfig(4, 2048, one_row=True)
-    assert gemv.cached_choice(x, w16, None) is None  # cuBLAS won: kept too, not timed again
-    assert timed == [(8, 24), (16, 24)]
-
-    def new_process():
-        gemv._CHOICES.clear()
-        gemv._kept_choices.cache_clear()
-
-    new_process()
-    assert gemv.cached_choice(x, w8, None) == GemvConfig(4, 2048, one_row=True)
-    assert gemv.cached_choice(x, w16, None) is None and len(timed) == 2
-    new_process()
-    monkeypatch.setattr(tuning_cache, "source_hash", lambda path: "edited")
-    assert gemv.cached_choice(x, w8, None) == GemvConfig(4, 2048, one_row=True) and len(timed) == 3
-
-
-def test_an_unreadable_choice_cache_means_timing_again(monkeypatch, fresh_choices, caplog):
-    (fresh_choices / tuning_cache.FILE_NAME).write_text("{not json")
-    monkeypatch.setattr(gemv, "fastest_config", lambda x, w, bias: GemvConfig(64, 128))
-    assert gemv.cached_choice(torch.randn(2, 24), torch.randn(8, 24), None) == GemvConfig(64, 128)
-    assert "ignoring the kernel choice cache" in caplog.text
-    assert list(json.loads((fresh_choices / tuning_cache.FILE_NAME).read_text()).values()) == [
-        dataclasses.asdict(GemvConfig(64, 128))]
 
 
 # ---- GPU (the LEAD runs these: python -m pytest -q -s -m gpu tests/test_gemv.py) ----------------------
@@ -160,16 +150,39 @@ def test_graph_replay_of_the_gemv_equals_the_eager_call():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 8])
-def test_chosen_path_is_not_slower_than_cublas(m):
-    for name in QWEN_1_5B:
-        w, bias = _weights(name)
-        x = torch.randn(m, w.shape[1], device="cuda", dtype=torch.bfloat16)
-        choice = gemv.cached_choice(x, w, bias)
-        copies = gemv.cold_copies(w, bias)
-        cublas = gemv.graph_us([functools.partial(linear_ref, x, *wb) for wb in copies])
-        chosen = gemv.graph_us([functools.partial(linear, x, *wb) for wb in copies])
-        mbytes = w.numel() * w.element_size() / 1e6  # MB per µs = TB/s
-        print(f"M={m} {name:8s} cuBLAS {cublas:7.2f} us {mbytes / cublas:5.2f} TB/s | chosen {chosen:7.2f} us "
-              f"{mbytes / chosen:5.2f} TB/s | {choice}")
-        assert chosen <= 1.10 * cublas, (name, choice, chosen, cublas)
+@pytest.mark.parametrize("prologue,name", [("norm", "qkv"), ("norm", "gate_up"), ("silu", "down")])
+def test_every_fused_candidate_matches_the_unfused_float32_path_at_qwen_shapes_in_bf16(prologue, name):
+    from bench.kernels import prologue_inputs
+
+    unfused, fused = PATHS[prologue]
+    w, bias = _weights(name)
+    for m in (1, 4, 16):
+        inputs = prologue_inputs(prologue, m, w.shape[1])
+        ref = unfused(*(t.float() if torch.is_tensor(t) else t for t in inputs), w.float(),
+                      None if bias is None else bias.float())
+        for cfg in candidate_configs(*w.shape, gemv.num_sms(w.device), rows=m):
+            out = fused(*inputs, w, bias, cfg)
+            if prologue == "norm":
+                assert torch.equal(out[1], inputs[0] + inputs[1]), (name, m, cfg)  # the new residual, in bf16
+                out, ref_out = out[0], ref[0]
+            else:
+                ref_out = ref
+            assert _rel_err(out, ref_out) <= 1e-2, (name, m, cfg)
+
+
+@pytest.mark.gpu
+def test_graph_replay_of_the_split_k_norm_gemv_equals_the_eager_call():
+    from bench.kernels import prologue_inputs
+
+    w, bias = _weights("qkv")
+    x, residual, norm_w, eps = prologue_inputs("norm", 4, w.shape[1])
+    cfg = candidate_configs(*w.shape, gemv.num_sms(x.device))[0]
+    assert cfg.split_k > 1
+    eager, _ = norm_gemv_triton(x, residual, norm_w, eps, w, bias, cfg)  # also compiles before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, new_residual = norm_gemv_triton(x, residual, norm_w, eps, w, bias, cfg)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    again = norm_gemv_triton(x, residual, norm_w, eps, w, bias, cfg)
+    assert torch.equal(out, again[0]) and torch.equal(new_residual, again[1]) and not torch.equal(out, eager)

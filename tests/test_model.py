@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from kernels import linear as linear_module
+from kernels.gemv import GemvConfig
 from protocol.model_config import resolve_model
 from worker.attention import AttentionMetadata
 from worker.loader import init_dummy_weights, load_weights
@@ -117,6 +119,20 @@ def test_decode_token_by_token_across_blocks_equals_hf(case):
     run = PagedRun(ours, block_size)
     got = run.step({0: prompt[:3]})
     got += [run.step({0: [t]})[0] for t in prompt[3:]]  # one query per step: the decode kernel
+    torch.testing.assert_close(torch.cat(got), hf_logits(hf, prompt), atol=ATOL, rtol=0)
+
+
+def test_decode_with_norm_and_swiglu_folded_into_the_gemvs_equals_hf(tiny_ckpt, monkeypatch):
+    # The GPU's fused path, forced here under Triton's interpreter: layer 0's norm without a residual, split-K
+    # partials of the GEMV and of the sums of squares, and the one-row kernel at decode.
+    ours, hf, block_size = build_model(tiny_ckpt), hf_model(tiny_ckpt), 4
+    configs = {False: GemvConfig(32, 32, split_k=2), True: GemvConfig(32, 32, split_k=2, one_row=True)}
+    monkeypatch.setattr(linear_module, "choice", lambda prologue, inputs, w, bias:
+                        configs[inputs[0].shape[0] == 1] if prologue else None)
+    prompt = tokens_for(2, 2 * block_size + 1)
+    run = PagedRun(ours, block_size)
+    got = run.step({0: prompt[:3]})
+    got += [run.step({0: [t]})[0] for t in prompt[3:]]
     torch.testing.assert_close(torch.cat(got), hf_logits(hf, prompt), atol=ATOL, rtol=0)
 
 

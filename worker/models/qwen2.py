@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import make_cos_sin, silu_and_mul
+from kernels import make_cos_sin
 from protocol.config import ModelConfig
 from protocol.model_config import check_tp_size
 from worker.attention import Attention, AttentionMetadata
@@ -28,13 +28,16 @@ class Qwen2Attention(nn.Module):
         heads, kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.sizes, self.shapes = [heads * d, kv_heads * d, kv_heads * d], [(heads, d), (kv_heads, d)]
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, cos_sin: torch.Tensor,
-                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split(self.sizes, dim=-1)
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
+                cos_sin: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(attention of norm(hidden + residual), hidden + residual): the norm runs inside qkv_proj's GEMV."""
+        qkv, residual = norm.then_linear(hidden, residual, self.qkv_proj)
+        q, k, v = qkv.split(self.sizes, dim=-1)
         q_shape, kv_shape = self.shapes
         out = self.attn(q.unflatten(-1, q_shape), k.unflatten(-1, kv_shape), v.unflatten(-1, kv_shape),
                         positions, cos_sin, kv_cache, meta)
-        return self.o_proj(out)
+        return self.o_proj(out), residual
 
 
 class Qwen2MLP(nn.Module):
@@ -44,8 +47,11 @@ class Qwen2MLP(nn.Module):
                                                        tp_rank, tp_size)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, tp_rank, tp_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor,
+                norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MLP of norm(hidden + residual), hidden + residual): the norm and SwiGLU run inside the GEMVs."""
+        gate_up, residual = norm.then_linear(hidden, residual, self.gate_up_proj)
+        return self.down_proj(gate_up, silu_and_mul=True), residual
 
 
 class Qwen2DecoderLayer(nn.Module):
@@ -59,14 +65,10 @@ class Qwen2DecoderLayer(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 cos_sin: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        # The residual add of each sublayer is fused into the norm that follows it.
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, cos_sin, kv_cache, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        # Each sublayer adds the residual and runs its norm inside its first linear (residual None: layer 0).
+        hidden, residual = self.self_attn(positions, hidden, residual, self.input_layernorm, cos_sin, kv_cache,
+                                          meta)
+        return self.mlp(hidden, residual, self.post_attention_layernorm)
 
 
 class Qwen2Model(nn.Module):
