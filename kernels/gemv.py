@@ -48,11 +48,14 @@ class GemvConfig:
 
 
 # Candidate tiles: (block_n, block_k, num_warps, programs wanted per SM). The one-row tiles are the fastest
-# of a sweep on an H200 at Qwen2.5-1.5B's shapes, each in a CUDA graph over cold weights (bench/NOTES.md).
-# The long-K ones (unmeasured yet) run all of a K >= LONG_K (down_proj's 8960 at 1.5B) in each program.
+# of a sweep on an H200 at Qwen2.5-1.5B's shapes, each in a CUDA graph over cold weights (bench/NOTES.md);
+# the long-K ones run all of a K >= LONG_K (down_proj's 8960 at 1.5B) in each program (2 x 4096 won down,
+# 9.8 µs against cuBLAS's 11.2). A prologue re-reads its [K] vectors in every program, so the fused forms
+# lost with these (gate_up + norm 17.1 µs against 16.7 unfused; down + SwiGLU 11.7 against 11.0): the 16-row
+# and 4 x 1024 tiles read those vectors a quarter and a half as often (untimed yet).
 _DOT_TILES = ((64, 128, 4, 2), (32, 256, 4, 2), (128, 128, 8, 2))
-_ONE_ROW_TILES = ((4, 2048, 8, 4), (8, 512, 4, 1))
-_LONG_K_TILES = ((2, 1024, 4, 1), (4, 2048, 8, 1), (2, 4096, 8, 1))
+_ONE_ROW_TILES = ((4, 2048, 8, 4), (8, 512, 4, 1), (16, 512, 8, 1))
+_LONG_K_TILES = ((2, 1024, 4, 1), (4, 2048, 8, 1), (2, 4096, 8, 1), (4, 1024, 8, 1))
 LONG_K = 4096
 
 
