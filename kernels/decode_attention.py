@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from kernels.attention_tile import attend_range
-from kernels.kv_store import check_cache_layout
+from kernels.kv_store import check_cache_layout, rope_store_kv_ref
 
 # Split-K sizing, measured on an H200 at Qwen2.5-1.5B shapes (bench/NOTES.md, the 987288b probe): a program
 # walks its split one tile at a time, latency-bound, so short splits (many programs) win at small batch. The
@@ -67,11 +68,30 @@ def _split_len(ctx, num_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _rope_factors(cos_sin, pos, offs_d, d_mask, HEAD_DIM: tl.constexpr):
+    """Rotate-half RoPE over a whole [D] row at once: out = x * cos + sign * x[partner] * sin, where partner
+    is the other half's index and the sign is - for the first half (kv_store.apply_rope_ref's formula)."""
+    half = HEAD_DIM // 2
+    first = offs_d < half
+    idx = tl.where(first, offs_d, offs_d - half)
+    cos = tl.load(cos_sin + pos * HEAD_DIM + idx, mask=d_mask, other=0.0)
+    sin = tl.load(cos_sin + pos * HEAD_DIM + half + idx, mask=d_mask, other=0.0)
+    return cos, tl.where(first, -sin, sin), tl.where(first, offs_d + half, offs_d - half)
+
+
+@triton.jit
+def _rotate(x, x_partner, cos, signed_sin):
+    return x.to(tl.float32) * cos + x_partner.to(tl.float32) * signed_sin
+
+
+@triton.jit
 def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, out_ptr, part_acc, part_max, part_sum,
-                         arrivals, qk_scale, stride_qb, stride_qh, stride_ob, stride_oh, stride_cb, stride_ch,
-                         stride_cs, stride_bt, block_size, group, num_q_heads, HEAD_DIM: tl.constexpr,
+                         arrivals, k_new, v_new, positions, cos_sin, slot_mapping, qk_scale, stride_qb, stride_qh,
+                         stride_ob, stride_oh, stride_cb, stride_ch, stride_cs, stride_bt, stride_kb, stride_kh,
+                         stride_vb, stride_vh, block_size, group, num_q_heads, HEAD_DIM: tl.constexpr,
                          D_PAD: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr,
-                         SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr):
+                         SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
+                         NEW_KV: tl.constexpr):
     # Program (row, kv head, split): the group of query heads sharing this KV head attends to tokens
     # [split * L, (split + 1) * L) of the row (L = _split_len), so each K/V tile is read once for the group.
     # A row of one used split writes its output here; otherwise the last of its used splits to arrive combines
@@ -92,8 +112,26 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, ou
         g_mask = offs_g < group
         d_mask = offs_d < HEAD_DIM
         heads = kv_head * group + offs_g
-        q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                    mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+        q_rows = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
+        q = tl.load(q_rows + offs_d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+        if NEW_KV:
+            # The step's own token: q is rotated here, and the split holding position ctx - 1 rotates and stores
+            # the token's K and V before reading its range (a barrier makes the stores visible to every thread
+            # of the program); no other program reads that position. Saves rope_store_kv's launch a layer.
+            pos = tl.load(positions + b).to(tl.int64)
+            cos, sin, partner = _rope_factors(cos_sin, pos, offs_d, d_mask, HEAD_DIM)
+            q_partner = tl.load(q_rows + partner[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+            q = _rotate(q, q_partner, cos[None, :], sin[None, :]).to(q_ptr.dtype.element_ty)
+            slot = tl.load(slot_mapping + b).to(tl.int64)
+            if (split == used - 1) & (slot >= 0):
+                cache_off = (slot // block_size) * stride_cb + kv_head * stride_ch + (slot % block_size) * stride_cs
+                k_row = k_new + b.to(tl.int64) * stride_kb + kv_head * stride_kh
+                k = _rotate(tl.load(k_row + offs_d, mask=d_mask, other=0.0),
+                            tl.load(k_row + partner, mask=d_mask, other=0.0), cos, sin)
+                tl.store(k_cache + cache_off + offs_d, k.to(k_cache.dtype.element_ty), mask=d_mask)
+                v = tl.load(v_new + b.to(tl.int64) * stride_vb + kv_head * stride_vh + offs_d, mask=d_mask, other=0.0)
+                tl.store(v_cache + cache_off + offs_d, v.to(v_cache.dtype.element_ty), mask=d_mask)
+                tl.debug_barrier()
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
@@ -190,12 +228,27 @@ def arrival_counters(device: torch.device, size: int) -> torch.Tensor:
     return _arrivals[device]
 
 
+@dataclass(frozen=True)
+class NewTokenKV:
+    """A decode step's own K and V ([B, Hkv, D], views of the qkv output allowed, before RoPE), which the
+    attention kernel rotates at positions[b] and stores into slot_mapping[b] (-1: not stored) itself."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    positions: torch.Tensor
+    cos_sin: torch.Tensor  # [max_pos, D] float32, make_cos_sin's table
+    slot_mapping: torch.Tensor
+
+
 def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                                  partition_size: int | None = None) -> torch.Tensor:
+                                  partition_size: int | None = None, new_kv: NewTokenKV | None = None) -> torch.Tensor:
     """Split-K flash decoding in one kernel; partition_size (a power of two >= 16) overrides the static choice
-    (tests): the grid then has cdiv(max_context, partition_size) splits and tiles of min(64, partition_size) keys."""
+    (tests): the grid then has cdiv(max_context, partition_size) splits and tiles of min(64, partition_size) keys.
+    With new_kv, q is rotated and the step's K/V stored here, as rope_store_kv would before (q unrotated)."""
     check_cache_layout(k_cache, v_cache, q)
+    if new_kv is not None:
+        check_new_kv(new_kv, q)
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -215,14 +268,36 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     launch = _FEW_ROWS_LAUNCH if batch * num_kv_heads <= _FEW_ROWS_KV_HEADS else _MANY_ROWS_LAUNCH
     # Splits a combine step takes: from static shapes only, so the kernel compiles once per launch shape.
     chunk = max(1, min(_MAX_SPLITS, _COMBINE_TILE * 32 * launch["num_warps"] // (group_p2 * d_pad)))
+    new = new_kv or NewTokenKV(q, q, context_lens, q, context_lens)  # placeholders, never read without NEW_KV
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_max, part_sum,
-        arrival_counters(q.device, batch * num_kv_heads), scale * math.log2(math.e), q.stride(0), q.stride(1),
-        out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), block_size, group, num_q_heads, HEAD_DIM=head_dim, D_PAD=d_pad,
-        GROUP_PAD=max(16, group_p2), GROUP_P2=group_p2, SPLITS_PAD=_MAX_SPLITS, CHUNK=chunk, BLOCK_N=block_n,
-        **launch)
+        arrival_counters(q.device, batch * num_kv_heads), new.k, new.v, new.positions, new.cos_sin,
+        new.slot_mapping, scale * math.log2(math.e), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), new.k.stride(0),
+        new.k.stride(1), new.v.stride(0), new.v.stride(1), block_size, group, num_q_heads, HEAD_DIM=head_dim,
+        D_PAD=d_pad, GROUP_PAD=max(16, group_p2), GROUP_P2=group_p2, SPLITS_PAD=_MAX_SPLITS, CHUNK=chunk,
+        BLOCK_N=block_n, NEW_KV=new_kv is not None, **launch)
     return out
+
+
+def check_new_kv(new_kv: NewTokenKV, q: torch.Tensor) -> None:
+    k, v, cos_sin = new_kv.k, new_kv.v, new_kv.cos_sin
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or k.shape[-1] != q.shape[-1] or k.shape[-1] % 2:
+        raise ValueError(f"new K/V need a unit stride on an even head_dim equal to q's {q.shape[-1]}, got shapes "
+                         f"{tuple(k.shape)}, {tuple(v.shape)} and strides {k.stride()}, {v.stride()}")
+    if cos_sin.dtype != torch.float32 or not cos_sin.is_contiguous() or cos_sin.shape[-1] != q.shape[-1]:
+        raise ValueError(f"cos_sin must be make_cos_sin's contiguous float32 [max_pos, {q.shape[-1]}] table, got "
+                         f"{cos_sin.dtype} {tuple(cos_sin.shape)}")
+
+
+def rope_store_decode_attention(q: torch.Tensor, new_kv: NewTokenKV, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """rope_store_kv of the step's q, k, v, then paged decode attention: one kernel on CUDA."""
+    if q.is_cuda:
+        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, new_kv=new_kv)
+    q = rope_store_kv_ref(q, new_kv.k, new_kv.v, new_kv.positions, new_kv.cos_sin, k_cache, v_cache,
+                          new_kv.slot_mapping)
+    return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

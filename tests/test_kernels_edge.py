@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from kernels import decode_attention
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
-from kernels.decode_attention import paged_decode_attention_ref, paged_decode_attention_triton
+from kernels.decode_attention import NewTokenKV, paged_decode_attention_ref, paged_decode_attention_triton
 from kernels.gemv import GemvConfig, candidate_configs, gemv_triton, linear_ref
 from kernels.kv_store import (make_cos_sin, rope_store_kv_ref, rope_store_kv_triton, store_kv_ref,
                               store_kv_triton)
@@ -68,6 +68,43 @@ def run_decode(lens: list[int], group: int, hkv: int, d: int, block_size: int, p
         torch.testing.assert_close(out, ref, **TOL)
         assert all(out[b].abs().max() == 0 for b, n in enumerate(lens) if n == 0)
     return outs
+
+
+@pytest.mark.parametrize("lens,group,hkv,d,block_size,partition", [
+    ([0, 1, 63, 64, 65, 130], 7, 1, 64, 16, 64),  # one split, split boundaries, three splits; a padded lane
+    ([5, 0, 200, 17], 3, 2, 128, 64, None),  # the default grid, two KV heads
+    ([33, 1, 96], 2, 2, 32, 8, 16),  # many short splits: the token's split is the last of six
+])
+def test_decode_rotates_and_stores_the_steps_own_kv_as_rope_store_kv_then_attention(lens, group, hkv, d,
+                                                                                    block_size, partition):
+    k_cache, v_cache, tables = paged_cache(lens, hkv, d, block_size)
+    batch, hq = len(lens), group * hkv
+    qkv = torch.randn(batch, (hq + 2 * hkv) * d + 3)  # q, k, v are strided views of one row, as in the model
+    q, k, v = (qkv[:, a * d:b * d].unflatten(1, (-1, d)) for a, b in ((0, hq), (hq, hq + hkv),
+                                                                       (hq + hkv, hq + 2 * hkv)))
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    positions = (ctx - 1).clamp(min=0).long()
+    slots = torch.tensor([int(tables[b, (n - 1) // block_size]) * block_size + (n - 1) % block_size if n else -1
+                          for b, n in enumerate(lens)])
+    cos_sin = make_cos_sin(max(lens) + 1, d, 1e6, "cpu")
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    want = paged_decode_attention_ref(rope_store_kv_ref(q, k, v, positions, cos_sin, k_ref, v_ref, slots), k_ref,
+                                      v_ref, tables, ctx, d ** -0.5)
+    new_kv = NewTokenKV(k, v, positions, cos_sin, slots)
+    got = paged_decode_attention_triton(q, k_cache, v_cache, tables, ctx, d ** -0.5, partition, new_kv)
+    torch.testing.assert_close(got, want, **TOL)
+    torch.testing.assert_close(k_cache, k_ref, **TOL)
+    assert torch.equal(v_cache, v_ref)
+    assert all(got[b].abs().max() == 0 for b, n in enumerate(lens) if n == 0)
+
+
+def test_decode_refuses_new_kv_it_cannot_address():
+    k_cache, v_cache, tables = paged_cache([3], 1, 32, 16)
+    q, kv = torch.randn(1, 2, 32), torch.randn(1, 1, 64)[..., ::2]  # a head_dim stride of 2
+    ctx = torch.tensor([3], dtype=torch.int32)
+    new_kv = NewTokenKV(kv, kv, ctx.long() - 1, make_cos_sin(4, 32, 1e6, "cpu"), torch.tensor([2]))
+    with pytest.raises(ValueError, match="unit stride"):
+        paged_decode_attention_triton(q, k_cache, v_cache, tables, ctx, 1.0, new_kv=new_kv)
 
 
 @pytest.mark.parametrize("block_size,group,d", SWEEP)
@@ -273,7 +310,7 @@ def test_one_row_gemv_matches_linear_at_ragged_shapes_and_refuses_more_rows():
     n, k = 45, 1000
     w, bias = torch.randn(n, k), torch.randn(n)
     one_row = [c for c in candidate_configs(n, k, num_sms=132, rows=1) if c.one_row]
-    assert len(one_row) == 2 and not any(c.one_row for c in candidate_configs(n, k, num_sms=132, rows=2))
+    assert len(one_row) == 3 and not any(c.one_row for c in candidate_configs(n, k, num_sms=132, rows=2))
     x = torch.randn(3, 2 * k)[1:2, ::2]  # one row, column stride 2
     for cfg in [*one_row, GemvConfig(8, 256, 1, one_row=True), GemvConfig(16, 128, 3, one_row=True)]:
         for b in (bias, None):

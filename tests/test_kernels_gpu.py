@@ -119,6 +119,23 @@ def test_decode_attention_bf16_long_contexts():
     assert out[1].abs().max() == 0
 
 
+@pytest.mark.parametrize("lens", [[1, 0, 300, 64, 65, 5000], [32768]], ids=["batch-6", "batch-1-32k"])
+def test_decode_attention_rotating_and_storing_the_steps_kv_bf16(lens):
+    k_cache, v_cache, tables = paged_cache(lens, width=32768 // BLOCK)
+    q, k, v = qkv_views(len(lens))
+    ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    positions = (ctx - 1).clamp(min=0).long()
+    slots = torch.tensor([int(tables[b, (n - 1) // BLOCK]) * BLOCK + (n - 1) % BLOCK if n else -1
+                          for b, n in enumerate(lens)], device="cuda")
+    cos_sin = make_cos_sin(32768, D, 1e6, "cuda")
+    k_ref, v_ref = fp32(k_cache, v_cache)
+    q_ref = rope_store_kv_ref(*fp32(q, k, v), positions, cos_sin, k_ref, v_ref, slots)
+    new_kv = decode_attention.NewTokenKV(k, v, positions, cos_sin, slots)
+    out = decode_attention.rope_store_decode_attention(q, new_kv, k_cache, v_cache, tables, ctx, D ** -0.5)
+    assert_close_rel(out, paged_decode_attention_ref(q_ref, k_ref, v_ref, tables, ctx, D ** -0.5))
+    assert_close_rel(k_cache, k_ref) and torch.equal(v_cache.float(), v_ref)
+
+
 def test_decode_attention_replays_in_a_cuda_graph_with_new_lengths():
     k_cache, v_cache, tables = paged_cache([4096] * 4, width=4096 // BLOCK)
     q = torch.randn(4, HQ, D, device="cuda", dtype=BF16)

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels import paged_decode_attention, paged_prefill_attention, rope_store_kv
+from kernels import paged_prefill_attention, rope_store_kv
+from kernels.decode_attention import NewTokenKV, rope_store_decode_attention
 
 
 @dataclass
@@ -31,10 +32,12 @@ class Attention(nn.Module):
                 cos_sin: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
         k_cache, v_cache = kv_cache
-        q = rope_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
-        if meta.max_seqlen_q == 1:
-            out = paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale)
+        if meta.max_seqlen_q == 1:  # the decode kernel rotates and stores the step's K/V itself
+            new_kv = NewTokenKV(k, v, positions, cos_sin, meta.slot_mapping)
+            out = rope_store_decode_attention(q, new_kv, k_cache, v_cache, meta.block_tables, meta.context_lens,
+                                              self.scale)
         else:
+            q = rope_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
             out = paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
                                           meta.context_lens, self.scale, meta.max_seqlen_q)
         return out.flatten(1)
