@@ -49,6 +49,8 @@ def run_worker(config_dict: dict, addresses_dict: dict, rank: int) -> None:
         failed = True
     finally:
         tracer.flush()
+        if config.tensor_parallel_size > 1:
+            _leave_tp_group()
         plans.close(linger=0)
         results.close(linger=2000)  # let a WorkerError get out before the process ends
         ctx.term()
@@ -70,6 +72,14 @@ def _build_runner(config: EngineConfig, addresses: Addresses, rank: int, clock: 
         init_method = f"file://{addresses.ipc_dir}/tp-rendezvous" if addresses.ipc_dir else "tcp://127.0.0.1:29500"
         init_tp_group(rank, tp_size, device.type, init_method)
     return ModelRunner(config, rank, tp_size)
+
+
+def _leave_tp_group() -> None:
+    # Before the interpreter exits: a gloo group left to static destructors aborted the process now and then
+    # ("terminate called without an active exception", exit -6) after a clean Shutdown.
+    from worker.parallel import destroy_tp_group
+
+    destroy_tp_group()
 
 
 def _serve(runner, plans: zmq.Socket, results: zmq.Socket, rank: int, tracer: Tracer) -> None:
