@@ -6,6 +6,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_enabled
+
 _BLOCK = 1024
 
 
@@ -16,7 +18,9 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, inter, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # the GEMV after this may start loading its weights (kernels/pdl.py)
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -32,7 +36,8 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"silu_and_mul needs a unit stride on the last dim, got {x.stride()}; pass x.contiguous()")
     rows, inter = x.shape[0], x.shape[1] // 2
     out = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
-    _silu_and_mul_kernel[(rows, triton.cdiv(inter, _BLOCK))](x, out, x.stride(0), out.stride(0), inter, BLOCK=_BLOCK)
+    _silu_and_mul_kernel[(rows, triton.cdiv(inter, _BLOCK))](x, out, x.stride(0), out.stride(0), inter, BLOCK=_BLOCK,
+                                                              PDL=pdl_enabled(x.device))
     return out
 
 

@@ -10,6 +10,7 @@ import triton.language as tl
 
 from kernels.attention_tile import attend_range
 from kernels.kv_store import check_cache_layout, rope_store_kv_ref
+from kernels.pdl import pdl_enabled
 
 # Split-K sizing, measured on an H200 at Qwen2.5-1.5B shapes (bench/NOTES.md, the 987288b probe): a program
 # walks its split one tile at a time, latency-bound, so short splits (many programs) win at small batch. The
@@ -91,11 +92,13 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, ou
                          stride_vb, stride_vh, block_size, group, num_q_heads, HEAD_DIM: tl.constexpr,
                          D_PAD: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr,
                          SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
-                         NEW_KV: tl.constexpr):
+                         NEW_KV: tl.constexpr, PDL: tl.constexpr):
     # Program (row, kv head, split): the group of query heads sharing this KV head attends to tokens
     # [split * L, (split + 1) * L) of the row (L = _split_len), so each K/V tile is read once for the group.
     # A row of one used split writes its output here; otherwise the last of its used splits to arrive combines
     # them (no second kernel: at batch 1 its launch cost more than its work).
+    if PDL:  # o_proj's GEMV may start loading its weights (kernels/pdl.py)
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -276,7 +279,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), new.k.stride(0),
         new.k.stride(1), new.v.stride(0), new.v.stride(1), block_size, group, num_q_heads, HEAD_DIM=head_dim,
         D_PAD=d_pad, GROUP_PAD=max(16, group_p2), GROUP_P2=group_p2, SPLITS_PAD=_MAX_SPLITS, CHUNK=chunk,
-        BLOCK_N=block_n, NEW_KV=new_kv is not None, **launch)
+        BLOCK_N=block_n, NEW_KV=new_kv is not None, PDL=pdl_enabled(q.device), **launch)
     return out
 
 

@@ -31,6 +31,7 @@ import triton.language as tl
 
 from kernels.activation import silu_and_mul
 from kernels.norm import add_rms_norm, rms_norm
+from kernels.pdl import pdl_enabled, pdl_launch
 
 GEMV_MAX_M = 16  # rows the Triton path takes: one tl.dot tile (its M is at least 16 anyway)
 BLOCK_M = 16
@@ -155,27 +156,39 @@ def _gemv_kernel(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, w_ptr, bias_ptr, out_p
 
 
 @triton.jit
+def _load_w_tile(w_rows, offs_n, offs_k, N, k_end, stride_wk):
+    return tl.load(w_rows + offs_k[None, :] * stride_wk, mask=(offs_n[:, None] < N) & (offs_k[None, :] < k_end),
+                   other=0.0)
+
+
+@triton.jit
 def _gemv_row_kernel(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, w_ptr, bias_ptr, out_ptr, sumsq_ptr, N, K,
                      k_per_split, eps, stride_xk, stride_wn, stride_wk, NORM: tl.constexpr,
                      HAS_RESIDUAL: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     # Program (n, s): x[0] times output rows [n*BLOCK_N, +BLOCK_N) over split s of K, as _gemv_kernel with M = 1.
+    # Each weight tile is loaded one step ahead; the first before waiting for the kernel that writes x (PDL).
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     sumsq = tl.zeros([1], dtype=tl.float32)
+    w = _load_w_tile(w_rows, offs_n, k_start + tl.arange(0, BLOCK_K), N, k_end, stride_wk)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x, sq = _load_x(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, offs_k * stride_xk, offs_k, offs_k < K, K,
                         K * stride_xk, pid_n == 0, NORM, HAS_RESIDUAL, SILU)
         if NORM:
             sumsq += tl.sum(sq, axis=0)
-        w = tl.load(w_rows + offs_k[None, :] * stride_wk, mask=(offs_n[:, None] < N) & (offs_k[None, :] < K),
-                    other=0.0)
+        w_next = _load_w_tile(w_rows, offs_n, offs_k + BLOCK_K, N, k_end, stride_wk)
         acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+        w = w_next
     _epilogue(acc[None, :], sumsq, out_ptr, bias_ptr, sumsq_ptr, tl.arange(0, 1), offs_n, pid_n, pid_k, 1, N, K, eps,
               NORM, HAS_BIAS, PARTIAL)
 
@@ -244,7 +257,8 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, config: G
         if m != 1:
             raise ValueError(f"{cfg} takes exactly one row of x, got {m}; use a config with one_row=False")
         _gemv_row_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
-            *pointers, n, k, k_per_split, eps, x.stride(1), w.stride(0), w.stride(1), **meta)
+            *pointers, n, k, k_per_split, eps, x.stride(1), w.stride(0), w.stride(1), PDL=pdl_enabled(x.device),
+            **meta, **pdl_launch(x.device))
     else:
         grid = (triton.cdiv(n, cfg.block_n), cfg.split_k, triton.cdiv(m, BLOCK_M))
         _gemv_kernel[grid](*pointers, m, n, k, k_per_split, eps, x.stride(0), x.stride(1), w.stride(0), w.stride(1),

@@ -5,6 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_enabled
+
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim, in float32, rounded the way Hugging Face's Qwen2RMSNorm rounds."""
@@ -22,8 +24,11 @@ def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, stride_x, stride_res, stride_out,
-                     stride_new_res, hidden, eps, ADD_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     stride_new_res, hidden, eps, ADD_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
     # One program per row: a whole row (hidden <= a few thousand) fits in registers, so the row is read once.
+    if PDL:  # the GEMV after this may start loading its weights (kernels/pdl.py)
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -53,7 +58,7 @@ def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
     block = triton.next_power_of_2(hidden)
     _rms_norm_kernel[(rows,)](x, res, weight, out, new_res, x.stride(0), res.stride(0), out.stride(0),
                               new_res.stride(0), hidden, eps, ADD_RESIDUAL=residual is not None, BLOCK=block,
-                              num_warps=min(16, max(1, block // 256)))
+                              PDL=pdl_enabled(x.device), num_warps=min(16, max(1, block // 256)))
     return out, (new_res if residual is not None else None)
 
 

@@ -186,3 +186,14 @@ def test_graph_replay_of_the_split_k_norm_gemv_equals_the_eager_call():
     graph.replay()
     again = norm_gemv_triton(x, residual, norm_w, eps, w, bias, cfg)
     assert torch.equal(out, again[0]) and torch.equal(new_residual, again[1]) and not torch.equal(out, eager)
+
+
+def test_programmatic_dependent_launch_is_off_the_gpu_and_when_turned_off(monkeypatch):
+    from kernels import pdl
+
+    assert not pdl.pdl_enabled(torch.device("cpu")) and pdl.pdl_launch(torch.device("cpu")) == {}
+    pdl.pdl_enabled.cache_clear()
+    monkeypatch.setenv(pdl.ENV, "0")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: pytest.fail("not asked when off"))
+    assert not pdl.pdl_enabled(torch.device("cuda", 0))
+    pdl.pdl_enabled.cache_clear()
