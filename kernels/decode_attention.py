@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention_tile import attend_range
-from kernels.kv_store import check_cache_layout, rope_store_kv_ref
+from kernels.kv_store import check_cache_layout, check_new_kv, rope_store_kv_ref
 from kernels.pdl import pdl_enabled
 
 # Split-K sizing, measured on an H200 at Qwen2.5-1.5B shapes (bench/NOTES.md, the 987288b probe): a program
@@ -249,9 +249,10 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     """Split-K flash decoding in one kernel; partition_size (a power of two >= 16) overrides the static choice
     (tests): the grid then has cdiv(max_context, partition_size) splits and tiles of min(64, partition_size) keys.
     With new_kv, q is rotated and the step's K/V stored here, as rope_store_kv would before (q unrotated)."""
-    check_cache_layout(k_cache, v_cache, q)
-    if new_kv is not None:
-        check_new_kv(new_kv, q)
+    if new_kv is None:
+        check_cache_layout(k_cache, v_cache, q)
+    else:
+        check_new_kv(new_kv.k, new_kv.v, k_cache, v_cache, q, new_kv.cos_sin)
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -281,16 +282,6 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         D_PAD=d_pad, GROUP_PAD=max(16, group_p2), GROUP_P2=group_p2, SPLITS_PAD=_MAX_SPLITS, CHUNK=chunk,
         BLOCK_N=block_n, NEW_KV=new_kv is not None, PDL=pdl_enabled(q.device), **launch)
     return out
-
-
-def check_new_kv(new_kv: NewTokenKV, q: torch.Tensor) -> None:
-    k, v, cos_sin = new_kv.k, new_kv.v, new_kv.cos_sin
-    if k.stride(-1) != 1 or v.stride(-1) != 1 or k.shape[-1] != q.shape[-1] or k.shape[-1] % 2:
-        raise ValueError(f"new K/V need a unit stride on an even head_dim equal to q's {q.shape[-1]}, got shapes "
-                         f"{tuple(k.shape)}, {tuple(v.shape)} and strides {k.stride()}, {v.stride()}")
-    if cos_sin.dtype != torch.float32 or not cos_sin.is_contiguous() or cos_sin.shape[-1] != q.shape[-1]:
-        raise ValueError(f"cos_sin must be make_cos_sin's contiguous float32 [max_pos, {q.shape[-1]}] table, got "
-                         f"{cos_sin.dtype} {tuple(cos_sin.shape)}")
 
 
 def rope_store_decode_attention(q: torch.Tensor, new_kv: NewTokenKV, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -104,21 +104,26 @@ def check_cache_layout(k_cache: torch.Tensor, v_cache: torch.Tensor, q: torch.Te
         raise ValueError(f"q needs a unit stride on head_dim, got strides {q.stride()}; pass q.contiguous()")
 
 
-def _check_layout(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    check_cache_layout(k_cache, v_cache)
+def check_new_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 q: torch.Tensor | None = None, cos_sin: torch.Tensor | None = None) -> None:
+    """What the kernels that store the step's K/V (here and in decode attention) address: k/v rows of a unit
+    stride on an even head_dim; with RoPE also q's head_dim and make_cos_sin's float32 [max_pos, D] table."""
+    check_cache_layout(k_cache, v_cache, q)
     if k.stride(-1) != 1 or v.stride(-1) != 1 or k.shape[-1] % 2:
         raise ValueError(f"k/v need a unit stride on an even head_dim, got strides {k.stride()}, {v.stride()} "
                          f"and head_dim {k.shape[-1]}")
+    if q is not None and (k.shape[-1] != q.shape[-1] or cos_sin.dtype != torch.float32
+                          or not cos_sin.is_contiguous() or cos_sin.shape[-1] != q.shape[-1]):
+        raise ValueError(f"q and k need one head_dim and cos_sin make_cos_sin's contiguous float32 [max_pos, "
+                         f"{q.shape[-1]}] table, got head_dims {q.shape[-1]}, {k.shape[-1]} and cos_sin "
+                         f"{cos_sin.dtype} {tuple(cos_sin.shape)}; use make_cos_sin")
 
 
 def _launch_kv_store(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None,
                      cos_sin: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      slot_mapping: torch.Tensor) -> torch.Tensor | None:
-    _check_layout(k, v, k_cache, v_cache)
     rope = q is not None
-    if rope and (q.stride(-1) != 1 or cos_sin.shape[-1] != q.shape[-1] or not cos_sin.is_contiguous()):
-        raise ValueError(f"q needs a unit stride on head_dim and cos_sin [max_pos, {q.shape[-1]}] contiguous, "
-                         f"got q strides {q.stride()} and cos_sin {tuple(cos_sin.shape)}; use make_cos_sin")
+    check_new_kv(k, v, k_cache, v_cache, q, cos_sin)
     num_tokens, num_kv_heads, head_dim = k.shape
     q_src = q if rope else k  # placeholders when ROPE is off: never read
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if rope else k

@@ -98,13 +98,23 @@ def test_decode_rotates_and_stores_the_steps_own_kv_as_rope_store_kv_then_attent
     assert all(got[b].abs().max() == 0 for b, n in enumerate(lens) if n == 0)
 
 
-def test_decode_refuses_new_kv_it_cannot_address():
+def test_kernels_storing_the_steps_kv_refuse_what_they_cannot_address():
     k_cache, v_cache, tables = paged_cache([3], 1, 32, 16)
     q, kv = torch.randn(1, 2, 32), torch.randn(1, 1, 64)[..., ::2]  # a head_dim stride of 2
     ctx = torch.tensor([3], dtype=torch.int32)
     new_kv = NewTokenKV(kv, kv, ctx.long() - 1, make_cos_sin(4, 32, 1e6, "cpu"), torch.tensor([2]))
     with pytest.raises(ValueError, match="unit stride"):
         paged_decode_attention_triton(q, k_cache, v_cache, tables, ctx, 1.0, new_kv=new_kv)
+    k = torch.randn(1, 1, 32)
+    half_table = make_cos_sin(4, 32, 1e6, "cpu").half()  # the kernels read the table as float32
+    for call in (lambda: paged_decode_attention_triton(q, k_cache, v_cache, tables, ctx, 1.0,
+                                                       new_kv=NewTokenKV(k, k, ctx.long() - 1, half_table,
+                                                                         torch.tensor([2]))),
+                 lambda: rope_store_kv_triton(q, k, k, ctx.long() - 1, half_table, k_cache, v_cache,
+                                              torch.tensor([2]))):
+        with pytest.raises(ValueError, match=r"float32 \[max_pos, 32\] table, got head_dims 32, 32 and cos_sin "
+                                             r"torch.float16"):
+            call()
 
 
 @pytest.mark.parametrize("block_size,group,d", SWEEP)
