@@ -46,43 +46,43 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def linear_shapes(c: ModelConfig) -> dict[str, tuple[int, int, bool, str]]:
-    """(out features, in features, has bias, the prologue folded into it) of each linear of a decode step,
-    unsharded."""
+def linear_shapes(c: ModelConfig) -> dict[str, tuple[int, int, bool, tuple[str, ...]]]:
+    """(out features, in features, has bias, the folds timed: kernels.linear's "" and the ops a decode step
+    folds into it) of each linear of a decode step, unsharded."""
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    return {"qkv": (q + 2 * kv, c.hidden_size, True, "norm"), "o_proj": (c.hidden_size, q, False, ""),
-            "gate_up": (2 * c.intermediate_size, c.hidden_size, False, "norm"),
-            "down": (c.hidden_size, c.intermediate_size, False, "silu"),
-            "lm_head": (c.vocab_size, c.hidden_size, False, "")}
+    return {"qkv": (q + 2 * kv, c.hidden_size, True, ("", "norm")), "o_proj": (c.hidden_size, q, False, ("",)),
+            "gate_up": (2 * c.intermediate_size, c.hidden_size, False, ("", "swiglu", "norm+swiglu")),
+            "down": (c.hidden_size, c.intermediate_size, False, ("",)),
+            "lm_head": (c.vocab_size, c.hidden_size, False, ("",))}
 
 
-def prologue_inputs(prologue: str, rows: int, k: int) -> tuple:
-    """Random bf16 CUDA inputs of kernels.linear's op before (w, bias): (x,), (x, residual, norm weight, eps)
-    or (gate_up,)."""
+def fold_inputs(fold: str, rows: int, k: int) -> tuple:
+    """Random bf16 CUDA inputs of kernels.linear's op before (w, bias): (x,), or (x, residual, norm weight, eps)
+    for a fold with the norm."""
     import torch
 
     rand = functools.partial(torch.randn, device="cuda", dtype=torch.bfloat16)
-    if prologue == "norm":
+    if fold.startswith("norm"):
         return rand(rows, k), rand(rows, k), 1 + rand(k).abs(), 1e-6
-    return (rand(rows, 2 * k if prologue == "silu" else k),)
+    return (rand(rows, k),)
 
 
 def time_linears(c: ModelConfig, rows: list[int]) -> list[dict]:
-    """Each linear alone and with its prologue folded in: the unfused path (cuBLAS; the prologue's kernel then
-    linear()'s pick) beside the one kernels.linear picks."""
+    """Each linear alone and with the ops around it folded in: the unfused path (cuBLAS; the folded ops'
+    kernels around linear()'s pick) beside the one kernels.linear picks."""
     import torch
 
     from kernels.linear import timed_choice
 
     results = []
-    for name, (n, k, has_bias, prologue) in linear_shapes(c).items():
+    for name, (n, k, has_bias, folds) in linear_shapes(c).items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
         bias = torch.randn(n, device="cuda", dtype=torch.bfloat16) if has_bias else None
-        for folded in dict.fromkeys(("", prologue)):
+        for fold in folds:
             for m in rows:
-                choice, unfused, chosen = timed_choice(folded, prologue_inputs(folded, m, k), w, bias)
+                choice, unfused, chosen = timed_choice(fold, fold_inputs(fold, m, k), w, bias)
                 mb = n * k * 2 / 1e6  # MB per µs is TB/s
-                results.append({"linear": name, "prologue": folded or "-", "rows": m, "weight_mb": mb,
+                results.append({"linear": name, "fold": fold or "-", "rows": m, "weight_mb": mb,
                                 "unfused_us": unfused, "chosen_us": chosen, "chosen_tb_s": mb / chosen,
                                 "chosen": str(choice) if choice else "unfused (cuBLAS)"})
         del w, bias

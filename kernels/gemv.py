@@ -1,5 +1,5 @@
 """Linear layers of a few rows (batch-1 decode): a split-K Triton GEMV, used only where it beats cuBLAS, with
-the small op before a linear (residual add + RMSNorm, SwiGLU) folded into its loads.
+the residual add + RMSNorm before a linear folded into its loads and SwiGLU after gate_up into its stores.
 
 cuBLAS runs the small decode GEMVs far below memory bandwidth (too few thread blocks for 132 SMs). Here
 each program owns a BLOCK_N slice of output rows and a slice of K, reads its weight tile once for all
@@ -8,12 +8,14 @@ a second small kernel, so results are bit-reproducible (a graph replay equals th
 (batch-1 decode) a second kernel multiplies and sums without the 16-row tensor-core tile, so a program can
 own as few as 2 output rows and a small matrix spreads over every SM without splitting K.
 
-Prologues, each saving a kernel launch: norm_gemv_triton computes linear(rms_norm(x + residual)) as
+The norm prologue (norm_gemv_triton) computes linear(rms_norm(x + residual)) as
 out[n] = rstd * sum_k W[n, k] * (norm_w[k] * s[k]) with s = x + residual, so one pass over K sums both the
 products and s[k]^2, and rstd = 1 / sqrt(mean(s^2) + eps) scales the sums at the end (in the split-K reduce
 when K is split: both sums are additive). The rounding differs from the unfused path's by about an ulp of
 the dtype: norm_w * s is rounded (for tl.dot), not the normed s and then its product with norm_w.
-silu_gemv_triton computes silu(gate) * up as it loads its input, rounded as silu_and_mul rounds.
+The SwiGLU epilogue (swiglu=True, w = [gate | up]) has each program sum gate row n and up row n + N/2
+together and store silu(gate) * up, rounded as linear then silu_and_mul round: no [M, N] gate_up output, no
+SwiGLU launch. It needs all of K in one program (split_k = 1).
 
 Each Triton function here sits beside its unfused reference; kernels/linear.py picks between the two per
 shape by timing them.
@@ -51,11 +53,10 @@ class GemvConfig:
 # Candidate tiles: (block_n, block_k, num_warps, programs wanted per SM). The one-row tiles are the fastest
 # of a sweep on an H200 at Qwen2.5-1.5B's shapes, each in a CUDA graph over cold weights (bench/NOTES.md);
 # the long-K ones run all of a K >= LONG_K (down_proj's 8960 at 1.5B) in each program (2 x 4096 won down,
-# 9.8 µs against cuBLAS's 11.2). A prologue re-reads its [K] vectors in every program, so the fused forms
-# lost with these (gate_up + norm 17.1 µs against 16.7 unfused; down + SwiGLU 11.7 against 11.0): the 16-row
-# and 4 x 1024 tiles read those vectors a quarter and a half as often (untimed yet).
+# 9.8 µs against cuBLAS's 11.2). A tile of K >= K (2048 at 1.5B's 1536) loads all of its weights before it
+# waits on the kernel before it (kernels/pdl.py): qkv, o_proj and down took 4 x 2048 at 76dfbcb.
 _DOT_TILES = ((64, 128, 4, 2), (32, 256, 4, 2), (128, 128, 8, 2))
-_ONE_ROW_TILES = ((4, 2048, 8, 4), (8, 512, 4, 1), (16, 512, 8, 1))
+_ONE_ROW_TILES = ((4, 2048, 8, 4), (8, 512, 4, 1), (16, 512, 8, 1), (2, 2048, 4, 4), (8, 2048, 8, 2))
 _LONG_K_TILES = ((2, 1024, 4, 1), (4, 2048, 8, 1), (2, 4096, 8, 1), (4, 1024, 8, 1))
 LONG_K = 4096
 
@@ -63,6 +64,13 @@ LONG_K = 4096
 def linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x[M, K] @ w[N, K]^T + bias[N]: torch's linear (cuBLAS on the GPU)."""
     return F.linear(x, w, bias)
+
+
+def swiglu_linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+                      linear: Callable = linear_ref) -> torch.Tensor:
+    """silu_and_mul(linear(x, w, bias)) for w = [gate | up], unfused: `linear`, then SwiGLU's own kernel on the
+    GPU (plain torch on the CPU)."""
+    return silu_and_mul(linear(x, w, bias))
 
 
 def norm_linear_ref(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
@@ -76,15 +84,9 @@ def norm_linear_ref(x: torch.Tensor, residual: torch.Tensor | None, norm_weight:
     return linear(normed, w, bias), new_residual
 
 
-def silu_linear_ref(gate_up: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-                    linear: Callable = linear_ref) -> torch.Tensor:
-    """linear(silu_and_mul(gate_up), w, bias), unfused: SwiGLU's own kernel on the GPU, then `linear`."""
-    return linear(silu_and_mul(gate_up), w, bias)
-
-
 @triton.jit
-def _load_x(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, offs, offs_k, mask, K, up_offset, store_sum,
-            NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU: tl.constexpr):
+def _load_x(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, offs, offs_k, mask, K, store_sum, NORM: tl.constexpr,
+            HAS_RESIDUAL: tl.constexpr):
     # A tile of the GEMV's input at x's element offsets `offs` (float32 after a prologue), and the squares of
     # s = x + residual (RMSNorm's terms; used only under NORM). The residual and new residual share x's layout.
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
@@ -95,10 +97,6 @@ def _load_x(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, offs, offs_k, mask, K, up_o
     xf = x.to(tl.float32)
     if NORM:  # norm_w * s; the caller scales the sums by rstd once they hold all of K
         x = xf * tl.load(norm_w_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-    if SILU:  # x is [gate | up]: silu(gate), then the product, each rounded to the dtype as silu_and_mul does
-        up = tl.load(x_ptr + offs + up_offset, mask=mask, other=0.0).to(tl.float32)
-        act = (xf / (1.0 + tl.exp(-xf))).to(x_ptr.dtype.element_ty).to(tl.float32)
-        x = (act * up).to(x_ptr.dtype.element_ty)
     return x, xf * xf
 
 
@@ -108,30 +106,44 @@ def _rstd(sumsq, K, eps):
 
 
 @triton.jit
-def _epilogue(acc, sumsq, out_ptr, bias_ptr, sumsq_ptr, offs_m, offs_n, pid_n, pid_k, M, N, K, eps,
-              NORM: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
-    # acc[rows, cols] over this program's K range. PARTIAL: store float32 partials [split, M, N] (and, from
-    # the programs of column 0, the rows' sums of squares [split, M]) for the reduce; else the output.
+def _finish(acc, sumsq, bias_ptr, offs_n, N, K, eps, NORM: tl.constexpr, HAS_BIAS: tl.constexpr):
+    # Whole-K sums acc[rows, cols] -> the linear's float32 output: rstd of the norm, then the bias.
+    if NORM:
+        acc = acc * _rstd(sumsq, K, eps)[:, None]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    return acc
+
+
+@triton.jit
+def _epilogue(acc, acc_up, sumsq, out_ptr, bias_ptr, sumsq_ptr, offs_m, offs_n, pid_n, pid_k, M, N, K, eps,
+              NORM: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, SWIGLU: tl.constexpr):
+    # acc[rows, cols] over this program's K range (acc_up: the up rows', under SWIGLU). PARTIAL: store float32
+    # partials [split, M, N] (and, from the programs of column 0, the rows' sums of squares [split, M]) for
+    # the reduce; else the output, N columns wide (under SWIGLU the weight has 2N rows).
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     if PARTIAL:
         tl.store(out_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
         if NORM:
             tl.store(sumsq_ptr + pid_k * M + offs_m, sumsq, mask=tl.where(pid_n == 0, offs_m < M, False))
     else:
-        if NORM:
-            acc = acc * _rstd(sumsq, K, eps)[:, None]
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+        dtype = out_ptr.dtype.element_ty
+        out = _finish(acc, sumsq, bias_ptr, offs_n, N, K, eps, NORM, HAS_BIAS).to(dtype)
+        if SWIGLU:  # gate and up rounded to the dtype, then silu, then the product: silu_and_mul's roundings
+            gate = out.to(tl.float32)
+            up = _finish(acc_up, sumsq, bias_ptr + N, offs_n, N, K, eps, NORM, HAS_BIAS).to(dtype).to(tl.float32)
+            out = ((gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up).to(dtype)
+        tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], out, mask=mask)
 
 
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, w_ptr, bias_ptr, out_ptr, sumsq_ptr, M, N, K,
                  k_per_split, eps, stride_xm, stride_xk, stride_wn, stride_wk, NORM: tl.constexpr,
-                 HAS_RESIDUAL: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
+                 HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, SWIGLU: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # Program (n, s, m): rows [m*BLOCK_M, +BLOCK_M) of x times output rows [n*BLOCK_N, +BLOCK_N) over split s
-    # of K. PARTIAL: write float32 partials for the reduce kernel; else the output (+ bias).
+    # of K (and up rows N + those, under SWIGLU). PARTIAL: write float32 partials for the reduce kernel; else
+    # the output (+ bias).
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -139,20 +151,23 @@ def _gemv_kernel(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, w_ptr, bias_ptr, out_p
     k_end = tl.minimum(K, k_start + k_per_split)
     w_rows = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn  # the tile is loaded as w^T: [BLOCK_K, BLOCK_N]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         offs_x = offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
         x, sq = _load_x(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, offs_x, offs_k[None, :],
-                        (offs_m[:, None] < M) & (offs_k[None, :] < K), K, K * stride_xk, pid_n == 0, NORM,
-                        HAS_RESIDUAL, SILU)
+                        (offs_m[:, None] < M) & (offs_k[None, :] < K), K, pid_n == 0, NORM, HAS_RESIDUAL)
         if NORM:
             sumsq += tl.sum(sq, axis=1)
-        w = tl.load(w_rows + offs_k[:, None] * stride_wk, mask=(offs_k[:, None] < K) & (offs_n[None, :] < N),
-                    other=0.0)
+        w_mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
+        w = tl.load(w_rows + offs_k[:, None] * stride_wk, mask=w_mask, other=0.0)
         acc += tl.dot(x.to(w.dtype), w)
-    _epilogue(acc, sumsq, out_ptr, bias_ptr, sumsq_ptr, offs_m, offs_n, pid_n, pid_k, M, N, K, eps, NORM, HAS_BIAS,
-              PARTIAL)
+        if SWIGLU:
+            w_up = tl.load(w_rows + N * stride_wn + offs_k[:, None] * stride_wk, mask=w_mask, other=0.0)
+            acc_up += tl.dot(x.to(w.dtype), w_up)
+    _epilogue(acc, acc_up, sumsq, out_ptr, bias_ptr, sumsq_ptr, offs_m, offs_n, pid_n, pid_k, M, N, K, eps, NORM,
+              HAS_BIAS, PARTIAL, SWIGLU)
 
 
 @triton.jit
@@ -164,8 +179,8 @@ def _load_w_tile(w_rows, offs_n, offs_k, N, k_end, stride_wk):
 @triton.jit
 def _gemv_row_kernel(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, w_ptr, bias_ptr, out_ptr, sumsq_ptr, N, K,
                      k_per_split, eps, stride_xk, stride_wn, stride_wk, NORM: tl.constexpr,
-                     HAS_RESIDUAL: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
+                     SWIGLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     # Program (n, s): x[0] times output rows [n*BLOCK_N, +BLOCK_N) over split s of K, as _gemv_kernel with M = 1.
     # Each weight tile is loaded one step ahead; the first before waiting for the kernel that writes x (PDL).
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
@@ -175,22 +190,33 @@ def _gemv_row_kernel(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, w_ptr, bias_ptr, o
     k_start = pid_k * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    up_rows = w_rows + N * stride_wn  # read under SWIGLU only
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
     sumsq = tl.zeros([1], dtype=tl.float32)
-    w = _load_w_tile(w_rows, offs_n, k_start + tl.arange(0, BLOCK_K), N, k_end, stride_wk)
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+    w = _load_w_tile(w_rows, offs_n, offs_k, N, k_end, stride_wk)
+    w_up = w
+    if SWIGLU:
+        w_up = _load_w_tile(up_rows, offs_n, offs_k, N, k_end, stride_wk)
     if PDL:
         tl.extra.cuda.gdc_wait()
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x, sq = _load_x(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, offs_k * stride_xk, offs_k, offs_k < K, K,
-                        K * stride_xk, pid_n == 0, NORM, HAS_RESIDUAL, SILU)
+                        pid_n == 0, NORM, HAS_RESIDUAL)
         if NORM:
             sumsq += tl.sum(sq, axis=0)
+        xf = x.to(tl.float32)[None, :]
         w_next = _load_w_tile(w_rows, offs_n, offs_k + BLOCK_K, N, k_end, stride_wk)
-        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+        acc += tl.sum(w.to(tl.float32) * xf, axis=1)
         w = w_next
-    _epilogue(acc[None, :], sumsq, out_ptr, bias_ptr, sumsq_ptr, tl.arange(0, 1), offs_n, pid_n, pid_k, 1, N, K, eps,
-              NORM, HAS_BIAS, PARTIAL)
+        if SWIGLU:
+            w_up_next = _load_w_tile(up_rows, offs_n, offs_k + BLOCK_K, N, k_end, stride_wk)
+            acc_up += tl.sum(w_up.to(tl.float32) * xf, axis=1)
+            w_up = w_up_next
+    _epilogue(acc[None, :], acc_up[None, :], sumsq, out_ptr, bias_ptr, sumsq_ptr, tl.arange(0, 1), offs_n, pid_n,
+              pid_k, 1, N, K, eps, NORM, HAS_BIAS, PARTIAL, SWIGLU)
 
 
 @triton.jit(do_not_specialize=["MN", "SPLIT_K"])
@@ -213,56 +239,55 @@ def _split_k_reduce_kernel(part_ptr, sumsq_ptr, bias_ptr, out_ptr, MN, N, K, SPL
 
 
 def gemv_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-                config: GemvConfig | None = None) -> torch.Tensor:
-    """linear_ref(x, w, bias) by the split-K kernel; x may be a strided view, the output is contiguous."""
-    return _gemv(x, w, bias, config)[0]
+                config: GemvConfig | None = None, swiglu: bool = False) -> torch.Tensor:
+    """linear_ref(x, w, bias) by the split-K kernel (swiglu_linear_ref with swiglu); x may be a strided view, the
+    output is contiguous."""
+    return _gemv(x, w, bias, config, swiglu=swiglu)[0]
 
 
 def norm_gemv_triton(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                     w: torch.Tensor, bias: torch.Tensor | None = None,
-                     config: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """norm_linear_ref(...) in one GEMV (and its split-K reduce); x and residual are made contiguous."""
+                     w: torch.Tensor, bias: torch.Tensor | None = None, config: GemvConfig | None = None,
+                     swiglu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """norm_linear_ref(...) in one GEMV (and its split-K reduce), SwiGLU after it with swiglu; x and residual
+    are made contiguous."""
     x = x.contiguous()
     residual = None if residual is None else residual.contiguous()
-    out, new_residual = _gemv(x, w, bias, config, residual, norm_weight, eps)
+    out, new_residual = _gemv(x, w, bias, config, residual, norm_weight, eps, swiglu)
     return out, (x if residual is None else new_residual)
-
-
-def silu_gemv_triton(gate_up: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-                     config: GemvConfig | None = None) -> torch.Tensor:
-    """silu_linear_ref(gate_up, w, bias) in one GEMV; gate_up[M, 2K] may be a strided view."""
-    return _gemv(gate_up, w, bias, config, silu=True)[0]
 
 
 def _gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig | None,
           residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-          silu: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+          swiglu: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     # (out, new residual or None). Tensors a variant does not read are passed as w: never dereferenced.
     (n, k), m = w.shape, x.shape[0]
-    if x.shape[1] != (2 * k if silu else k):
-        raise ValueError(f"x has {x.shape[1]} columns for a weight of {k} (SwiGLU input: {silu}): pass x[M, K]"
-                         " to linear and norm_linear, gate_up[M, 2K] to silu_linear")
-    cfg = config or candidate_configs(n, k, num_sms(x.device))[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if x.shape[1] != k:
+        raise ValueError(f"x has {x.shape[1]} columns for a weight of {k}: pass x[M, K] for w[N, K]")
+    cfg = config or candidate_configs(n, k, num_sms(x.device), swiglu=swiglu)[0]
+    if swiglu and (n % 2 or cfg.split_k > 1):
+        raise ValueError(f"the SwiGLU epilogue needs w = [gate | up] (an even row count, got {n}) and all of K in "
+                         f"one program (split_k = 1, got {cfg.split_k}): use candidate_configs(..., swiglu=True)")
+    n_out = n // 2 if swiglu else n
+    out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     new_res = None if residual is None else torch.empty_like(x)
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     partial, norm = cfg.split_k > 1, norm_weight is not None
     target = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device) if partial else out
     sumsq = torch.empty((cfg.split_k, m), dtype=torch.float32, device=x.device) if partial and norm else w
     pointers = (x, _or_w(residual, w), _or_w(norm_weight, w), _or_w(new_res, w), w, _or_w(bias, w), target, sumsq)
-    meta = dict(NORM=norm, HAS_RESIDUAL=residual is not None, SILU=silu, HAS_BIAS=bias is not None and not partial,
-                PARTIAL=partial, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+    meta = dict(NORM=norm, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None and not partial,
+                PARTIAL=partial, SWIGLU=swiglu, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages)
     if cfg.one_row:
         if m != 1:
             raise ValueError(f"{cfg} takes exactly one row of x, got {m}; use a config with one_row=False")
-        _gemv_row_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
-            *pointers, n, k, k_per_split, eps, x.stride(1), w.stride(0), w.stride(1), PDL=pdl_enabled(x.device),
+        _gemv_row_kernel[(triton.cdiv(n_out, cfg.block_n), cfg.split_k)](
+            *pointers, n_out, k, k_per_split, eps, x.stride(1), w.stride(0), w.stride(1), PDL=pdl_enabled(x.device),
             **meta, **pdl_launch(x.device))
     else:
-        grid = (triton.cdiv(n, cfg.block_n), cfg.split_k, triton.cdiv(m, BLOCK_M))
-        _gemv_kernel[grid](*pointers, m, n, k, k_per_split, eps, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
-                           BLOCK_M=BLOCK_M, **meta)
+        grid = (triton.cdiv(n_out, cfg.block_n), cfg.split_k, triton.cdiv(m, BLOCK_M))
+        _gemv_kernel[grid](*pointers, m, n_out, k, k_per_split, eps, x.stride(0), x.stride(1), w.stride(0),
+                           w.stride(1), BLOCK_M=BLOCK_M, **meta)
     if partial:
         _split_k_reduce_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](
             target, sumsq, _or_w(bias, w), out, m * n, n, k, cfg.split_k, eps, NORM=norm, HAS_BIAS=bias is not None,
@@ -274,16 +299,17 @@ def _or_w(t: torch.Tensor | None, w: torch.Tensor) -> torch.Tensor:
     return w if t is None else t
 
 
-def candidate_configs(n: int, k: int, num_sms: int, rows: int = GEMV_MAX_M) -> list[GemvConfig]:
+def candidate_configs(n: int, k: int, num_sms: int, rows: int = GEMV_MAX_M, swiglu: bool = False) -> list[GemvConfig]:
     """Tile shapes worth timing for an [n, k] weight and x of `rows` rows (the one-row kernel's too for 1);
-    K is split until each tile shape has its programs per SM; a config two tiles share is listed once."""
+    K is split until each tile shape has its programs per SM (never with swiglu: its epilogue needs all of K);
+    a config two tiles share is listed once."""
     row_tiles = (*_ONE_ROW_TILES, *(_LONG_K_TILES if k >= LONG_K else ())) if rows == 1 else ()
     shapes = [(tile, False) for tile in _DOT_TILES] + [(tile, True) for tile in row_tiles]
     configs = {}
     for (block_n, block_k, warps, per_sm), one_row in shapes:
         chunks = triton.cdiv(k, block_k)
         wanted = triton.cdiv(per_sm * num_sms, triton.cdiv(n, block_n))
-        per_split = max(1, chunks // wanted)  # whole chunks per split, rounded down: at least `wanted` splits
+        per_split = chunks if swiglu else max(1, chunks // wanted)  # whole chunks a split: >= `wanted` splits
         configs[GemvConfig(block_n, block_k, triton.cdiv(chunks, per_split), warps, one_row=one_row)] = None
     return list(configs)
 

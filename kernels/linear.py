@@ -1,13 +1,14 @@
-"""Which path runs a linear of a few rows: the Triton GEMV of kernels/gemv.py, with the op before the linear
-folded in, or the unfused path (that op's own kernel, then cuBLAS or the plain GEMV, as linear() picked),
+"""Which path runs a linear of a few rows: the Triton GEMV of kernels/gemv.py, with the ops around the linear
+folded in, or the unfused path (those ops' own kernels around cuBLAS or the plain GEMV, as linear() picked),
 chosen per shape by timing both.
 
-linear(), norm_linear() and silu_linear() pick per (prologue, rows bucket, N, K, dtype, bias): the first eager
-call of a shape times the unfused path and a few Triton configs, each in a CUDA graph over weights not in L2
-(as a decode graph runs them), and caches the fastest, so the Triton path is never the slower one;
-kernels/tuning_cache.py keeps the picks on disk for the next start. A shape first met during CUDA-graph
-capture (no sync possible) runs the unfused path and is chosen at its next eager call; so does every call
-off the GPU, in float32 (float16 too for the norm), or of more than GEMV_MAX_M rows.
+linear() and norm_linear() pick per (fold, rows bucket, N, K, dtype, bias), where the fold names what the GEMV
+takes in: "" (the plain linear), "norm" (the residual add + RMSNorm before it), "swiglu" (SwiGLU after it) or
+"norm+swiglu". The first eager call of a shape times the unfused path and a few Triton configs, each in a CUDA
+graph over weights not in L2 (as a decode graph runs them), and caches the fastest, so the Triton path is
+never the slower one; kernels/tuning_cache.py keeps the picks on disk for the next start. A shape first met
+during CUDA-graph capture (no sync possible) runs the unfused path and is chosen at its next eager call; so
+does every call off the GPU, in float32 (float16 too for the norm), or of more than GEMV_MAX_M rows.
 """
 from __future__ import annotations
 
@@ -23,81 +24,83 @@ from triton.runtime.errors import OutOfResources
 
 from kernels import gemv, tuning_cache
 from kernels.gemv import (GEMV_MAX_M, GemvConfig, candidate_configs, gemv_triton, linear_ref, norm_gemv_triton,
-                          norm_linear_ref, num_sms, silu_gemv_triton, silu_linear_ref)
+                          norm_linear_ref, num_sms, swiglu_linear_ref)
 
 GRAPH_CALLS = 32  # timed calls in one CUDA graph
 TIMING_REPLAYS = 5  # the median replay counts
 MAX_COPIES = 16  # weight copies for timing: 16 x 6.3 MB (qkv at 1.5B) is about twice an H200's L2
 
-Inputs = tuple  # what a path takes before (w, bias): (x,), (x, residual, norm_weight, eps) or (gate_up,)
+Inputs = tuple  # what a fold takes before (w, bias): (x,), or (x, residual, norm_weight, eps) with "norm"
 # The dtypes each Triton path takes. The norm's tensor-core tile holds norm_w * s, not the normed s: float16's
 # range (65504) cannot hold that where the residual stream is large, bfloat16's can.
-DTYPES = {"": (torch.float16, torch.bfloat16), "norm": (torch.bfloat16,), "silu": (torch.float16, torch.bfloat16)}
+DTYPES = {"": (torch.float16, torch.bfloat16), "norm": (torch.bfloat16,), "swiglu": (torch.float16, torch.bfloat16),
+          "norm+swiglu": (torch.bfloat16,)}
 
 log = logging.getLogger("pico_vllm.kernels")
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x[M, K] @ w[N, K]^T + bias: the Triton GEMV for few rows on CUDA where it was timed faster, else torch."""
-    return run_path("", (x,), w, bias, choice("", (x,), w, bias))
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:
+    """x[M, K] @ w[N, K]^T + bias (then silu(gate) * up of w = [gate | up] with swiglu): the Triton GEMV for
+    few rows on CUDA where it was timed faster, else torch."""
+    fold = "swiglu" if swiglu else ""
+    return run_path(fold, (x,), w, bias, choice(fold, (x,), w, bias))
 
 
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                w: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(linear(rms_norm(s, norm_weight, eps), w, bias), s) for s = x + residual (s = x when residual is None),
-    in one GEMV where that was timed faster than add_rms_norm, then linear()."""
-    inputs = (x, residual, norm_weight, eps)
-    return run_path("norm", inputs, w, bias, choice("norm", inputs, w, bias))
+                w: torch.Tensor, bias: torch.Tensor | None = None,
+                swiglu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(rms_norm(s, norm_weight, eps), w, bias, swiglu), s) for s = x + residual (s = x when residual is
+    None), in one GEMV where that was timed faster than add_rms_norm, then linear()."""
+    fold, inputs = ("norm+swiglu" if swiglu else "norm"), (x, residual, norm_weight, eps)
+    return run_path(fold, inputs, w, bias, choice(fold, inputs, w, bias))
 
 
-def silu_linear(gate_up: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """linear(silu_and_mul(gate_up), w, bias), in one GEMV where that was timed faster than SwiGLU, then linear()."""
-    return run_path("silu", (gate_up,), w, bias, choice("silu", (gate_up,), w, bias))
+# fold -> (unfused path, fused Triton GEMV): both take (*inputs, w, bias), the Triton one a config after.
+# An unfused path runs the folded ops' own kernels around linear(): cuBLAS or the GEMV, whichever was faster,
+# so "norm+swiglu" unfused is the norm, then linear(..., swiglu=True)'s own pick.
+PATHS = {"": (linear_ref, gemv_triton),
+         "norm": (functools.partial(norm_linear_ref, linear=linear), norm_gemv_triton),
+         "swiglu": (functools.partial(swiglu_linear_ref, linear=linear), functools.partial(gemv_triton, swiglu=True)),
+         "norm+swiglu": (functools.partial(norm_linear_ref, linear=functools.partial(linear, swiglu=True)),
+                         functools.partial(norm_gemv_triton, swiglu=True))}
 
 
-# prologue -> (unfused path, fused Triton GEMV): both take (*inputs, w, bias), the Triton one a config after.
-# A prologue's unfused path runs its own kernel, then linear(): cuBLAS or the plain GEMV, whichever was faster.
-PATHS = {"": (linear_ref, gemv_triton), "norm": (functools.partial(norm_linear_ref, linear=linear), norm_gemv_triton),
-         "silu": (functools.partial(silu_linear_ref, linear=linear), silu_gemv_triton)}
-
-
-def run_path(prologue: str, inputs: Inputs, w: torch.Tensor, bias: torch.Tensor | None,
-             config: GemvConfig | None):
+def run_path(fold: str, inputs: Inputs, w: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig | None):
     """The op by the Triton GEMV with this config, or by its unfused path for None."""
-    unfused, fused = PATHS[prologue]
+    unfused, fused = PATHS[fold]
     return unfused(*inputs, w, bias) if config is None else fused(*inputs, w, bias, config)
 
 
-def choice(prologue: str, inputs: Inputs, w: torch.Tensor, bias: torch.Tensor | None) -> GemvConfig | None:
+def choice(fold: str, inputs: Inputs, w: torch.Tensor, bias: torch.Tensor | None) -> GemvConfig | None:
     """The Triton config this call runs, or None for the unfused path (off CUDA, too many rows, a dtype the
     Triton path does not take, mixed dtypes)."""
     x = inputs[0]
     few_rows = x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_M
     one_dtype = all(t.dtype == x.dtype for t in (*inputs, w, bias) if isinstance(t, torch.Tensor))
-    if x.is_cuda and few_rows and x.dtype in DTYPES[prologue] and one_dtype:
-        return cached_choice(prologue, inputs, w, bias)
+    if x.is_cuda and few_rows and x.dtype in DTYPES[fold] and one_dtype:
+        return cached_choice(fold, inputs, w, bias)
     return None
 
 
 
-# (prologue, rows bucket, N, K, dtype, has bias, device) -> the config that beat the unfused path, or None.
+# (fold, rows bucket, N, K, dtype, has bias, device) -> the config that beat the unfused path, or None.
 # norm_linear's first layer (no residual) shares its key with the others: one more load and store of a
 # [rows, K] vector, noise beside the weight.
 _CHOICES: dict[tuple, GemvConfig | None] = {}
 
 
-def cached_choice(prologue: str, inputs: Inputs, w: torch.Tensor, bias: torch.Tensor | None) -> GemvConfig | None:
+def cached_choice(fold: str, inputs: Inputs, w: torch.Tensor, bias: torch.Tensor | None) -> GemvConfig | None:
     """The cached pick for this shape, from memory, then the disk cache, else timed (and kept on disk); the
     unfused path (None) while capturing."""
     x = inputs[0]
-    key = (prologue, triton.next_power_of_2(x.shape[0]), *w.shape, x.dtype, bias is not None, x.device)
+    key = (fold, triton.next_power_of_2(x.shape[0]), *w.shape, x.dtype, bias is not None, x.device)
     if key not in _CHOICES:
         if torch.cuda.is_current_stream_capturing():
             return None  # timing needs a sync, which capture forbids: unfused now, timed at the next eager call
         disk_key = _disk_key(key)
         kept = _kept_choices().get(disk_key, False)  # False: never timed here; None: the unfused path won
         if kept is False:
-            kept = fastest_config(prologue, inputs, w, bias)
+            kept = fastest_config(fold, inputs, w, bias)
             tuning_cache.save_choice(disk_key, None if kept is None else dataclasses.asdict(kept))
         elif kept is not None:
             kept = GemvConfig(**kept)
@@ -112,48 +115,49 @@ def _kept_choices() -> dict[str, object]:
 
 def _disk_key(key: tuple) -> str:
     """The in-memory key plus what makes a timing stale: the GPU, torch, Triton and the GEMV sources."""
-    prologue, rows, n, k, dtype, has_bias, device = key
+    fold, rows, n, k, dtype, has_bias, device = key
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     sources = "".join(tuning_cache.source_hash(path) for path in (__file__, gemv.__file__))
     return (f"gemv {gpu} torch {torch.__version__} triton {triton.__version__} src {sources} "
-            f"prologue {prologue!r} rows {rows} w {n}x{k} {dtype} bias {has_bias}")
+            f"fold {fold!r} rows {rows} w {n}x{k} {dtype} bias {has_bias}")
 
 
-def fastest_config(prologue: str, inputs: Inputs, w: torch.Tensor, bias: torch.Tensor | None) -> GemvConfig | None:
+def fastest_config(fold: str, inputs: Inputs, w: torch.Tensor, bias: torch.Tensor | None) -> GemvConfig | None:
     """Times the unfused path and each candidate as a decode graph runs them; None unless a candidate is faster."""
     try:
         copies = cold_copies(w, bias)
-        unfused_us = path_us(prologue, inputs, copies, None)
+        unfused_us = path_us(fold, inputs, copies, None)
     except torch.OutOfMemoryError:  # the copies did not fit beside the KV cache: cuBLAS, untimed
         log.warning("no memory to time the GEMV candidates for %s: cuBLAS", tuple(w.shape))
         return None
     best, best_us = None, unfused_us * 0.97  # a 3% margin: timing noise must not flip a shape to Triton
-    for config in candidate_configs(w.shape[0], w.shape[1], num_sms(w.device), inputs[0].shape[0]):
+    swiglu = fold.endswith("swiglu")
+    for config in candidate_configs(w.shape[0], w.shape[1], num_sms(w.device), inputs[0].shape[0], swiglu):
         try:
-            us = path_us(prologue, inputs, copies, config)
+            us = path_us(fold, inputs, copies, config)
         except OutOfResources:  # a tile too big for this GPU's shared memory: not a candidate here
             continue
         except Exception as e:  # a Triton that cannot build this variant must not stop the engine: cuBLAS stays
-            log.warning("GEMV candidate %s (prologue %r) failed for %s: %s", config, prologue, tuple(w.shape), e)
+            log.warning("GEMV candidate %s (fold %r) failed for %s: %s", config, fold, tuple(w.shape), e)
             continue
         if us < best_us:
             best, best_us = config, us
     return best
 
 
-def path_us(prologue: str, inputs: Inputs, copies: list[tuple[torch.Tensor, torch.Tensor | None]],
+def path_us(fold: str, inputs: Inputs, copies: list[tuple[torch.Tensor, torch.Tensor | None]],
             config: GemvConfig | None) -> float:
     """µs a call of run_path over the weight copies in turn, in a CUDA graph."""
-    return graph_us([functools.partial(run_path, prologue, inputs, w, bias, config) for w, bias in copies])
+    return graph_us([functools.partial(run_path, fold, inputs, w, bias, config) for w, bias in copies])
 
 
-def timed_choice(prologue: str, inputs: Inputs, w: torch.Tensor,
+def timed_choice(fold: str, inputs: Inputs, w: torch.Tensor,
                  bias: torch.Tensor | None = None) -> tuple[GemvConfig | None, float, float]:
     """(the choice, µs of the unfused path, µs of the chosen one), each over cold weights in a CUDA graph:
     what bench.kernels and the GPU tests report."""
-    config = choice(prologue, inputs, w, bias)
+    config = choice(fold, inputs, w, bias)
     copies = cold_copies(w, bias)
-    return config, path_us(prologue, inputs, copies, None), path_us(prologue, inputs, copies, config)
+    return config, path_us(fold, inputs, copies, None), path_us(fold, inputs, copies, config)
 
 
 def graph_us(calls: list[Callable[[], object]]) -> float:

@@ -131,10 +131,10 @@ def test_kernel_bench_times_every_linear_and_each_attention_case(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     (path,) = tmp_path.glob("*-kernels.json")
     numbers = json.loads(path.read_text())["numbers"]
-    prologues = {"qkv": "norm", "o_proj": "-", "gate_up": "norm", "down": "silu", "lm_head": "-"}
-    assert [(r["linear"], r["prologue"], r["rows"]) for r in numbers["linears"]] == [
-        (name, folded, m) for name, prologue in prologues.items() for folded in dict.fromkeys(("-", prologue))
-        for m in (1, 2)]
+    folds = {"qkv": ("-", "norm"), "o_proj": ("-",), "gate_up": ("-", "swiglu", "norm+swiglu"), "down": ("-",),
+             "lm_head": ("-",)}
+    assert [(r["linear"], r["fold"], r["rows"]) for r in numbers["linears"]] == [
+        (name, fold, m) for name, names in folds.items() for fold in names for m in (1, 2)]
     assert all(r["unfused_us"] > 0 and r["chosen_us"] > 0 for r in numbers["linears"])
     assert [(r["batch"], r["context"], r["max_model_len"]) for r in numbers["attention"]] == [(2, 40, 256),
                                                                                            (1, 100, 4096)]

@@ -1,4 +1,4 @@
-"""The split-K GEMV and its prologues against the unfused torch references (CPU: Triton's interpreter); on the
+"""The split-K GEMV and the ops folded into it (norm, SwiGLU) against the unfused torch references (CPU: Triton's interpreter); on the
 GPU, every candidate at Qwen2.5-1.5B's decode shapes in bfloat16, and graph replay."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 from kernels import gemv
 from kernels.gemv import (GemvConfig, candidate_configs, gemv_triton, linear_ref, norm_gemv_triton, norm_linear_ref,
-                          silu_gemv_triton, silu_linear_ref)
+                          swiglu_linear_ref)
 from kernels.linear import PATHS
 
 TOL = dict(atol=1e-4, rtol=1e-4)
@@ -37,24 +37,24 @@ def test_gemv_triton_matches_linear_for_one_to_eight_rows(config, with_bias):
         torch.testing.assert_close(out, linear_ref(x, w, bias), **TOL)
 
 
-# Every kernel path a prologue takes: the dot kernel split and whole, the one-row kernel whole and split.
-PROLOGUE_CONFIGS = [GemvConfig(16, 16, split_k=3), GemvConfig(32, 32), GemvConfig(8, 32, one_row=True),
+# Every kernel path a fold takes: the dot kernel split and whole, the one-row kernel whole and split.
+FOLD_CONFIGS = [GemvConfig(16, 16, split_k=3), GemvConfig(32, 32), GemvConfig(8, 32, one_row=True),
                     GemvConfig(4, 16, split_k=4, one_row=True)]
-PROLOGUE_IDS = ["split-k", "direct", "one-row", "one-row-split-k"]
+FOLD_IDS = ["split-k", "direct", "one-row", "one-row-split-k"]
 
 
-def prologue_weights(n: int, k: int, dtype: torch.dtype = torch.float32):
+def fold_weights(n: int, k: int, dtype: torch.dtype = torch.float32):
     """Weights and a norm weight far from 1, so that a missing or misplaced rstd or norm weight shows."""
     w = (torch.randn(n, k) / k ** 0.5).to(dtype)
     return w, (torch.randn(n) / 4).to(dtype), (1 + torch.rand(k)).to(dtype)
 
 
-@pytest.mark.parametrize("config", PROLOGUE_CONFIGS, ids=PROLOGUE_IDS)
+@pytest.mark.parametrize("config", FOLD_CONFIGS, ids=FOLD_IDS)
 @pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "first-layer"])
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
 def test_norm_gemv_equals_add_rms_norm_then_linear(config, with_residual, with_bias):
     n, k = 45, 100  # neither a multiple of the block sizes; the split-K configs leave a short last split
-    w, bias, norm_w = prologue_weights(n, k)
+    w, bias, norm_w = fold_weights(n, k)
     for m in [1] if config.one_row else [1, 3, 5]:
         x, residual = 3 * torch.randn(m, k), (torch.randn(m, k) if with_residual else None)
         out, new_residual = norm_gemv_triton(x, residual, norm_w, 1e-6, w, bias if with_bias else None, config)
@@ -66,32 +66,50 @@ def test_norm_gemv_equals_add_rms_norm_then_linear(config, with_residual, with_b
 
 
 def test_norm_gemv_takes_strided_rows_and_rounds_the_sum_to_float16():
-    w, bias, norm_w = prologue_weights(45, 100, torch.float16)
+    w, bias, norm_w = fold_weights(45, 100, torch.float16)
     x, residual = strided_rows(4, 100, dtype=torch.float16), 20 * torch.randn(4, 100, dtype=torch.float16)
-    for config in PROLOGUE_CONFIGS[:2]:
+    for config in FOLD_CONFIGS[:2]:
         out, new_residual = norm_gemv_triton(x, residual, norm_w, 1e-6, w, bias, config)
         ref, ref_residual = norm_linear_ref(x, residual, norm_w, 1e-6, w, bias)
         assert torch.equal(new_residual, ref_residual)
         torch.testing.assert_close(out, ref, atol=4e-3, rtol=4e-3)  # roundings differ: norm_w * s, not normed
 
 
-@pytest.mark.parametrize("config", PROLOGUE_CONFIGS, ids=PROLOGUE_IDS)
+WHOLE_K = [(c, i) for c, i in zip(FOLD_CONFIGS, FOLD_IDS) if c.split_k == 1]  # what SwiGLU takes
+
+
+@pytest.mark.parametrize("config", [c for c, _ in WHOLE_K], ids=[i for _, i in WHOLE_K])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
-def test_silu_gemv_equals_silu_and_mul_then_linear(config, dtype, with_bias):
-    n, k = 45, 100
-    w, bias, _ = prologue_weights(n, k, dtype)
+def test_swiglu_gemv_equals_linear_then_silu_and_mul(config, dtype, with_bias):
+    n, k = 90, 100  # [gate | up] of 45 rows each: a tile straddles the end of gate
+    w, bias, _ = fold_weights(n, k, dtype)
     bias = bias if with_bias else None
     tol = TOL if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
     for m in [1] if config.one_row else [1, 3, 5]:
-        gate_up = strided_rows(m, 2 * k, dtype=dtype)  # [gate | up] as a strided view
-        out = silu_gemv_triton(gate_up, w, bias, config)
-        torch.testing.assert_close(out, silu_linear_ref(gate_up, w, bias), **tol)
+        x = strided_rows(m, k, dtype=dtype)
+        out = gemv_triton(x, w, bias, config, swiglu=True)
+        assert out.shape == (m, n // 2) and out.is_contiguous()
+        torch.testing.assert_close(out, swiglu_linear_ref(x, w, bias), **tol)
 
 
-def test_silu_gemv_refuses_an_input_that_is_not_gate_and_up():
-    with pytest.raises(ValueError, match="gate_up"):
-        silu_gemv_triton(torch.randn(1, 100), torch.randn(45, 100), None, GemvConfig(32, 32))
+@pytest.mark.parametrize("config", [c for c, _ in WHOLE_K], ids=[i for _, i in WHOLE_K])
+def test_norm_and_swiglu_in_one_gemv_equal_the_unfused_ops(config):
+    w, bias, norm_w = fold_weights(90, 100)
+    for m in [1] if config.one_row else [1, 4]:
+        x, residual = 3 * torch.randn(m, 100), torch.randn(m, 100)
+        out, new_residual = norm_gemv_triton(x, residual, norm_w, 1e-6, w, bias, config, swiglu=True)
+        ref, ref_residual = norm_linear_ref(x, residual, norm_w, 1e-6, w, bias, linear=swiglu_linear_ref)
+        torch.testing.assert_close(out, ref, **TOL)
+        assert torch.equal(new_residual, ref_residual)
+
+
+def test_swiglu_gemv_refuses_split_k_and_an_odd_weight():
+    with pytest.raises(ValueError, match="split_k = 1, got 3"):
+        gemv_triton(torch.randn(1, 100), torch.randn(90, 100), None, GemvConfig(16, 16, split_k=3), swiglu=True)
+    with pytest.raises(ValueError, match="even row count, got 45"):
+        gemv_triton(torch.randn(1, 100), torch.randn(45, 100), None, GemvConfig(32, 32), swiglu=True)
+    assert all(c.split_k == 1 for c in candidate_configs(64, 8960, 132, rows=1, swiglu=True))
 
 
 def test_gemv_triton_default_config_takes_more_rows_than_one_tile():
@@ -150,19 +168,19 @@ def test_graph_replay_of_the_gemv_equals_the_eager_call():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("prologue,name", [("norm", "qkv"), ("norm", "gate_up"), ("silu", "down")])
-def test_every_fused_candidate_matches_the_unfused_float32_path_at_qwen_shapes_in_bf16(prologue, name):
-    from bench.kernels import prologue_inputs
+@pytest.mark.parametrize("fold,name", [("norm", "qkv"), ("swiglu", "gate_up"), ("norm+swiglu", "gate_up")])
+def test_every_fused_candidate_matches_the_unfused_float32_path_at_qwen_shapes_in_bf16(fold, name):
+    from bench.kernels import fold_inputs
 
-    unfused, fused = PATHS[prologue]
+    unfused, fused = PATHS[fold]
     w, bias = _weights(name)
     for m in (1, 4, 16):
-        inputs = prologue_inputs(prologue, m, w.shape[1])
+        inputs = fold_inputs(fold, m, w.shape[1])
         ref = unfused(*(t.float() if torch.is_tensor(t) else t for t in inputs), w.float(),
                       None if bias is None else bias.float())
-        for cfg in candidate_configs(*w.shape, gemv.num_sms(w.device), rows=m):
+        for cfg in candidate_configs(*w.shape, gemv.num_sms(w.device), rows=m, swiglu=fold.endswith("swiglu")):
             out = fused(*inputs, w, bias, cfg)
-            if prologue == "norm":
+            if fold.startswith("norm"):
                 assert torch.equal(out[1], inputs[0] + inputs[1]), (name, m, cfg)  # the new residual, in bf16
                 out, ref_out = out[0], ref[0]
             else:
@@ -172,10 +190,10 @@ def test_every_fused_candidate_matches_the_unfused_float32_path_at_qwen_shapes_i
 
 @pytest.mark.gpu
 def test_graph_replay_of_the_split_k_norm_gemv_equals_the_eager_call():
-    from bench.kernels import prologue_inputs
+    from bench.kernels import fold_inputs
 
     w, bias = _weights("qkv")
-    x, residual, norm_w, eps = prologue_inputs("norm", 4, w.shape[1])
+    x, residual, norm_w, eps = fold_inputs("norm", 4, w.shape[1])
     cfg = candidate_configs(*w.shape, gemv.num_sms(x.device))[0]
     assert cfg.split_k > 1
     eager, _ = norm_gemv_triton(x, residual, norm_w, eps, w, bias, cfg)  # also compiles before capture

@@ -1,5 +1,5 @@
 """Which path a linear runs (kernels/linear.py): the unfused references off the GPU, the capture rule, the
-unfused side timed with its prologue kernel, the winner run; on the GPU, the chosen path's speed."""
+unfused side timed with its folded ops' kernels, the winner run; on the GPU, the chosen path's speed."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,9 +11,10 @@ import torch.nn.functional as F
 
 from kernels import linear as lin
 from kernels import tuning_cache
+from kernels.activation import silu_and_mul_ref
 from kernels.gemv import (GemvConfig, candidate_configs, gemv_triton, norm_gemv_triton, norm_linear_ref,
-                          silu_linear_ref)
-from kernels.linear import linear, norm_linear, silu_linear
+                          swiglu_linear_ref)
+from kernels.linear import linear, norm_linear
 from kernels.norm import add_rms_norm_ref, rms_norm_ref
 
 
@@ -27,8 +28,9 @@ def test_off_the_gpu_every_op_is_its_unfused_torch_reference_without_a_choice(mo
     assert torch.equal(out, F.linear(normed, w, bias)) and torch.equal(new_residual, ref_residual)
     out, new_residual = norm_linear(x, None, norm_w, 1e-6, w)
     assert torch.equal(out, F.linear(rms_norm_ref(x, norm_w, 1e-6), w)) and new_residual is x
-    gate_up = torch.randn(2, 48)
-    assert torch.equal(silu_linear(gate_up, w), F.linear(F.silu(gate_up[:, :24]) * gate_up[:, 24:], w))
+    assert torch.equal(linear(x, w, bias, swiglu=True), silu_and_mul_ref(F.linear(x, w, bias)))
+    out, new_residual = norm_linear(x, residual, norm_w, 1e-6, w, swiglu=True)
+    assert torch.equal(out, silu_and_mul_ref(F.linear(normed, w))) and torch.equal(new_residual, ref_residual)
 
 
 @pytest.fixture
@@ -47,8 +49,8 @@ def test_a_shape_first_met_during_capture_runs_unfused_and_is_chosen_at_the_next
     capturing, timed = [True], []
     picked = GemvConfig(64, 128)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
-    monkeypatch.setattr(lin, "fastest_config", lambda prologue, inputs, w, bias: timed.append(
-        (prologue, inputs[0].shape[0])) or picked)
+    monkeypatch.setattr(lin, "fastest_config", lambda fold, inputs, w, bias: timed.append(
+        (fold, inputs[0].shape[0])) or picked)
     w = torch.randn(8, 24)
     assert lin.cached_choice("", (torch.randn(3, 24),), w, None) is None  # unfused while capturing, untimed
     assert timed == [] and lin._CHOICES == {}
@@ -60,13 +62,13 @@ def test_a_shape_first_met_during_capture_runs_unfused_and_is_chosen_at_the_next
     assert lin.cached_choice("norm", (torch.randn(4, 24), None, torch.rand(24), 1e-6), w, None) is None
     capturing[0] = False
     assert lin.cached_choice("norm", (torch.randn(4, 24), None, torch.rand(24), 1e-6), w, None) == picked
-    assert timed == [("", 3), ("norm", 4)]  # a prologue is a shape of its own
+    assert timed == [("", 3), ("norm", 4)]  # a fold is a shape of its own
 
 
 def test_choices_are_kept_on_disk_for_the_next_process_until_the_kernel_source_changes(monkeypatch,
                                                                                         fresh_choices):
     timed = []
-    monkeypatch.setattr(lin, "fastest_config", lambda prologue, inputs, w, bias: timed.append(w.shape) or (
+    monkeypatch.setattr(lin, "fastest_config", lambda fold, inputs, w, bias: timed.append(w.shape) or (
         GemvConfig(4, 2048, one_row=True) if w.shape[0] == 8 else None))
     x, w8, w16 = torch.randn(1, 24), torch.randn(8, 24), torch.randn(16, 24)
     assert lin.cached_choice("", (x,), w8, None) == GemvConfig(4, 2048, one_row=True)
@@ -87,7 +89,7 @@ def test_choices_are_kept_on_disk_for_the_next_process_until_the_kernel_source_c
 
 def test_an_unreadable_choice_cache_means_timing_again(monkeypatch, fresh_choices, caplog):
     (fresh_choices / tuning_cache.FILE_NAME).write_text("{not json")
-    monkeypatch.setattr(lin, "fastest_config", lambda prologue, inputs, w, bias: GemvConfig(64, 128))
+    monkeypatch.setattr(lin, "fastest_config", lambda fold, inputs, w, bias: GemvConfig(64, 128))
     assert lin.cached_choice("", (torch.randn(2, 24),), torch.randn(8, 24), None) == GemvConfig(64, 128)
     assert "ignoring the kernel choice cache" in caplog.text
     assert list(json.loads((fresh_choices / tuning_cache.FILE_NAME).read_text()).values()) == [
@@ -119,12 +121,11 @@ def test_the_unfused_norm_and_swiglu_run_their_linear_by_linears_own_pick(monkey
     plain = GemvConfig(32, 32)  # what linear() picked for the plain shape: a Triton GEMV, not cuBLAS
     ran = []
     monkeypatch.setitem(lin.PATHS, "", (F.linear, lambda *a: ran.append(a[-1]) or gemv_triton(*a)))
-    monkeypatch.setattr(lin, "choice", lambda prologue, *a: plain if prologue == "" else None)
+    monkeypatch.setattr(lin, "choice", lambda fold, *a: plain if fold == "" else None)
     x, residual, norm_w, w = torch.randn(2, 24), torch.randn(2, 24), torch.rand(24), torch.randn(8, 24)
     out, _ = norm_linear(x, residual, norm_w, 1e-6, w)
     torch.testing.assert_close(out, norm_linear_ref(x, residual, norm_w, 1e-6, w)[0], atol=1e-4, rtol=1e-4)
-    gate_up = torch.randn(2, 48)
-    torch.testing.assert_close(silu_linear(gate_up, w), silu_linear_ref(gate_up, w), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(linear(x, w, swiglu=True), swiglu_linear_ref(x, w), atol=1e-4, rtol=1e-4)
     assert ran == [plain, plain]
 
 
@@ -137,6 +138,6 @@ def test_chosen_path_is_not_slower_than_the_unfused_one_at_qwen_shapes():
 
     config, _ = resolve_model("qwen2.5-1.5b", load_format="dummy")
     for row in time_linears(config, [1, 8]):
-        print(f"M={row['rows']} {row['linear']:8s} {row['prologue']:4s} unfused {row['unfused_us']:7.2f} us | "
+        print(f"M={row['rows']} {row['linear']:8s} {row['fold']:11s} unfused {row['unfused_us']:7.2f} us | "
               f"chosen {row['chosen_us']:7.2f} us {row['chosen_tb_s']:5.2f} TB/s | {row['chosen']}")
         assert row["chosen_us"] <= 1.10 * row["unfused_us"], row

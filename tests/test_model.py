@@ -126,9 +126,11 @@ def test_decode_with_norm_and_swiglu_folded_into_the_gemvs_equals_hf(tiny_ckpt, 
     # The GPU's fused path, forced here under Triton's interpreter: layer 0's norm without a residual, split-K
     # partials of the GEMV and of the sums of squares, and the one-row kernel at decode.
     ours, hf, block_size = build_model(tiny_ckpt), hf_model(tiny_ckpt), 4
-    configs = {False: GemvConfig(32, 32, split_k=2), True: GemvConfig(32, 32, split_k=2, one_row=True)}
-    monkeypatch.setattr(linear_module, "choice", lambda prologue, inputs, w, bias:
-                        configs[inputs[0].shape[0] == 1] if prologue else None)
+    # SwiGLU's epilogue (gate_up) takes whole-K configs only.
+    split = {False: GemvConfig(32, 32, split_k=2), True: GemvConfig(32, 32, split_k=2, one_row=True)}
+    whole = {False: GemvConfig(32, 32), True: GemvConfig(8, 32, one_row=True)}
+    monkeypatch.setattr(linear_module, "choice", lambda fold, inputs, w, bias: (
+        whole if fold.endswith("swiglu") else split)[inputs[0].shape[0] == 1] if fold else None)
     prompt = tokens_for(2, 2 * block_size + 1)
     run = PagedRun(ours, block_size)
     got = run.step({0: prompt[:3]})

@@ -5,7 +5,7 @@ shape and copies this rank's TP shard of it into place, so the loader knows noth
 Parameters are created in torch's default dtype and device (build the model under them); math runs in
 that dtype, logits too (as Hugging Face's: the sampler widens them only where its math needs float32).
 Linears go through kernels.linear: for a few rows on the GPU, a Triton GEMV wherever it was timed faster than
-cuBLAS, with the RMSNorm before it (RMSNorm.then_linear) or SwiGLU (RowParallelLinear's silu_and_mul) folded in.
+cuBLAS, with the RMSNorm before it (RMSNorm.then_linear) and SwiGLU after gate_up (then_linear's swiglu) folded in.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import add_rms_norm, rms_norm
-from kernels.linear import linear, norm_linear, silu_linear
+from kernels.linear import linear, norm_linear
 from worker.parallel import all_gather_last_dim, all_reduce, local_kv_heads
 
 
@@ -96,10 +96,9 @@ class RowParallelLinear(nn.Module):
         local = param.shape[1]
         _load_slice(param, 0, loaded, self.tp_rank * local, local, dim=1)
 
-    def forward(self, x: torch.Tensor, silu_and_mul: bool = False) -> torch.Tensor:
-        """x @ W^T summed over ranks; silu_and_mul: x is this rank's [gate | up] and the input silu(gate) * up."""
-        out = silu_linear(x, self.weight) if silu_and_mul else linear(x, self.weight)
-        return all_reduce(out, self.tp_size)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W^T summed over ranks."""
+        return all_reduce(linear(x, self.weight), self.tp_size)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -148,9 +147,11 @@ class RMSNorm(nn.Module):
         return add_rms_norm(x, residual, self.weight, self.eps)
 
     def then_linear(self, x: torch.Tensor, residual: torch.Tensor | None,
-                    linear: QKVParallelLinear | MergedColumnParallelLinear) -> tuple[torch.Tensor, torch.Tensor]:
-        """(linear(self(s)), s) for s = x + residual (s = x when residual is None), in one GEMV where faster."""
-        return norm_linear(x, residual, self.weight, self.eps, linear.weight, linear.bias)
+                    linear: QKVParallelLinear | MergedColumnParallelLinear,
+                    swiglu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(linear(self(s)), s) for s = x + residual (s = x when residual is None), in one GEMV where faster;
+        swiglu: linear is [gate | up] and the output silu(gate) * up (SwiGLU in the GEMV's stores too)."""
+        return norm_linear(x, residual, self.weight, self.eps, linear.weight, linear.bias, swiglu)
 
 
 def _load_whole(param: nn.Parameter, loaded: torch.Tensor, shard_id: None = None) -> None:

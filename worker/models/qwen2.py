@@ -49,9 +49,9 @@ class Qwen2MLP(nn.Module):
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor,
                 norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """(MLP of norm(hidden + residual), hidden + residual): the norm and SwiGLU run inside the GEMVs."""
-        gate_up, residual = norm.then_linear(hidden, residual, self.gate_up_proj)
-        return self.down_proj(gate_up, silu_and_mul=True), residual
+        """(MLP of norm(hidden + residual), hidden + residual): the norm and SwiGLU run inside gate_up's GEMV."""
+        act, residual = norm.then_linear(hidden, residual, self.gate_up_proj, swiglu=True)
+        return self.down_proj(act), residual
 
 
 class Qwen2DecoderLayer(nn.Module):
