@@ -18,11 +18,16 @@ from kernels.pdl import pdl_enabled
 # cuts its *actual* context into that many splits of whole tiles (_split_len), so a short context runs one
 # tile per program instead of a few programs walking a long fixed partition. _MAX_PROGRAMS caps the grid at
 # about four programs an SM: at batch 256 one split a row beat eight (37.7 vs 52.5 µs a layer at context 512,
-# no partials to write and combine), at batch 128 two beat eight. _MAX_SPLITS (a power of two) is the
-# combine's tile of per-split maxima and sums; _MIN_PARTITION bounds the splits of a long context.
+# no partials to write and combine), at batch 128 two beat eight. _MIN_PARTITION bounds the splits of a long
+# context. A row of more than _SPLIT_GROUP splits combines them as a tree: the last of each group of
+# _SPLIT_GROUP consecutive splits combines the group into one partial, and the last group combines those. One
+# program combining all 128 partials of a 32K row (393 KB of float32 through one SM) made the kernel 19.0 µs a
+# layer, against 15.1 with a separate reduce kernel (the tree is not measured yet). A combine now takes at most
+# max(_SPLIT_GROUP, _MAX_SPLITS // _SPLIT_GROUP) partials, its tile of maxima and sums (both powers of two).
 _MIN_PARTITION = 256
 _MAX_PROGRAMS = 512
 _MAX_SPLITS = 128
+_SPLIT_GROUP = 16
 _BLOCK_N = 64
 _COMBINE_TILE = 64  # partial elements [heads, splits, head_dim] a combine step loads, per thread
 # A few rows run a few hundred long programs: 8 warps each keep more loads in flight (batch 1: 36.4 -> 19.6 µs
@@ -91,12 +96,13 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, ou
                          stride_ob, stride_oh, stride_cb, stride_ch, stride_cs, stride_bt, stride_kb, stride_kh,
                          stride_vb, stride_vh, block_size, group, num_q_heads, HEAD_DIM: tl.constexpr,
                          D_PAD: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr,
-                         SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
-                         NEW_KV: tl.constexpr, PDL: tl.constexpr):
+                         SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr, SPLIT_GROUP: tl.constexpr,
+                         COUNTERS: tl.constexpr, BLOCK_N: tl.constexpr, NEW_KV: tl.constexpr, PDL: tl.constexpr):
     # Program (row, kv head, split): the group of query heads sharing this KV head attends to tokens
     # [split * L, (split + 1) * L) of the row (L = _split_len), so each K/V tile is read once for the group.
     # A row of one used split writes its output here; otherwise the last of its used splits to arrive combines
-    # them (no second kernel: at batch 1 its launch cost more than its work).
+    # them (no second kernel: at batch 1 its launch cost more than its work), or past SPLIT_GROUP splits the last
+    # of each group combines the group and the last group combines the groups.
     if PDL:  # o_proj's GEMV may start loading its weights (kernels/pdl.py)
         tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
@@ -154,50 +160,82 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, ou
             tl.store(part_sum + part, l_i, mask=g_mask)
             tl.store(part_acc + part[:, None] * HEAD_DIM + offs_d[None, :], acc,
                      mask=g_mask[:, None] & d_mask[None, :])
-            # Every thread's stores come before the one thread's release (a scalar atomic runs on one thread
-            # and broadcasts its result through shared memory behind a barrier, which orders the loads after).
-            tl.debug_barrier()
-            counter = arrivals + b * tl.num_programs(1) + kv_head
-            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == used - 1:
-                tl.store(counter, 0)  # every used split has arrived: zero again for the next call (or replay)
-                _combine_splits(out_ptr, part_acc, part_max, part_sum, b, kv_head, group, num_q_heads, used,
-                                num_splits, stride_ob, stride_oh, HEAD_DIM, D_PAD, GROUP_P2, SPLITS_PAD, CHUNK)
+            counters = arrivals + (b * tl.num_programs(1) + kv_head) * COUNTERS  # [top, group 0, group 1, ...]
+            two_levels = used > SPLIT_GROUP
+            on_top = used > 1  # true: with one level every split arrives on the top counter, with two each group's last
+            if two_levels:
+                first = split - split % SPLIT_GROUP
+                count = tl.minimum(used - first, SPLIT_GROUP)  # the last group may be short
+                on_top = _last_to_arrive(counters + 1 + split // SPLIT_GROUP, count)
+                if on_top:
+                    _combine_splits(out_ptr, part_acc, part_max, part_sum, b, kv_head, group, num_q_heads, first, 1,
+                                    count, num_splits, stride_ob, stride_oh, HEAD_DIM, D_PAD, GROUP_P2, SPLITS_PAD,
+                                    CHUNK, True)
+            if on_top:
+                step = tl.where(two_levels, SPLIT_GROUP, 1)  # the group partials sit at slots 0, G, 2G, ...
+                top_count = tl.cdiv(used, step)
+                if _last_to_arrive(counters, top_count):
+                    _combine_splits(out_ptr, part_acc, part_max, part_sum, b, kv_head, group, num_q_heads, 0, step,
+                                    top_count, num_splits, stride_ob, stride_oh, HEAD_DIM, D_PAD, GROUP_P2,
+                                    SPLITS_PAD, CHUNK, False)
+
+@triton.jit
+def _last_to_arrive(counter, count):
+    # Every thread's stores come before the one thread's release (a scalar atomic runs on one thread and
+    # broadcasts its result through shared memory behind a barrier, which orders the loads after); acq_rel also
+    # acquires what the earlier arrivers released, so the last one may read their partials.
+    tl.debug_barrier()
+    last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == count - 1
+    if last:
+        tl.store(counter, 0)  # all count have arrived: zero again for the next call (or replay)
+    return last
 
 
 @triton.jit
-def _combine_splits(out_ptr, part_acc, part_max, part_sum, b, kv_head, group, num_q_heads, used, num_splits,
-                    stride_ob, stride_oh, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP_P2: tl.constexpr,
-                    SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr):
-    # The group's used splits by log-sum-exp (base 2, as the partials), always in split order whoever runs it,
-    # so a result does not depend on which program came last. Loads are .cg (L2, not L1): other SMs wrote these
-    # partials during this launch, and an L1 line filled earlier here could hold a stale copy.
+def _combine_splits(out_ptr, part_acc, part_max, part_sum, b, kv_head, group, num_q_heads, first, step, count,
+                    num_splits, stride_ob, stride_oh, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                    GROUP_P2: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr, TO_PARTIAL: tl.constexpr):
+    # The count partials at slots first, first + step, ... of the KV head's query heads, by log-sum-exp (base 2,
+    # as the partials), always in slot order whoever runs it, so a result does not depend on which program came
+    # last. Normalised into out_ptr, or (TO_PARTIAL) left as a partial of the same form in slot first. Loads are
+    # .cg (L2, not L1): other SMs wrote these partials during this launch, and an L1 line filled earlier here
+    # could hold a stale copy.
     offs_g = tl.arange(0, GROUP_P2)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, D_PAD)
     heads = kv_head * group + offs_g
     g_mask = offs_g < group
     d_mask = offs_d < HEAD_DIM
-    rows = (b * num_q_heads + heads).to(tl.int64) * num_splits  # [GROUP_P2]: a head's split 0
-    gs_mask = g_mask[:, None] & (offs_s < used)[None, :]
-    m = tl.load(part_max + rows[:, None] + offs_s[None, :], mask=gs_mask, other=float("-inf"), cache_modifier=".cg")
+    rows = (b * num_q_heads + heads).to(tl.int64) * num_splits + first  # [GROUP_P2]: a head's slot first
+    gs_mask = g_mask[:, None] & (offs_s < count)[None, :]
+    m = tl.load(part_max + rows[:, None] + offs_s[None, :] * step, mask=gs_mask, other=float("-inf"),
+                cache_modifier=".cg")
     m_all = tl.max(m, axis=1)
     m_all = tl.where(m_all == float("-inf"), 0.0, m_all)  # padded heads: avoid -inf - -inf
     weight = tl.where(gs_mask, tl.exp2(m - m_all[:, None]), 0.0)
-    l = tl.load(part_sum + rows[:, None] + offs_s[None, :], mask=gs_mask, other=0.0, cache_modifier=".cg")
+    l = tl.load(part_sum + rows[:, None] + offs_s[None, :] * step, mask=gs_mask, other=0.0, cache_modifier=".cg")
     total = tl.sum(l * weight, axis=1)
     acc = tl.zeros([GROUP_P2, D_PAD], tl.float32)
-    for s0 in range(0, used, CHUNK):  # [heads, CHUNK, head_dim] of the accumulators a step
+    for s0 in range(0, count, CHUNK):  # [heads, CHUNK, head_dim] of the accumulators a step
         offs_c = s0 + tl.arange(0, CHUNK)
-        gc_mask = g_mask[:, None] & (offs_c < used)[None, :]
-        part = rows[:, None] + offs_c[None, :]
+        gc_mask = g_mask[:, None] & (offs_c < count)[None, :]
+        part = rows[:, None] + offs_c[None, :] * step
         w = tl.where(gc_mask, tl.exp2(tl.load(part_max + part, mask=gc_mask, other=float("-inf"),
                                               cache_modifier=".cg") - m_all[:, None]), 0.0)
         a = tl.load(part_acc + part[:, :, None] * HEAD_DIM + offs_d[None, None, :],
                     mask=gc_mask[:, :, None] & d_mask[None, None, :], other=0.0, cache_modifier=".cg")
         acc += tl.sum(a * w[:, :, None], axis=1)
-    out = acc / tl.where(total > 0, total, 1.0)[:, None]
-    tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+    if TO_PARTIAL:
+        # Slot first is read above and overwritten here: a load replicated in another warp must not see the
+        # new value, so every thread finishes its loads first.
+        tl.debug_barrier()
+        tl.store(part_max + rows, m_all, mask=g_mask)
+        tl.store(part_sum + rows, total, mask=g_mask)
+        tl.store(part_acc + rows[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None] & d_mask[None, :])
+    else:
+        out = acc / tl.where(total > 0, total, 1.0)[:, None]
+        tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
 
 
 def _partition_size(batch: int, num_kv_heads: int, max_context: int) -> int:
@@ -206,12 +244,14 @@ def _partition_size(batch: int, num_kv_heads: int, max_context: int) -> int:
     return max(_MIN_PARTITION, triton.next_power_of_2(triton.cdiv(max_context, splits)))
 
 
-# Arrival counters, int32 [rows, kv heads] flattened, one buffer per device, all zero between calls: a call's
-# last arriver of each (row, kv head) resets its counter, and a row of one used split never touches it. So one
-# zeroed buffer serves every call and every graph replay on the device, given that calls on a device run one at
-# a time (one stream, as the worker runs). It is only grown on an eager call: a capture that needed a new one
-# would bake in its allocation, so it fails instead (the engine and bench.kernels warm each size up eagerly
-# before capturing it, largest first). A grown-out buffer stays alive: graphs captured on it still use it.
+# Arrival counters, int32 [rows, kv heads, 1 + _MAX_SPLITS // _SPLIT_GROUP] flattened, one buffer per device:
+# a (row, kv head)'s top counter, then one for each group of its splits (only a row of more than _SPLIT_GROUP
+# splits counts on those; its groups' last arrivers then count on the top one). All are zero between calls: the
+# last arriver on each counter resets it, and a row of one used split touches none. So one zeroed buffer serves
+# every call and every graph replay on the device, given that calls on a device run one at a time (one stream,
+# as the worker runs). It is only grown on an eager call: a capture that needed a new one would bake in its
+# allocation, so it fails instead (the engine and bench.kernels warm each size up eagerly before capturing it,
+# largest first). A grown-out buffer stays alive: graphs captured on it still use it.
 _arrivals: dict[torch.device, torch.Tensor] = {}
 _outgrown: list[torch.Tensor] = []
 
@@ -246,8 +286,9 @@ class NewTokenKV:
 def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                                   partition_size: int | None = None, new_kv: NewTokenKV | None = None) -> torch.Tensor:
-    """Split-K flash decoding in one kernel; partition_size (a power of two >= 16) overrides the static choice
-    (tests): the grid then has cdiv(max_context, partition_size) splits and tiles of min(64, partition_size) keys.
+    """Split-K flash decoding in one kernel, its splits combined by the last to arrive (a tree of groups of
+    _SPLIT_GROUP past that many); partition_size (a power of two >= 16) overrides the static choice (tests): the
+    grid then has cdiv(max_context, partition_size) splits and tiles of min(64, partition_size) keys.
     With new_kv, q is rotated and the step's K/V stored here, as rope_store_kv would before (q unrotated)."""
     if new_kv is None:
         check_cache_layout(k_cache, v_cache, q)
@@ -270,17 +311,20 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     d_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot wants every dim >= 16
     group_p2 = triton.next_power_of_2(group)  # the combine's heads: no tl.dot there, so no padding to 16
     launch = _FEW_ROWS_LAUNCH if batch * num_kv_heads <= _FEW_ROWS_KV_HEADS else _MANY_ROWS_LAUNCH
+    splits_pad = max(_SPLIT_GROUP, _MAX_SPLITS // _SPLIT_GROUP)  # the most partials one combine takes
     # Splits a combine step takes: from static shapes only, so the kernel compiles once per launch shape.
-    chunk = max(1, min(_MAX_SPLITS, _COMBINE_TILE * 32 * launch["num_warps"] // (group_p2 * d_pad)))
+    chunk = max(1, min(splits_pad, _COMBINE_TILE * 32 * launch["num_warps"] // (group_p2 * d_pad)))
+    counters = 1 + _MAX_SPLITS // _SPLIT_GROUP
     new = new_kv or NewTokenKV(q, q, context_lens, q, context_lens)  # placeholders, never read without NEW_KV
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_max, part_sum,
-        arrival_counters(q.device, batch * num_kv_heads), new.k, new.v, new.positions, new.cos_sin,
+        arrival_counters(q.device, batch * num_kv_heads * counters), new.k, new.v, new.positions, new.cos_sin,
         new.slot_mapping, scale * math.log2(math.e), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), new.k.stride(0),
         new.k.stride(1), new.v.stride(0), new.v.stride(1), block_size, group, num_q_heads, HEAD_DIM=head_dim,
-        D_PAD=d_pad, GROUP_PAD=max(16, group_p2), GROUP_P2=group_p2, SPLITS_PAD=_MAX_SPLITS, CHUNK=chunk,
-        BLOCK_N=block_n, NEW_KV=new_kv is not None, PDL=pdl_enabled(q.device), **launch)
+        D_PAD=d_pad, GROUP_PAD=max(16, group_p2), GROUP_P2=group_p2, SPLITS_PAD=splits_pad, CHUNK=chunk,
+        SPLIT_GROUP=_SPLIT_GROUP, COUNTERS=counters, BLOCK_N=block_n, NEW_KV=new_kv is not None,
+        PDL=pdl_enabled(q.device), **launch)
     return out
 
 

@@ -70,13 +70,17 @@ def run_decode(lens: list[int], group: int, hkv: int, d: int, block_size: int, p
     return outs
 
 
-@pytest.mark.parametrize("lens,group,hkv,d,block_size,partition", [
-    ([0, 1, 63, 64, 65, 130], 7, 1, 64, 16, 64),  # one split, split boundaries, three splits; a padded lane
-    ([5, 0, 200, 17], 3, 2, 128, 64, None),  # the default grid, two KV heads
-    ([33, 1, 96], 2, 2, 32, 8, 16),  # many short splits: the token's split is the last of six
+@pytest.mark.parametrize("lens,group,hkv,d,block_size,partition,split_group", [
+    ([0, 1, 63, 64, 65, 130], 7, 1, 64, 16, 64, None),  # one split, split boundaries, three splits; a padded lane
+    ([5, 0, 200, 17], 3, 2, 128, 64, None, None),  # the default grid, two KV heads
+    ([33, 1, 96], 2, 2, 32, 8, 16, None),  # many short splits: the token's split is the last of six
+    ([33, 1, 96, 0], 2, 2, 32, 8, 16, 2),  # groups of two: the token's split ends the third (96) or is alone (33)
 ])
-def test_decode_rotates_and_stores_the_steps_own_kv_as_rope_store_kv_then_attention(lens, group, hkv, d,
-                                                                                    block_size, partition):
+def test_decode_rotates_and_stores_the_steps_own_kv_as_rope_store_kv_then_attention(monkeypatch, lens, group, hkv,
+                                                                                    d, block_size, partition,
+                                                                                    split_group):
+    if split_group:
+        monkeypatch.setattr(decode_attention, "_SPLIT_GROUP", split_group)
     k_cache, v_cache, tables = paged_cache(lens, hkv, d, block_size)
     batch, hq = len(lens), group * hkv
     qkv = torch.randn(batch, (hq + 2 * hkv) * d + 3)  # q, k, v are strided views of one row, as in the model
@@ -143,6 +147,19 @@ def test_decode_combine_takes_its_splits_in_steps_of_any_size(monkeypatch, tile)
     # 7 of them end on a partial step.
     monkeypatch.setattr(decode_attention, "_COMBINE_TILE", tile)
     run_decode([0, 5, 33, 65, 100, 127], 7, 1, 32, 16, 16)
+
+
+@pytest.mark.parametrize("split_group", [2, 4])
+def test_decode_combines_each_group_of_splits_then_the_groups(monkeypatch, split_group):
+    # Splits of 16 tokens: rows using 3, 0, 4, 1, 5, 7 and 8 of them. Groups of 4: one level at 3 and 4, a last
+    # group of one at 5, of three at 7, two whole groups at 8; groups of 2: a last group of one at 3, 5 and 7.
+    monkeypatch.setattr(decode_attention, "_SPLIT_GROUP", split_group)
+    lens = [40, 0, 64, 9, 80, 100, 128]
+    first, second = run_decode(lens, 3, 2, 32, 16, 16, calls=2)
+    assert torch.equal(first, second)  # the second call found every group's and row's counter back at zero
+    counters = decode_attention.arrival_counters(torch.device("cpu"), 1)
+    assert counters.numel() >= len(lens) * 2 * (1 + decode_attention._MAX_SPLITS // split_group)
+    assert not counters.any()
 
 
 def test_decode_leaves_every_arrival_counter_at_zero():
