@@ -17,15 +17,17 @@ from kernels.pdl import pdl_enabled
 # grid's split count comes from static shapes only (a captured graph must fit every length); each row then
 # cuts its *actual* context into that many splits of whole tiles (_split_len), so a short context runs one
 # tile per program instead of a few programs walking a long fixed partition. _MAX_PROGRAMS caps the grid at
-# about four programs an SM: at batch 256 one split a row beat eight (37.7 vs 52.5 µs a layer at context 512,
-# no partials to write and combine), at batch 128 two beat eight. _MIN_PARTITION bounds the splits of a long
-# context. A row of more than _SPLIT_GROUP splits combines them as a tree: the last of each group of
+# about sixteen programs an SM. With rows of equal length one split a row won at batch 256 (37.7 vs 52.5 µs a
+# layer for eight, context 512), but rows of mixed length, as a served batch has, leave the longest rows'
+# programs walking alone: at 136 rows of 100-2048 tokens a cap of 512 programs (one split a row) took 77.9 µs
+# a layer and 2048 (four splits) 53.0; 256 rows of 100-1100: 56.8 and 56.5 (the 887f2a4 probe, bench/NOTES.md).
+# _MIN_PARTITION bounds the splits of a long context. A row of more than _SPLIT_GROUP splits combines them as a tree: the last of each group of
 # _SPLIT_GROUP consecutive splits combines the group into one partial, and the last group combines those. One
 # program combining all 128 partials of a 32K row (393 KB of float32 through one SM) made the kernel 19.0 µs a
 # layer, against 15.1 with a separate reduce kernel (the tree is not measured yet). A combine now takes at most
 # max(_SPLIT_GROUP, _MAX_SPLITS // _SPLIT_GROUP) partials, its tile of maxima and sums (both powers of two).
 _MIN_PARTITION = 256
-_MAX_PROGRAMS = 512
+_MAX_PROGRAMS = 2048
 _MAX_SPLITS = 128
 _SPLIT_GROUP = 16
 _BLOCK_N = 64

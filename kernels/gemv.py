@@ -140,10 +140,12 @@ def _epilogue(acc, acc_up, sumsq, out_ptr, bias_ptr, sumsq_ptr, offs_m, offs_n, 
 def _gemv_kernel(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, w_ptr, bias_ptr, out_ptr, sumsq_ptr, M, N, K,
                  k_per_split, eps, stride_xm, stride_xk, stride_wn, stride_wk, NORM: tl.constexpr,
                  HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, SWIGLU: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     # Program (n, s, m): rows [m*BLOCK_M, +BLOCK_M) of x times output rows [n*BLOCK_N, +BLOCK_N) over split s
     # of K (and up rows N + those, under SWIGLU). PARTIAL: write float32 partials for the reduce kernel; else
     # the output (+ bias).
+    if PDL:  # the one-row GEMV after this may start loading its weights (kernels/pdl.py)
+        tl.extra.cuda.gdc_launch_dependents()
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -276,14 +278,14 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, config: G
     sumsq = torch.empty((cfg.split_k, m), dtype=torch.float32, device=x.device) if partial and norm else w
     pointers = (x, _or_w(residual, w), _or_w(norm_weight, w), _or_w(new_res, w), w, _or_w(bias, w), target, sumsq)
     meta = dict(NORM=norm, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None and not partial,
-                PARTIAL=partial, SWIGLU=swiglu, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages)
+                PARTIAL=partial, SWIGLU=swiglu, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=pdl_enabled(x.device),
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.one_row:
         if m != 1:
             raise ValueError(f"{cfg} takes exactly one row of x, got {m}; use a config with one_row=False")
         _gemv_row_kernel[(triton.cdiv(n_out, cfg.block_n), cfg.split_k)](
-            *pointers, n_out, k, k_per_split, eps, x.stride(1), w.stride(0), w.stride(1), PDL=pdl_enabled(x.device),
-            **meta, **pdl_launch(x.device))
+            *pointers, n_out, k, k_per_split, eps, x.stride(1), w.stride(0), w.stride(1), **meta,
+            **pdl_launch(x.device))
     else:
         grid = (triton.cdiv(n_out, cfg.block_n), cfg.split_k, triton.cdiv(m, BLOCK_M))
         _gemv_kernel[grid](*pointers, m, n_out, k, k_per_split, eps, x.stride(0), x.stride(1), w.stride(0),

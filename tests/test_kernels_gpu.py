@@ -136,7 +136,9 @@ def test_decode_attention_rotating_and_storing_the_steps_kv_bf16(lens):
     assert_close_rel(k_cache, k_ref) and torch.equal(v_cache.float(), v_ref)
 
 
-def test_decode_attention_replays_in_a_cuda_graph_with_new_lengths():
+@pytest.mark.parametrize("split_group", [16, 4], ids=["one-level", "tree"])
+def test_decode_attention_replays_in_a_cuda_graph_with_new_lengths(split_group, monkeypatch):
+    monkeypatch.setattr(decode_attention, "_SPLIT_GROUP", split_group)  # 4: 4096 tokens in 4 groups of 4 splits
     k_cache, v_cache, tables = paged_cache([4096] * 4, width=4096 // BLOCK)
     q = torch.randn(4, HQ, D, device="cuda", dtype=BF16)
     ctx = torch.tensor([4096, 1, 100, 0], dtype=torch.int32, device="cuda")
@@ -150,7 +152,7 @@ def test_decode_attention_replays_in_a_cuda_graph_with_new_lengths():
     # The combine reads its splits in order whichever program arrives last: a replay equals an eager call bit for
     # bit, and every arrival counter is back at zero after each.
     assert torch.equal(out, paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.1))
-    assert not decode_attention.arrival_counters(q.device, 4 * HKV).any()
+    assert not decode_attention._arrivals[q.device].any()
 
 
 def test_decode_attention_capture_without_an_eager_call_of_its_size_is_refused(monkeypatch):
