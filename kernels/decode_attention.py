@@ -17,10 +17,10 @@ from kernels.pdl import pdl_enabled
 # grid's split count comes from static shapes only (a captured graph must fit every length); each row then
 # cuts its *actual* context into that many splits of whole tiles (_split_len), so a short context runs one
 # tile per program instead of a few programs walking a long fixed partition. _MAX_PROGRAMS caps the grid at
-# about sixteen programs an SM. With rows of equal length one split a row won at batch 256 (37.7 vs 52.5 µs a
-# layer for eight, context 512), but rows of mixed length, as a served batch has, leave the longest rows'
-# programs walking alone: at 136 rows of 100-2048 tokens a cap of 512 programs (one split a row) took 77.9 µs
-# a layer and 2048 (four splits) 53.0; 256 rows of 100-1100: 56.8 and 56.5 (the 887f2a4 probe, bench/NOTES.md).
+# about four programs an SM: at batch 256 one split a row beat eight (37.7 vs 52.5 µs a layer at context 512,
+# no partials to write and combine), at batch 128 two beat eight. Rows of mixed length did not change that:
+# on the throughput run's own batches (nano-vllm's recipe at steps 10 to 950) caps of 1024 to 4096, with or
+# without a floor of 256 or 512 tokens a split, were 1-3% slower in sum (the 903dcd1 probe, bench/NOTES.md).
 # _MIN_PARTITION bounds the splits of a long context. A row of more than _SPLIT_GROUP splits combines them as
 # a tree: the last of each group of _SPLIT_GROUP consecutive splits combines the group into one partial, and
 # the last group combines those. One program combining all 128 partials of a 32K row (393 KB of float32 through
@@ -28,7 +28,7 @@ from kernels.pdl import pdl_enabled
 # and 9.3; the 629609d probe). A combine takes at most max(_SPLIT_GROUP, _MAX_SPLITS // _SPLIT_GROUP) partials,
 # its tile of maxima and sums (both powers of two).
 _MIN_PARTITION = 256
-_MAX_PROGRAMS = 2048
+_MAX_PROGRAMS = 512
 _MAX_SPLITS = 128
 _SPLIT_GROUP = 8
 _BLOCK_N = 64
@@ -37,10 +37,6 @@ _COMBINE_TILE = 64  # partial elements [heads, splits, head_dim] a combine step 
 # a layer at 32K, 6.96 -> 5.75 at 512). Many rows fill the SMs with programs: 4 warps, 2 stages (batch 64:
 # 8 warps 31.5 µs, 4 warps 3 stages 23.5, 2 stages 20.9).
 _FEW_ROWS_KV_HEADS = 8  # rows x KV heads up to which the few-rows launch applies
-# Many rows cut each into splits of at least _MANY_ROWS_MIN_SPLIT tokens: a row of 512 then runs one program, a
-# row of 2048 four, with no partials for the short ones (see _MAX_PROGRAMS above for why long rows are cut).
-_MANY_ROWS_KV_HEADS = 64
-_MANY_ROWS_MIN_SPLIT = 256
 _FEW_ROWS_LAUNCH = dict(num_warps=8, num_stages=3)
 _MANY_ROWS_LAUNCH = dict(num_warps=4, num_stages=2)
 
@@ -74,10 +70,10 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 
 @triton.jit
-def _split_len(ctx, num_splits, min_split, BLOCK_N: tl.constexpr):
-    # The fewest whole tiles that cover ctx in num_splits splits, but at least min_split tokens (a multiple of
-    # BLOCK_N): a longer split only leaves splits unused, so the static partition still covers the row.
-    return tl.maximum(tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N, min_split)
+def _split_len(ctx, num_splits, BLOCK_N: tl.constexpr):
+    # The fewest whole tiles that cover ctx in num_splits splits (never more than the static partition,
+    # which covers the longest possible context in as many splits).
+    return tl.maximum(tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N), 1) * BLOCK_N
 
 
 @triton.jit
@@ -101,7 +97,7 @@ def _rotate(x, x_partner, cos, signed_sin):
 def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, out_ptr, part_acc, part_max, part_sum,
                          arrivals, k_new, v_new, positions, cos_sin, slot_mapping, qk_scale, stride_qb, stride_qh,
                          stride_ob, stride_oh, stride_cb, stride_ch, stride_cs, stride_bt, stride_kb, stride_kh,
-                         stride_vb, stride_vh, block_size, group, num_q_heads, min_split, HEAD_DIM: tl.constexpr,
+                         stride_vb, stride_vh, block_size, group, num_q_heads, HEAD_DIM: tl.constexpr,
                          D_PAD: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr,
                          SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr, SPLIT_GROUP: tl.constexpr,
                          COUNTERS: tl.constexpr, BLOCK_N: tl.constexpr, NEW_KV: tl.constexpr, PDL: tl.constexpr):
@@ -117,7 +113,7 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, ou
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
     ctx = tl.load(context_lens + b)
-    split_len = _split_len(ctx, num_splits, min_split, BLOCK_N)
+    split_len = _split_len(ctx, num_splits, BLOCK_N)
     used = tl.cdiv(ctx, split_len)  # splits that start before ctx: 0 at context 0
     start = split * split_len
     # A split past the row's length does nothing: no store, no arrival (a graph sized for long contexts
@@ -245,14 +241,6 @@ def _combine_splits(out_ptr, part_acc, part_max, part_sum, b, kv_head, group, nu
                  out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
 
 
-def _min_split(batch: int, num_kv_heads: int, block_n: int, fixed_partition: bool) -> int:
-    """The fewest tokens a split of a row takes: one tile, or _MANY_ROWS_MIN_SPLIT where rows x KV heads alone
-    fill the GPU (a fixed partition_size keeps one tile: tests count on its exact splits)."""
-    if fixed_partition or batch * num_kv_heads < _MANY_ROWS_KV_HEADS:
-        return block_n
-    return max(block_n, _MANY_ROWS_MIN_SPLIT)
-
-
 def _partition_size(batch: int, num_kv_heads: int, max_context: int) -> int:
     """Tokens per split at the longest context, from static shapes only: it sets the grid's split count."""
     splits = max(1, min(_MAX_SPLITS, _MAX_PROGRAMS // max(1, batch * num_kv_heads)))
@@ -336,8 +324,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         arrival_counters(q.device, batch * num_kv_heads * counters), new.k, new.v, new.positions, new.cos_sin,
         new.slot_mapping, scale * math.log2(math.e), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), new.k.stride(0),
-        new.k.stride(1), new.v.stride(0), new.v.stride(1), block_size, group, num_q_heads,
-        _min_split(batch, num_kv_heads, block_n, partition_size is not None), HEAD_DIM=head_dim,
+        new.k.stride(1), new.v.stride(0), new.v.stride(1), block_size, group, num_q_heads, HEAD_DIM=head_dim,
         D_PAD=d_pad, GROUP_PAD=max(16, group_p2), GROUP_P2=group_p2, SPLITS_PAD=splits_pad, CHUNK=chunk,
         SPLIT_GROUP=_SPLIT_GROUP, COUNTERS=counters, BLOCK_N=block_n, NEW_KV=new_kv is not None,
         PDL=pdl_enabled(q.device), **launch)

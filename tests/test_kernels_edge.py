@@ -140,14 +140,6 @@ def test_decode_cuts_each_rows_context_into_the_grids_splits():
     run_decode([1, 65, 1000, 4095], 3, 1, 32, 1024, None)
 
 
-def test_many_rows_take_splits_of_at_least_the_minimum(monkeypatch):
-    # As above with the many-rows rule on for 5 rows x 1 KV head: splits of at least 256 tokens, so 65 -> one
-    # split, 300 -> two, 1000 -> four of 256 (not 16 of 64), 4095 -> 16 of 256.
-    monkeypatch.setattr(decode_attention, "_MANY_ROWS_KV_HEADS", 5)
-    assert decode_attention._min_split(5, 1, 64, False) == 256 and decode_attention._min_split(4, 1, 64, False) == 64
-    run_decode([1, 65, 300, 1000, 4095], 3, 1, 32, 1024, None)
-
-
 @pytest.mark.parametrize("tile", [1, 2, 4], ids=["one-split-a-step", "two-a-step", "four-a-step"])
 def test_decode_combine_takes_its_splits_in_steps_of_any_size(monkeypatch, tile):
     # The tile is per thread: 6 rows x 1 KV head launch 8 warps, so 1 is 256 elements, one split of 8 heads
