@@ -36,7 +36,7 @@ step() {  # name, time limit in seconds, command...: a step that fails or overru
 
 for name in ${*:-tests latency throughput trace startup serving profile}; do
   case $name in
-    tests) step tests 150 python3 -m bench.gpu_tests --out "$OUT" ;;
+    tests) step tests 240 python3 -m bench.gpu_tests --out "$OUT" ;;
     latency) step latency 110 python3 -m bench.latency "${MODEL[@]}" --baseline hf --max-tokens 129 ;;
     throughput) step throughput 200 python3 -m bench.throughput "${MODEL[@]}" --baseline hf --hf-batch 16 --hf-num-seqs 16 ;;
     startup) step startup 60 python3 -m bench.startup "${MODEL[@]}" ;;
