@@ -165,7 +165,7 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, ou
                      mask=g_mask[:, None] & d_mask[None, :])
             counters = arrivals + (b * tl.num_programs(1) + kv_head) * COUNTERS  # [top, group 0, group 1, ...]
             two_levels = used > SPLIT_GROUP
-            on_top = used > 1  # true: with one level every split arrives on the top counter, with two each group's last
+            on_top = used > 1  # one level: every split arrives on the top counter; two: each group's last does
             if two_levels:
                 first = split - split % SPLIT_GROUP
                 count = tl.minimum(used - first, SPLIT_GROUP)  # the last group may be short
@@ -181,6 +181,7 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, ou
                     _combine_splits(out_ptr, part_acc, part_max, part_sum, b, kv_head, group, num_q_heads, 0, step,
                                     top_count, num_splits, stride_ob, stride_oh, HEAD_DIM, D_PAD, GROUP_P2,
                                     SPLITS_PAD, CHUNK, False)
+
 
 @triton.jit
 def _last_to_arrive(counter, count):

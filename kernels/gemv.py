@@ -53,7 +53,7 @@ class GemvConfig:
 # Candidate tiles: (block_n, block_k, num_warps, programs wanted per SM). The one-row tiles are the fastest
 # of a sweep on an H200 at Qwen2.5-1.5B's shapes, each in a CUDA graph over cold weights (bench/NOTES.md);
 # the long-K ones run all of a K >= LONG_K (down_proj's 8960 at 1.5B) in each program (2 x 4096 won down,
-# 9.8 µs against cuBLAS's 11.2). A tile of K >= K (2048 at 1.5B's 1536) loads all of its weights before it
+# 9.8 µs against cuBLAS's 11.2). A tile with BLOCK_K >= K (2048 at 1.5B's 1536) loads all its weights before it
 # waits on the kernel before it (kernels/pdl.py): qkv, o_proj and down took 4 x 2048 at 76dfbcb.
 _DOT_TILES = ((64, 128, 4, 2), (32, 256, 4, 2), (128, 128, 8, 2))
 _ONE_ROW_TILES = ((4, 2048, 8, 4), (8, 512, 4, 1), (16, 512, 8, 1), (2, 2048, 4, 4), (8, 2048, 8, 2))

@@ -1,5 +1,5 @@
-"""The split-K GEMV and the ops folded into it (norm, SwiGLU) against the unfused torch references (CPU: Triton's interpreter); on the
-GPU, every candidate at Qwen2.5-1.5B's decode shapes in bfloat16, and graph replay."""
+"""The split-K GEMV and the ops folded into it (norm, SwiGLU) against the unfused torch references (CPU: Triton's
+interpreter); on the GPU, every candidate at Qwen2.5-1.5B's decode shapes in bfloat16, and graph replay."""
 from __future__ import annotations
 
 import pytest
