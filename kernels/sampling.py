@@ -9,9 +9,12 @@ once and keeps the hash in registers.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda.libdevice import fast_logf
 
 from kernels.gemv import num_sms
 
@@ -19,6 +22,7 @@ from kernels.gemv import num_sms
 GOLDEN = tl.constexpr(0x9E3779B97F4A7C15)
 MIX1 = tl.constexpr(0xBF58476D1CE4E5B9)
 MIX2 = tl.constexpr(0x94D049BB133111EB)
+_FAST_LOG = os.environ.get("TRITON_INTERPRET") != "1"  # read at import, as triton.jit reads it
 
 
 def _i64(c: tl.constexpr) -> int:
@@ -58,7 +62,7 @@ def gumbel_argmax_ref(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Te
     """Token ids [N] from logits [N, V], temps [N] float32, seeds and positions [N] int64."""
     greedy = logits.argmax(dim=-1)
     temp = temps[:, None]
-    scaled = logits.float() / torch.where(temp > 0, temp, torch.ones_like(temp))
+    scaled = logits.float() * (1.0 / torch.where(temp > 0, temp, torch.ones_like(temp)))  # the kernel's roundings
     u = hashed_uniform(seeds, positions, logits.shape[-1])
     sampled = (scaled - torch.log(-torch.log(u))).argmax(dim=-1)
     return torch.where(temps > 0, sampled, greedy)
@@ -72,24 +76,35 @@ def _mix64(z):
 
 
 @triton.jit
-def _neg_log(u):
+def _log(x, FAST_LOG: tl.constexpr):
+    # libdevice's logf took most of this kernel's instructions (two a token; batch 256 at 151,936 tokens:
+    # 153 µs, compute-bound); lg2.approx's relative error (~2^-22) moves a draw only between scores that
+    # close, and cut it to 88 µs with the multiply by 1 / temp. The interpreter has no libdevice.
+    if FAST_LOG:
+        return fast_logf(x)
+    return tl.log(x)
+
+
+@triton.jit
+def _neg_log(u, FAST_LOG: tl.constexpr):
     # -log(u), accurate relative to its size also where u is near 1 (E tiny, the token's noise large: the
     # likely winner) and the GPU's log is an approximation with an absolute error: there 1 - u is exact and
     # -log(1 - t) = t + t^2/2 + t^3/3 to float32 precision for t < 2^-7.
     t = 1.0 - u
-    return tl.where(t < 0.0078125, t * (1.0 + t * (0.5 + t * 0.33333334)), -tl.log(u))
+    return tl.where(t < 0.0078125, t * (1.0 + t * (0.5 + t * 0.33333334)), -_log(u, FAST_LOG))
 
 
 # chunk_len varies with the batch size: specialising on it (a constexpr, or an int Triton marks as divisible
 # by 16) compiled a new kernel for many batch sizes, a ~0.5 s stall in the middle of serving each time.
 @triton.jit(do_not_specialize=["chunk_len"])
 def _gumbel_argmax_kernel(logits_ptr, stride, temps_ptr, seeds_ptr, pos_ptr, best_val_ptr, best_idx_ptr,
-                          vocab, chunk_len, BLOCK: tl.constexpr):
+                          vocab, chunk_len, BLOCK: tl.constexpr, FAST_LOG: tl.constexpr):
     # Program (row, chunk) scans chunk_len columns of one row; the host reduces the chunks' maxima. Every
     # column's score depends only on its own (row, column), so the result is the same for any chunking or batch.
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     temp = tl.load(temps_ptr + row)
+    inv_temp = tl.math.div_rn(1.0, temp)  # rounded as the reference's 1 / temp
     seed = tl.load(seeds_ptr + row).to(tl.uint64, bitcast=True)
     pos = tl.load(pos_ptr + row).to(tl.uint64, bitcast=True)
     row_key = _mix64(seed * GOLDEN + pos)
@@ -102,7 +117,7 @@ def _gumbel_argmax_kernel(logits_ptr, stride, temps_ptr, seeds_ptr, pos_ptr, bes
         if temp > 0:  # a greedy row (a decode graph draws every row here) skips the hash: a plain argmax
             z = _mix64(row_key + cols.to(tl.uint64) * GOLDEN)
             u = ((z >> 41).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # as uniform_from_bits
-            score = score / temp - tl.log(_neg_log(u))
+            score = score * inv_temp - _log(_neg_log(u, FAST_LOG), FAST_LOG)
         better = score > best_val  # strict: of equal scores the earlier column stays
         best_val = tl.where(better, score, best_val)
         best_idx = tl.where(better, cols, best_idx)
@@ -127,7 +142,8 @@ def gumbel_argmax_triton(logits: torch.Tensor, temps: torch.Tensor, seeds: torch
     best_val = torch.empty((rows, chunks), dtype=torch.float32, device=logits.device)
     best_idx = torch.empty((rows, chunks), dtype=torch.int32, device=logits.device)
     _gumbel_argmax_kernel[(rows, chunks)](logits, logits.stride(0), temps, seeds, positions, best_val, best_idx,
-                                          vocab, chunk, BLOCK=block, num_warps=8)
+                                          vocab, chunk, BLOCK=block, num_warps=8,
+                                          FAST_LOG=_FAST_LOG)
     # argmax returns the first of equal maxima: the earliest chunk, whose column is the earliest.
     return best_idx.gather(1, best_val.argmax(dim=1, keepdim=True)).squeeze(1).long()
 
