@@ -102,6 +102,16 @@ def test_roofline_counts_every_parameter_of_the_model(tiny_ckpt):
     assert round(roof["weight_gb"], 3) == 3.087 and round(roof["roofline_ms"], 3) == 0.728
 
 
+def test_engine_flags_pass_block_size_on_and_leave_unset_options_to_the_engine():
+    parser = common.engine_parser("test")
+    assert "block_size" not in common.engine_kwargs(parser.parse_args([]))
+    args = parser.parse_args(["--block-size", "64", "--enforce-eager"])
+    kwargs = common.engine_kwargs(args)
+    assert kwargs["block_size"] == 64 and kwargs["enforce_eager"] is True
+    flags = common.engine_flags(args)
+    assert flags[flags.index("--block-size") + 1] == "64" and "--enforce-eager" in flags
+
+
 def test_bench_commit_names_the_results_where_set_and_git_head_otherwise(monkeypatch):
     monkeypatch.setenv("BENCH_COMMIT", "0123abc")
     assert common.git_commit() == "0123abc"
