@@ -39,7 +39,8 @@ def _load_slice(param: torch.Tensor, dst_start: int, loaded: torch.Tensor, src_s
 
 
 class QKVParallelLinear(nn.Module):
-    """Column-parallel q|k|v projection with bias; this rank's heads packed as [q heads, k heads, v heads]."""
+    """Column-parallel q|k|v projection with bias; this rank's heads packed as [q heads, k heads, v heads].
+    It holds and loads the weights; RMSNorm.then_linear runs it, with the norm before it folded in."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
                  tp_rank: int = 0, tp_size: int = 1) -> None:
@@ -61,12 +62,10 @@ class QKVParallelLinear(nn.Module):
         local = self.num_heads if shard_id == "q" else self.num_kv_heads
         _load_slice(param, self.offset[shard_id] * d, loaded, self.first_head[shard_id] * d, local * d)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
-
 
 class MergedColumnParallelLinear(nn.Module):
-    """Column-parallel [gate | up] projection (no bias): shard 0 is gate_proj, shard 1 up_proj."""
+    """Column-parallel [gate | up] projection (no bias): shard 0 is gate_proj, shard 1 up_proj. Run by
+    RMSNorm.then_linear(..., swiglu=True), with the norm before it and SwiGLU after it folded in."""
 
     def __init__(self, in_features: int, out_features: int, tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
@@ -77,9 +76,6 @@ class MergedColumnParallelLinear(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
         _check_shape(loaded, (self.full, param.shape[1]))
         _load_slice(param, shard_id * self.local, loaded, self.tp_rank * self.local, self.local)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
 
 
 class RowParallelLinear(nn.Module):
