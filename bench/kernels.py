@@ -15,9 +15,8 @@ from bench.common import RESULTS_DIR, print_table, record
 from protocol.config import ModelConfig
 from protocol.model_config import resolve_model
 
-# (batch, context, max_model_len): batch 1 in the latency engine's 32K grid, batches 2 and 4 there (the first
-# to take the few-rows launch and the last; the 23d3bda probe had 4 warps beat its 8 at 4 x 8192), the
-# throughput recipe's batches.
+# (batch, context, max_model_len): batch 1 in the latency engine's 32K grid; batches 2 and 4 there, the largest
+# the few-rows launch takes (the 23d3bda probe had 4 warps beat its 8 at 4 x 8192); the throughput recipe's.
 ATTENTION_CASES = [(1, 32, 32768), (1, 4096, 32768), (1, 32640, 32768), (2, 8192, 32768), (4, 640, 32768),
                    (4, 8192, 32768), (64, 640, 32768), (256, 512, 2048), (256, 1024, 2048)]
 
