@@ -58,6 +58,9 @@ def test_rms_norm_and_add_rms_norm_bf16():
 
 @pytest.mark.parametrize("rows", [1, 7, 256])
 def test_gumbel_argmax_at_qwen_vocab_equals_reference(rows):
+    # Seeded: the kernel's fast log differs from torch.log by ~2^-22, so only a near-tie could split them, and
+    # these inputs then do so every run or never.
+    torch.manual_seed(rows)
     vocab = 151936
     logits = torch.randn(rows, vocab, device="cuda") * 4
     temps = torch.rand(rows, device="cuda") * 1.5
