@@ -2,7 +2,9 @@
 and 64, random token-id prompts, a fixed output length, ignore_eos.
 
 Per level: output tokens/s over the level's wall time; time to first token and inter-token latency (the
-gaps between streamed chunks) at p50 and p99. Each level sends --rounds x concurrency requests.
+gaps between streamed chunks) at p50 and p99; and the CPU each process used over the level's wall time, in
+cores (the frontend, scheduler and worker processes, and this client): which one, if any, is the bottleneck.
+Each level sends --rounds x concurrency requests.
 
     python -m bench.serving
 """
@@ -12,6 +14,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import random
 import signal
 import socket
@@ -40,9 +43,39 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _stat(pid: int) -> list[str]:
+    """/proc/<pid>/stat's fields from the third (state) on: the name before it may hold spaces."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used so far (Linux /proc), 0 once it is gone."""
+    try:
+        fields = _stat(pid)
+    except FileNotFoundError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: fields 14, 15
+
+
+def engine_processes(frontend_pid: int) -> dict[str, int]:
+    """The server's processes by role: launch.py (the frontend), then its children but multiprocessing's
+    resource tracker in the order they started, as frontend/launcher.py starts them: the scheduler, then the
+    workers by rank."""
+    children = []
+    # Each thread's children: the thread that starts the engine need not be the main one.
+    threads = Path(f"/proc/{frontend_pid}/task").iterdir()
+    for pid in [int(pid) for task in threads for pid in (task / "children").read_text().split()]:
+        with contextlib.suppress(FileNotFoundError):
+            if "resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_text():
+                children.append((int(_stat(pid)[19]), pid))  # field 22: start time
+    roles = ["scheduler", *(f"worker{rank}" for rank in range(len(children) - 1))]
+    return {"frontend": frontend_pid, **dict(zip(roles, (pid for _, pid in sorted(children))))}
+
+
 @contextlib.contextmanager
-def running_server(args: argparse.Namespace) -> Iterator[str]:
-    """launch.py serving on a free port, its output in a log shown only when it fails; yields the base URL."""
+def running_server(args: argparse.Namespace) -> Iterator[tuple[str, int]]:
+    """launch.py serving on a free port, its output in a log shown only when it fails; yields the base URL and
+    launch.py's pid."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -55,7 +88,7 @@ def running_server(args: argparse.Namespace) -> Iterator[str]:
         try:
             url = f"http://127.0.0.1:{port}"
             wait_healthy(proc, url, args.startup_timeout, log_path)
-            yield url
+            yield url, proc.pid
         finally:
             proc.send_signal(signal.SIGINT)
             try:
@@ -98,8 +131,11 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], ar
     return {"ttft": arrivals[0] - start, "itl": np.diff(arrivals).tolist(), "tokens": tokens}
 
 
-async def run_level(url: str, prompts: list[list[int]], concurrency: int, args: argparse.Namespace) -> dict:
-    """All prompts, at most `concurrency` in flight."""
+async def run_level(url: str, prompts: list[list[int]], concurrency: int, args: argparse.Namespace,
+                    processes: dict[str, int] | None = None) -> dict:
+    """All prompts, at most `concurrency` in flight; the CPU cores `processes` (role -> pid) and this client
+    used over the level."""
+    processes = {**(processes or {}), "client": os.getpid()}
     gate = asyncio.Semaphore(concurrency)
     timeout = httpx.Timeout(args.request_timeout, pool=None)  # a stalled stream fails instead of hanging
     limits = httpx.Limits(max_connections=concurrency)
@@ -108,15 +144,16 @@ async def run_level(url: str, prompts: list[list[int]], concurrency: int, args: 
             async with gate:
                 return await one_request(client, url, prompt, args)
 
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), {role: cpu_seconds(pid) for role, pid in processes.items()}
         results = await asyncio.gather(*(gated(p) for p in prompts))
         wall = time.perf_counter() - start
+        cpu = {f"{role}_cpu": (cpu_seconds(pid) - cpu_start[role]) / wall for role, pid in processes.items()}
     ttft = [r["ttft"] * 1e3 for r in results]
     itl = [gap * 1e3 for r in results for gap in r["itl"]] or [float("nan")]
     return {"concurrency": concurrency, "requests": len(results),
             "output_tok_s": sum(r["tokens"] for r in results) / wall,
             "ttft_p50_ms": float(np.percentile(ttft, 50)), "ttft_p99_ms": float(np.percentile(ttft, 99)),
-            "itl_p50_ms": float(np.percentile(itl, 50)), "itl_p99_ms": float(np.percentile(itl, 99))}
+            "itl_p50_ms": float(np.percentile(itl, 50)), "itl_p99_ms": float(np.percentile(itl, 99)), **cpu}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,11 +161,12 @@ def main(argv: list[str] | None = None) -> int:
     vocab = resolve_model(args.model, args.load_format)[0].vocab_size
     rng = random.Random(args.seed)
     rows = []
-    with running_server(args) as url:
+    with running_server(args) as (url, pid):
         asyncio.run(run_level(url, [random_ids(rng, args.prompt_len, vocab)], 1, args))  # warm-up
+        processes = engine_processes(pid)
         for concurrency in args.concurrency:
             prompts = [random_ids(rng, args.prompt_len, vocab) for _ in range(args.rounds * concurrency)]
-            rows.append(asyncio.run(run_level(url, prompts, concurrency, args)))
+            rows.append(asyncio.run(run_level(url, prompts, concurrency, args, processes)))
     print_table(f"serving: {args.model}, prompts of {args.prompt_len} random tokens, {args.output_len} "
                 "output tokens each", rows)
     record("serving", args, {"rows": rows})

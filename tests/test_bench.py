@@ -90,6 +90,20 @@ def test_frontend_records_the_host_cost_per_token_of_both_detokenizers(tiny_ckpt
     assert all(r["us_per_token"] > 0 for r in rows)
 
 
+def test_serving_records_each_levels_speed_latencies_and_the_cpu_of_each_process(tiny_ckpt, tmp_path):
+    result = run_bench("serving", tiny_ckpt, tmp_path, "--concurrency", "1", "2", "--prompt-len", "8",
+                       "--output-len", "4", "--rounds", "2")
+    rows = result["numbers"]["rows"]
+    assert [(r["concurrency"], r["requests"]) for r in rows] == [(1, 2), (2, 4)]
+    for row in rows:
+        assert row["output_tok_s"] > 0 and 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"]
+        # Every process of the server was found; the CPU engine's worker did the most work (a 10 ms clock tick
+        # may leave the scheduler's short share at 0).
+        cpu = {k: v for k, v in row.items() if k.endswith("_cpu")}
+        assert set(cpu) == {"frontend_cpu", "scheduler_cpu", "worker0_cpu", "client_cpu"}, cpu
+        assert min(cpu.values()) >= 0 and cpu["worker0_cpu"] == max(cpu.values()) > 0, cpu
+
+
 def test_roofline_counts_every_parameter_of_the_model(tiny_ckpt):
     tiny = config_from_dir(tiny_ckpt)
     hf = Qwen2ForCausalLM.from_pretrained(tiny_ckpt)
