@@ -75,9 +75,9 @@ def choice(fold: str, inputs: Inputs, w: torch.Tensor, bias: torch.Tensor | None
     """The Triton config this call runs, or None for the unfused path (off CUDA, too many rows, a dtype the
     Triton path does not take, mixed dtypes)."""
     x = inputs[0]
-    few_rows = x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_M
-    one_dtype = all(t.dtype == x.dtype for t in (*inputs, w, bias) if isinstance(t, torch.Tensor))
-    if x.is_cuda and few_rows and x.dtype in DTYPES[fold] and one_dtype:
+    if not (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_M and x.dtype in DTYPES[fold]):
+        return None  # first, and cheap: a prefill step asks ~200 times (probe17)
+    if all(t.dtype == x.dtype for t in (*inputs, w, bias) if isinstance(t, torch.Tensor)):
         return cached_choice(fold, inputs, w, bias)
     return None
 
