@@ -286,3 +286,31 @@ def test_worker_process_reports_a_malformed_plan_and_exits_nonzero(workers):
     assert isinstance(error, WorkerError) and error.rank == 0 and "ProtocolError" in error.reason
     proc.join(30)
     assert proc.exitcode == 1
+
+
+def test_prompt_steps_through_the_prefill_pieces_equal_hf_greedy(tiny_ckpt, hf_greedy):
+    # The CUDA graphs' flow without graphs (capture(graphs=False)), buckets of 8 and 32 tokens: every prompt
+    # step below runs padded, one of them mixed (a decode row beside a chunk). The padded rows start as
+    # garbage: they must not reach the real ones.
+    from worker.prefill_graphs import PrefillGraphs
+
+    runner = _runner(tiny_ckpt)
+    graphs = PrefillGraphs(runner.model.model, [8, 32], runner.dtype, runner.device)
+    graphs.capture(graphs=False)
+    for buffers in (graphs._attn, graphs._qkv, graphs._residual):
+        for buf in buffers.values():
+            buf.normal_(0.0, 1e3)
+    graphs.ids.random_(0, 500)
+    runner.prefill_graphs, steps = graphs, []
+    run = graphs.run
+    graphs.run = lambda input_ids, *a: steps.append(input_ids.shape[0]) or run(input_ids, *a)
+    prompts = {0: _prompt(37, seed=1), 1: _prompt(5, seed=2)}
+    sched = MiniScheduler(runner, chunk=16)
+    sched.add(0, prompts[0])
+    sched.run_step()
+    sched.add(1, prompts[1])
+    out = sched.generate(6)
+    # Row 0's first 16; its next 16 beside row 1's 5; its last 5 beside row 1's first decode token.
+    assert steps == [16, 21, 6], steps
+    for row, prompt in prompts.items():
+        assert out[row] == hf_greedy(prompt, 6)

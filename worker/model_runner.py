@@ -18,6 +18,7 @@ from protocol.messages import StepPlan, StepResult
 from protocol.sampling import SamplingParams
 from worker.attention import AttentionMetadata
 from worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from worker.prefill_graphs import PrefillGraphs, prefill_buckets
 from worker.input_buffers import HostStep, RowMirror, StepBuffers
 from worker.loader import init_dummy_weights, load_weights
 from worker.models.qwen2 import Qwen2ForCausalLM
@@ -95,6 +96,10 @@ class ModelRunner:
                                        functools.partial(self._decode_forward, layers=WARMUP_LAYERS)) if sizes else None
             if self.graphs is not None:
                 self.graphs.capture()
+            buckets = prefill_buckets(config.max_num_batched_tokens) if use_graphs else []
+            self.prefill_graphs = PrefillGraphs(self.model.model, buckets, self.dtype, self.device) if buckets else None
+            if self.prefill_graphs is not None:
+                self.prefill_graphs.capture(graphs=True)
         # Seconds per start-up phase, reported in Ready for bench/startup.py.
         self.startup = {"weights_s": weights_done - started, "kv_cache_s": kv_done - weights_done,
                         "graph_capture_s": time.perf_counter() - kv_done,
@@ -305,7 +310,11 @@ class ModelRunner:
             input_ids[:nd] = self.last_token[rows[:nd]]
         meta = AttentionMetadata(buf.view("slot_mapping"), self.block_tables[rows], buf.view("context_lens"),
                                  buf.view("cu_seqlens_q"), int(step.num_tokens.max()))
-        hidden = self.model(input_ids, buf.view("positions"), meta, self.kv_caches)
+        graphs = self.prefill_graphs
+        if graphs is not None and graphs.bucket_for(input_ids.shape[0]) is not None:
+            hidden = graphs.run(input_ids, buf.view("positions"), meta, self.kv_caches)
+        else:
+            hidden = self.model(input_ids, buf.view("positions"), meta, self.kv_caches)
         if not step.samples.any():
             return None
         sample_rows = buf.view("sample_rows")
