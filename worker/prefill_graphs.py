@@ -41,13 +41,12 @@ class PrefillGraphs:
         self.model, self.buckets = model, sorted(buckets)
         c = model.config
         self.ids = torch.zeros(self.buckets[-1], dtype=torch.int64, device=device)
-        attn_width = model.layers[0].self_attn.sizes[0]
-        qkv_width = sum(model.layers[0].self_attn.sizes)
+        attn_width, self._qkv_width = model.layers[0].self_attn.sizes[0], sum(model.layers[0].self_attn.sizes)
         new = lambda b, width: torch.zeros(b, width, dtype=dtype, device=device)  # noqa: E731
         # Per bucket: the attention output a piece reads, and the qkv (hidden, after the last) and residual it
         # leaves.
         self._attn = {b: new(b, attn_width) for b in self.buckets}
-        self._qkv = {b: new(b, max(qkv_width, c.hidden_size)) for b in self.buckets}
+        self._qkv = {b: new(b, max(self._qkv_width, c.hidden_size)) for b in self.buckets}
         self._residual = {b: new(b, c.hidden_size) for b in self.buckets}
         self._pieces: dict[int, list] = {}  # bucket -> a callable per piece: a graph's replay, or the piece itself
 
@@ -80,10 +79,10 @@ class PrefillGraphs:
         t = input_ids.shape[0]
         b = self.bucket_for(t)
         self.ids[:t].copy_(input_ids)
-        qkv_width, pieces = sum(self.model.layers[0].self_attn.sizes), self._pieces[b]
+        pieces = self._pieces[b]
         pieces[0]()
         for i, kv_cache in enumerate(kv_caches):
-            qkv = self._qkv[b][:t, :qkv_width]
+            qkv = self._qkv[b][:t, :self._qkv_width]
             self._attn[b][:t].copy_(self.model.attend(i, qkv, positions, kv_cache, meta))
             pieces[i + 1]()
         return self._qkv[b][:t, :self.model.config.hidden_size]
