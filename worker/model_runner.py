@@ -18,10 +18,10 @@ from protocol.messages import StepPlan, StepResult
 from protocol.sampling import SamplingParams
 from worker.attention import AttentionMetadata
 from worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
-from worker.prefill_graphs import PrefillGraphs, prefill_buckets
 from worker.input_buffers import HostStep, RowMirror, StepBuffers
 from worker.loader import init_dummy_weights, load_weights
 from worker.models.qwen2 import Qwen2ForCausalLM
+from worker.prefill_graphs import PrefillGraphs, prefill_buckets
 from worker.parallel import local_kv_heads
 from worker.sampler import Sampler, SamplerOutput
 

@@ -14,6 +14,8 @@ temporaries, which only one chain at a time uses.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from tqdm import tqdm
 
@@ -35,7 +37,7 @@ def prefill_buckets(max_num_batched_tokens: int) -> list[int]:
 
 class PrefillGraphs:
     """run(input_ids, positions, meta, kv_caches) -> the model's final hidden states [T, H] for a prompt step of
-    T <= max(buckets) tokens; on the CPU (capture=False) the same flow runs its pieces eagerly (tests)."""
+    T <= max(buckets) tokens; after capture(graphs=False) the same flow runs its pieces eagerly (CPU tests)."""
 
     def __init__(self, model: torch.nn.Module, buckets: list[int], dtype: torch.dtype, device: torch.device) -> None:
         self.model, self.buckets = model, sorted(buckets)
@@ -87,7 +89,7 @@ class PrefillGraphs:
             pieces[i + 1]()
         return self._qkv[b][:t, :self.model.config.hidden_size]
 
-    def _piece_fn(self, b: int, i: int, n: int):
+    def _piece_fn(self, b: int, i: int, n: int) -> Callable[[], None]:
         """Piece i of bucket b over the bucket's static buffers: its inputs read, its outputs copied in."""
         def piece() -> None:
             x = self.ids[:b] if i == 0 else self._attn[b]
