@@ -21,8 +21,8 @@ from worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from worker.input_buffers import HostStep, RowMirror, StepBuffers
 from worker.loader import init_dummy_weights, load_weights
 from worker.models.qwen2 import Qwen2ForCausalLM
-from worker.prefill_graphs import PrefillGraphs, prefill_buckets
 from worker.parallel import local_kv_heads
+from worker.prefill_graphs import PrefillGraphs, prefill_buckets
 from worker.sampler import Sampler, SamplerOutput
 
 # A graph's warm-up runs this many layers: the first (no residual yet) and one as every later layer runs,
