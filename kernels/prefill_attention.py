@@ -1,8 +1,16 @@
-"""Paged attention for prefill: a varlen flat batch of new queries, causal over cached context + themselves."""
+"""Paged attention for prefill: a varlen flat batch of new queries, causal over cached context + themselves.
+
+The kernel runs one program per (work item, KV head); a work item is a sequence and one block of its queries,
+listed on the host by prefill_work. The grid is the list's length, not the step's longest sequence times its
+sequence count, so a step's launch does not depend on its sequences (a CUDA graph can hold it: items past
+the step's own are -1 and do nothing), and a decode row in a prompt step costs one program, not one per
+query block of the longest prompt.
+"""
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -38,9 +46,29 @@ def _sequence_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return out.permute(2, 0, 1, 3).reshape(qlen, num_q_heads, head_dim)
 
 
+def queries_per_program(group: int) -> int:
+    """Queries one program takes: its tile rows are (query, head) pairs over a group of query heads."""
+    if not 1 <= group <= _BLOCK_M:
+        raise ValueError(f"paged_prefill_attention supports 1 to {_BLOCK_M} query heads per KV head, got {group}")
+    return _BLOCK_M // group
+
+
+def max_prefill_work(tokens: int, seqs: int, group: int) -> int:
+    """The most work items a step of `tokens` queries over `seqs` sequences can list."""
+    return -(-tokens // queries_per_program(group)) + seqs
+
+
+def prefill_work(num_tokens: np.ndarray, group: int) -> np.ndarray:
+    """[2, W] int32: sequence and query block of every work item, for sequences of num_tokens[b] queries."""
+    blocks = -(-np.asarray(num_tokens, np.int64) // queries_per_program(group))
+    seq = np.repeat(np.arange(len(blocks)), blocks)
+    first = np.repeat(np.cumsum(blocks) - blocks, blocks)
+    return np.stack([seq, np.arange(len(seq)) - first]).astype(np.int32)
+
+
 def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                                context_lens: torch.Tensor, scale: float, max_seqlen_q: int) -> torch.Tensor:
+                                context_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """Sequence b's queries q[cu[b]:cu[b+1]] sit at the end of its context_lens[b] cached tokens."""
     out = torch.zeros_like(q)
     cu, ctx_lens = cu_seqlens_q.tolist(), context_lens.tolist()
@@ -52,17 +80,22 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     return out
 
 
-@triton.jit
-def _prefill_kernel(q_ptr, out_ptr, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, qk_scale,
-                    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ch, stride_cs, stride_bt,
-                    block_size, group, queries_per_block, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+# num_items is a graph bucket's fixed count or an eager step's own: not specialised (on % 16), so an eager step
+# never compiles a variant that the start-up's graphs did not.
+@triton.jit(do_not_specialize=["num_items"])
+def _prefill_kernel(q_ptr, out_ptr, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, work, num_items,
+                    qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ch, stride_cs,
+                    stride_bt, block_size, group, queries_per_block, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # Program (query block, sequence, kv head): the tile's rows are (query, head) pairs of queries_per_block
-    # queries x the group of query heads sharing this KV head, so each K/V tile is read once for the whole
-    # group (GQA) and no row is lost to padding the group to a power of two.
-    q_block = tl.program_id(0)
-    b = tl.program_id(1)
-    kv_head = tl.program_id(2)
+    # Program (work item, kv head): the tile's rows are (query, head) pairs of queries_per_block queries of
+    # the item's sequence x the group of query heads sharing this KV head, so each K/V tile is read once for
+    # the whole group (GQA) and no row is lost to padding the group to a power of two.
+    item = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    b = tl.load(work + item)
+    if b < 0:  # an item past the step's own (a graph's padding)
+        return
+    q_block = tl.load(work + num_items + item)
     q_start = tl.load(cu_seqlens_q + b)
     q_len = tl.load(cu_seqlens_q + b + 1) - q_start
     ctx = tl.load(context_lens + b)
@@ -98,20 +131,22 @@ def _prefill_kernel(q_ptr, out_ptr, k_cache, v_cache, block_tables, cu_seqlens_q
 
 def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                    block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                                   context_lens: torch.Tensor, scale: float, max_seqlen_q: int) -> torch.Tensor:
+                                   context_lens: torch.Tensor, scale: float, work: torch.Tensor) -> torch.Tensor:
+    """work: prefill_work's [2, W] int32 items on q's device; items whose sequence is -1 are skipped."""
     check_cache_layout(k_cache, v_cache, q)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
-    if group > _BLOCK_M:
-        raise ValueError(f"paged_prefill_attention supports at most {_BLOCK_M} query heads per KV head, got {group}")
-    queries_per_block = _BLOCK_M // group
+    if work.dim() != 2 or work.shape[0] != 2 or work.dtype != torch.int32 or not work.is_contiguous():
+        raise ValueError(f"work must be prefill_work's contiguous [2, W] int32 items, got {work.dtype} "
+                         f"{tuple(work.shape)}")
     out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
-    grid = (triton.cdiv(max_seqlen_q, queries_per_block), context_lens.shape[0], num_kv_heads)
+    grid = (work.shape[1], num_kv_heads)
     _prefill_kernel[grid](
-        q, out, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale * math.log2(math.e),
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
-        k_cache.stride(2), block_tables.stride(0), block_size, group, queries_per_block, HEAD_DIM=head_dim,
+        q, out, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, work, work.shape[1],
+        scale * math.log2(math.e), q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
+        k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), block_size, group,
+        queries_per_program(group), HEAD_DIM=head_dim,
         D_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N,
         num_warps=_NUM_WARPS, num_stages=_NUM_STAGES)
     return out
@@ -119,7 +154,10 @@ def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                            context_lens: torch.Tensor, scale: float, max_seqlen_q: int) -> torch.Tensor:
-    """Sequence b's queries q[cu[b]:cu[b+1]] are the last of its context_lens[b] cached tokens; causal."""
-    fn = paged_prefill_attention_triton if q.is_cuda else paged_prefill_attention_ref
-    return fn(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, max_seqlen_q)
+                            context_lens: torch.Tensor, scale: float, work: torch.Tensor) -> torch.Tensor:
+    """Sequence b's queries q[cu[b]:cu[b+1]] are the last of its context_lens[b] cached tokens; causal.
+    work lists the kernel's programs (prefill_work); the reference, on the CPU, walks the sequences itself."""
+    if q.is_cuda:
+        return paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
+                                              scale, work)
+    return paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)

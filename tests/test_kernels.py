@@ -2,6 +2,7 @@
 against independent dense computations (Hugging Face RoPE, SDPA causal attention)."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,7 +13,8 @@ from kernels.decode_attention import paged_decode_attention_ref, paged_decode_at
 from kernels.kv_store import (make_cos_sin, rope_store_kv_ref, rope_store_kv_triton, store_kv_ref,
                               store_kv_triton)
 from kernels.norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
-from kernels.prefill_attention import paged_prefill_attention_ref, paged_prefill_attention_triton
+from kernels.prefill_attention import (max_prefill_work, paged_prefill_attention_ref, paged_prefill_attention_triton,
+                                       prefill_work)
 from kernels.sampling import gumbel_argmax_ref, gumbel_argmax_triton
 
 TOL = dict(atol=1e-4, rtol=1e-4)
@@ -142,16 +144,41 @@ def test_prefill_triton_matches_reference_with_cached_prefix(hq, hkv, d):
     lens, qlens = [37, 16, 20, 150], [5, 16, 1, 70]
     k_cache, v_cache, tables = paged_cache(lens, hkv, d, width=10)
     q, cu, ctx = prefill_batch(lens, qlens, hq, d)
-    out = paged_prefill_attention_triton(q, k_cache, v_cache, tables, cu, ctx, 0.125, max(qlens))
-    ref = paged_prefill_attention_ref(q, k_cache, v_cache, tables, cu, ctx, 0.125, max(qlens))
+    work = torch.from_numpy(prefill_work(qlens, hq // hkv))
+    out = paged_prefill_attention_triton(q, k_cache, v_cache, tables, cu, ctx, 0.125, work)
+    ref = paged_prefill_attention_ref(q, k_cache, v_cache, tables, cu, ctx, 0.125)
     torch.testing.assert_close(out, ref, **TOL)
+
+
+def test_prefill_work_lists_each_sequences_query_blocks_and_bounds_them():
+    # Group 6: 21 queries a program. No item for a sequence without queries this step.
+    work = prefill_work([5, 0, 22, 21, 1], 6)
+    assert work.dtype == np.int32 and work.tolist() == [[0, 2, 2, 3, 4], [0, 0, 1, 0, 0]]
+    assert work.shape[1] <= max_prefill_work(49, 5, 6)
+    with pytest.raises(ValueError, match="1 to 128 query heads per KV head, got 129"):
+        prefill_work([4], 129)
+
+
+def test_prefill_triton_skips_padded_work_items_and_sequences():
+    # A graph's padding: work items of sequence -1, and sequences without queries (cu repeats, context 0).
+    lens, qlens = [30, 9, 0, 0], [30, 2, 0, 0]
+    k_cache, v_cache, tables = paged_cache(lens, 2, 64, width=4)
+    q, cu, ctx = prefill_batch(lens, qlens, 4, 64)
+    work = np.full((2, max_prefill_work(32, 4, 2)), -1, np.int32)
+    items = prefill_work(qlens, 2)
+    work[:, :items.shape[1]] = items
+    out = paged_prefill_attention_triton(q, k_cache, v_cache, tables, cu, ctx, 0.125, torch.from_numpy(work))
+    torch.testing.assert_close(out, paged_prefill_attention_ref(q, k_cache, v_cache, tables, cu, ctx, 0.125), **TOL)
+    with pytest.raises(ValueError, match=r"contiguous \[2, W\] int32 items, got torch.int64 \(2, 3\)"):
+        paged_prefill_attention_triton(q, k_cache, v_cache, tables, cu, ctx, 0.125,
+                                       torch.zeros(2, 3, dtype=torch.int64))
 
 
 def test_prefill_reference_of_whole_prompts_is_causal_attention():
     lens = [9, 20]
     k_cache, v_cache, tables = paged_cache(lens, 2, 16, width=2)
     q, cu, ctx = prefill_batch(lens, lens, 4, 16)
-    out = paged_prefill_attention_ref(q, k_cache, v_cache, tables, cu, ctx, 0.25, 20)
+    out = paged_prefill_attention_ref(q, k_cache, v_cache, tables, cu, ctx, 0.25)
     for b, n in enumerate(lens):
         k = k_cache[tables[b, :2].long()].permute(1, 0, 2, 3).reshape(2, -1, 16)[:, :n].repeat_interleave(2, 0)
         v = v_cache[tables[b, :2].long()].permute(1, 0, 2, 3).reshape(2, -1, 16)[:, :n].repeat_interleave(2, 0)
@@ -167,7 +194,7 @@ def test_decode_reference_equals_prefill_reference_of_one_query():
     ctx = torch.tensor(lens, dtype=torch.int32)
     decode = paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.3)
     cu = torch.tensor([0, 1, 1, 2], dtype=torch.int32)
-    prefill = paged_prefill_attention_ref(q[[0, 2]], k_cache, v_cache, tables, cu, ctx, 0.3, 1)
+    prefill = paged_prefill_attention_ref(q[[0, 2]], k_cache, v_cache, tables, cu, ctx, 0.3)
     torch.testing.assert_close(decode[[0, 2]], prefill, **TOL)
     assert decode[1].abs().max() == 0
 

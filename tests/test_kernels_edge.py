@@ -17,7 +17,7 @@ from kernels.decode_attention import NewTokenKV, paged_decode_attention_ref, pag
 from kernels.gemv import GemvConfig, candidate_configs, gemv_triton, linear_ref
 from kernels.kv_store import (make_cos_sin, rope_store_kv_ref, rope_store_kv_triton, store_kv_ref,
                               store_kv_triton)
-from kernels.prefill_attention import paged_prefill_attention_ref, paged_prefill_attention_triton
+from kernels.prefill_attention import paged_prefill_attention_ref, paged_prefill_attention_triton, prefill_work
 
 TOL = dict(atol=2e-4, rtol=2e-4)
 BLOCK_SIZES = (8, 16, 32, 64, 128)  # every block_size EngineConfig allows
@@ -212,8 +212,9 @@ def run_prefill(lens: list[int], qlens: list[int], group: int, hkv: int, d: int,
     q = torch.randn(sum(qlens), group * hkv, d, dtype=dtype)
     cu = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
     ctx = torch.tensor(lens, dtype=torch.int32)
-    out = paged_prefill_attention_triton(q, k_cache, v_cache, tables, cu, ctx, d ** -0.5, max(qlens))
-    ref = paged_prefill_attention_ref(q, k_cache, v_cache, tables, cu, ctx, d ** -0.5, max(qlens))
+    work = torch.from_numpy(prefill_work(qlens, group))
+    out = paged_prefill_attention_triton(q, k_cache, v_cache, tables, cu, ctx, d ** -0.5, work)
+    ref = paged_prefill_attention_ref(q, k_cache, v_cache, tables, cu, ctx, d ** -0.5)
     tol = TOL if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(out, ref, **tol)
 
@@ -241,7 +242,7 @@ def test_references_equal_dense_causal_attention_with_cached_prefixes(dtype):
     q = torch.randn(sum(qlens), group, d, dtype=dtype)
     cu = torch.tensor([0, 5, 6, 136], dtype=torch.int32)
     ctx = torch.tensor(lens, dtype=torch.int32)
-    prefill = paged_prefill_attention_ref(q, k_cache, v_cache, tables, cu, ctx, d ** -0.5, 130)
+    prefill = paged_prefill_attention_ref(q, k_cache, v_cache, tables, cu, ctx, d ** -0.5)
     decode = paged_decode_attention_ref(q[cu[1:] - 1], k_cache, v_cache, tables, ctx, d ** -0.5)
     assert prefill.dtype == decode.dtype == dtype
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
@@ -315,8 +316,10 @@ def test_kernels_address_cache_blocks_past_two_to_the_31_elements():
     torch.testing.assert_close(paged_decode_attention_triton(q_rot[-1:], k_cache, v_cache, tables, ctx, 0.125),
                                paged_decode_attention_ref(q_rot[-1:], ref_k, ref_v, tables, ctx, 0.125), **half_tol)
     cu = torch.tensor([0, 7], dtype=torch.int32)
-    torch.testing.assert_close(paged_prefill_attention_triton(q_rot[-7:], k_cache, v_cache, tables, cu, ctx, 0.125, 7),
-                               paged_prefill_attention_ref(q_rot[-7:], ref_k, ref_v, tables, cu, ctx, 0.125, 7),
+    work = torch.from_numpy(prefill_work([7], hq // hkv))
+    torch.testing.assert_close(paged_prefill_attention_triton(q_rot[-7:], k_cache, v_cache, tables, cu, ctx, 0.125,
+                                                              work),
+                               paged_prefill_attention_ref(q_rot[-7:], ref_k, ref_v, tables, cu, ctx, 0.125),
                                **half_tol)
 
 
@@ -364,8 +367,9 @@ def test_float32_attention_on_the_gpu_is_not_rounded_to_tf32():
                                atol=1e-5, rtol=1e-5)
     cu = torch.tensor([0, 1, 78], dtype=torch.int32, device="cuda")
     qp = 3 * torch.randn(78, group, d, device="cuda")
-    out = paged_prefill_attention_triton(qp, k_cache, v_cache, tables, cu, ctx, d ** -0.5, 77)
-    torch.testing.assert_close(out, paged_prefill_attention_ref(qp, k_cache, v_cache, tables, cu, ctx, d ** -0.5, 77),
+    work = torch.from_numpy(prefill_work([1, 77], group)).cuda()
+    out = paged_prefill_attention_triton(qp, k_cache, v_cache, tables, cu, ctx, d ** -0.5, work)
+    torch.testing.assert_close(out, paged_prefill_attention_ref(qp, k_cache, v_cache, tables, cu, ctx, d ** -0.5),
                                atol=1e-5, rtol=1e-5)
 
 
@@ -377,4 +381,5 @@ def test_attention_refuses_a_query_without_a_unit_stride_on_head_dim():
     with pytest.raises(ValueError, match=r"q needs a unit stride on head_dim, got strides \(64, 32, 2\)"):
         paged_decode_attention_triton(q, k_cache, v_cache, tables, ctx, 0.25)
     with pytest.raises(ValueError, match="q needs a unit stride on head_dim"):
-        paged_prefill_attention_triton(q, k_cache, v_cache, tables, cu, ctx, 0.25, 1)
+        paged_prefill_attention_triton(q, k_cache, v_cache, tables, cu, ctx, 0.25,
+                                       torch.from_numpy(prefill_work([1], 2)))

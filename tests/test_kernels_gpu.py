@@ -9,7 +9,7 @@ from kernels import decode_attention
 from kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
 from kernels.kv_store import make_cos_sin, rope_store_kv, rope_store_kv_ref, store_kv, store_kv_ref
 from kernels.norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
-from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
+from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref, prefill_work
 from kernels.sampling import _gumbel_argmax_kernel, gumbel_argmax, gumbel_argmax_ref
 
 pytestmark = pytest.mark.gpu
@@ -31,6 +31,10 @@ def qkv_views(num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     qkv = torch.randn(num_tokens, (HQ + 2 * HKV) * D, device="cuda", dtype=BF16)
     q, k, v = qkv.split([HQ * D, HKV * D, HKV * D], dim=-1)
     return q.view(num_tokens, HQ, D), k.view(num_tokens, HKV, D), v.view(num_tokens, HKV, D)
+
+
+def work_on_gpu(qlens: list[int], group: int) -> torch.Tensor:
+    return torch.from_numpy(prefill_work(qlens, group)).cuda()
 
 
 def paged_cache(lens: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -174,8 +178,8 @@ def test_prefill_attention_bf16_with_cached_prefixes():
     q = qkv_views(sum(qlens))[0]
     cu = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    out = paged_prefill_attention(q, k_cache, v_cache, tables, cu, ctx, D ** -0.5, max(qlens))
-    ref = paged_prefill_attention_ref(*fp32(q, k_cache, v_cache), tables, cu, ctx, D ** -0.5, max(qlens))
+    out = paged_prefill_attention(q, k_cache, v_cache, tables, cu, ctx, D ** -0.5, work_on_gpu(qlens, HQ // HKV))
+    ref = paged_prefill_attention_ref(*fp32(q, k_cache, v_cache), tables, cu, ctx, D ** -0.5)
     assert_close_rel(out, ref)
 
 
@@ -195,9 +199,9 @@ def test_attention_bf16_at_other_block_sizes_and_qwen_7b_heads(block, hq, hkv):
                      paged_decode_attention_ref(*fp32(q, k_cache, v_cache), tables, ctx, D ** -0.5))
     qp = torch.randn(sum(qlens), hq, D, device="cuda", dtype=BF16)
     cu = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    assert_close_rel(paged_prefill_attention(qp, k_cache, v_cache, tables, cu, ctx, D ** -0.5, max(qlens)),
-                     paged_prefill_attention_ref(*fp32(qp, k_cache, v_cache), tables, cu, ctx, D ** -0.5,
-                                                 max(qlens)))
+    assert_close_rel(paged_prefill_attention(qp, k_cache, v_cache, tables, cu, ctx, D ** -0.5,
+                                             work_on_gpu(qlens, hq // hkv)),
+                     paged_prefill_attention_ref(*fp32(qp, k_cache, v_cache), tables, cu, ctx, D ** -0.5))
 
 
 def test_kernels_address_a_cache_larger_than_int32_offsets():
@@ -214,4 +218,5 @@ def test_kernels_address_a_cache_larger_than_int32_offsets():
     ref = paged_decode_attention_ref(*fp32(q, k_cache[last:], v_cache[last:]), tables - last, ctx, 0.1)
     assert_close_rel(out, ref)
     cu = torch.tensor([0, 1], dtype=torch.int32, device="cuda")
-    assert_close_rel(paged_prefill_attention(q, k_cache, v_cache, tables, cu, ctx, 0.1, 1), ref)
+    work = work_on_gpu([1], HQ // HKV)
+    assert_close_rel(paged_prefill_attention(q, k_cache, v_cache, tables, cu, ctx, 0.1, work), ref)

@@ -9,6 +9,7 @@ import torch
 
 from kernels import linear as linear_module
 from kernels.gemv import GemvConfig
+from kernels.prefill_attention import prefill_work
 from protocol.model_config import resolve_model
 from worker.attention import AttentionMetadata
 from worker.loader import init_dummy_weights, load_weights
@@ -30,7 +31,8 @@ class PagedRun:
 
     def __init__(self, model: Qwen2ForCausalLM, block_size: int, num_blocks: int = 64, seed: int = 0) -> None:
         self.device = next(model.parameters()).device
-        kv_heads = model.model.layers[0].self_attn.qkv_proj.num_kv_heads
+        qkv = model.model.layers[0].self_attn.qkv_proj
+        kv_heads, self.group = qkv.num_kv_heads, qkv.num_heads // qkv.num_kv_heads
         shape = (num_blocks, kv_heads, block_size, model.config.head_dim)
         dtype = next(model.parameters()).dtype
         self.kv = [(torch.zeros(shape, dtype=dtype, device=self.device),
@@ -69,10 +71,11 @@ class PagedRun:
         width = max(len(self.tables[s]) for s in chunks)
         tables = [self.tables[s] + [-1] * (width - len(self.tables[s])) for s in chunks]
         qlens = [len(t) for t in chunks.values()]
+        work = None if max(qlens) == 1 else self._tensor(prefill_work(qlens, self.group).tolist(), torch.int32)
         return AttentionMetadata(
             slot_mapping=self._tensor(slots), block_tables=self._tensor(tables, torch.int32),
             context_lens=self._tensor([self.lens[s] for s in chunks], torch.int32),
-            cu_seqlens_q=self._tensor([0] + qlens, torch.int32).cumsum(0).int(), max_seqlen_q=max(qlens))
+            cu_seqlens_q=self._tensor([0] + qlens, torch.int32).cumsum(0).int(), work=work)
 
 
 def build_model(model_dir: str | Path, tp_rank: int = 0, tp_size: int = 1) -> Qwen2ForCausalLM:

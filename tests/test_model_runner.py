@@ -288,22 +288,22 @@ def test_worker_process_reports_a_malformed_plan_and_exits_nonzero(workers):
     assert proc.exitcode == 1
 
 
-def test_prompt_steps_through_the_prefill_pieces_equal_hf_greedy(tiny_ckpt, hf_greedy):
-    # The CUDA graphs' flow without graphs (capture(graphs=False)), buckets of 8 and 32 tokens: every prompt
-    # step below runs padded, one of them mixed (a decode row beside a chunk). The padded rows start as
-    # garbage: they must not reach the real ones.
-    from worker.prefill_graphs import PrefillGraphs
+def test_prompt_steps_through_the_prefill_graphs_flow_equal_hf_greedy(tiny_ckpt, hf_greedy):
+    # The prefill graphs' flow without CUDA graphs (capture(graphs=False)), buckets of 8 and 32 tokens:
+    # every prompt step below is staged padded to its bucket's static layout, one of them mixed (a decode
+    # row beside a chunk). The staging buffers start as garbage: a field left unpadded would carry it.
+    from worker.cuda_graphs import StepGraphs
 
     runner = _runner(tiny_ckpt)
-    graphs = PrefillGraphs(runner.model.model, [8, 32], runner.dtype, runner.device)
-    graphs.capture(graphs=False)
-    for buffers in (graphs._attn, graphs._qkv, graphs._residual):
-        for buf in buffers.values():
-            buf.normal_(0.0, 1e3)
-    graphs.ids.random_(0, 500)
+    views = {b: runner.buffers.prefill_views(b) for b in (8, 32)}
+    graphs = StepGraphs("prefill", views, runner._prefill_forward, runner.dummy_row)
+    with torch.inference_mode():
+        graphs.capture(graphs=False)
+    for host in runner.buffers._host_np:
+        host[:] = np.random.default_rng(0).integers(0, 256, host.shape, dtype=np.uint8)
     runner.prefill_graphs, steps = graphs, []
-    run = graphs.run
-    graphs.run = lambda input_ids, *a: steps.append(input_ids.shape[0]) or run(input_ids, *a)
+    replay = graphs.replay
+    graphs.replay = lambda size: steps.append(size) or replay(size)
     prompts = {0: _prompt(37, seed=1), 1: _prompt(5, seed=2)}
     sched = MiniScheduler(runner, chunk=16)
     sched.add(0, prompts[0])
@@ -311,6 +311,6 @@ def test_prompt_steps_through_the_prefill_pieces_equal_hf_greedy(tiny_ckpt, hf_g
     sched.add(1, prompts[1])
     out = sched.generate(6)
     # Row 0's first 16; its next 16 beside row 1's 5; its last 5 beside row 1's first decode token.
-    assert steps == [16, 21, 6], steps
+    assert steps == [32, 32, 8], steps
     for row, prompt in prompts.items():
         assert out[row] == hf_greedy(prompt, 6)

@@ -79,12 +79,12 @@ def test_same_workload_on_cuda_with_decode_graphs_equals_hf_greedy(tiny_ckpt):
     _check_against_hf(tiny_ckpt, "cuda", enforce_eager=False)
 
 
-@pytest.mark.parametrize("sizes", [(1, 1, 1, 0), (3, 2, 1, 5), (517, 7, 3, 9), (8192, 255, 13, 1)])
+@pytest.mark.parametrize("sizes", [(1, 1, 1, 0, 0), (3, 2, 1, 5, 3), (517, 7, 3, 9, 31), (8192, 255, 13, 1, 645)])
 def test_every_staged_field_starts_16_byte_aligned_whatever_the_step_sizes(sizes):
     # Triton compiles a kernel variant per alignment class of each pointer: fields that moved between
     # 8- and 16-byte alignment with the step's sizes made eager steps compile in the middle of serving.
-    buffers = StepBuffers(8192, 256, 64, torch.device("cpu"))
+    buffers = StepBuffers(8192, 256, 64, 6, torch.device("cpu"))
     buffers.stage(*sizes)
-    for name in ("rows", "positions", "slot_mapping", "context_lens", "cu_seqlens_q", "input_ids", "sample_idx",
-                 "sample_rows", "sample_pos", "delta_idx", "delta_val"):
+    for name in ("rows", "positions", "slot_mapping", "context_lens", "cu_seqlens_q", "input_ids", "work",
+                 "sample_idx", "sample_rows", "sample_pos", "delta_idx", "delta_val"):
         assert buffers.view(name).data_ptr() % 16 == 0, name

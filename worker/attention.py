@@ -18,7 +18,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, M] int32
     context_lens: torch.Tensor  # [B] int32: tokens cached for each sequence after this step
     cu_seqlens_q: torch.Tensor  # [B + 1] int32: sequence b's queries are tokens cu[b]:cu[b+1]
-    max_seqlen_q: int  # 1 means pure decode (T == B): the decode kernel, no host-side data
+    work: torch.Tensor | None = None  # [2, W] int32 prefill work items; None: a decode step (T == B)
 
 
 class Attention(nn.Module):
@@ -32,12 +32,12 @@ class Attention(nn.Module):
                 cos_sin: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
         k_cache, v_cache = kv_cache
-        if meta.max_seqlen_q == 1:  # the decode kernel rotates and stores the step's K/V itself
+        if meta.work is None:  # the decode kernel rotates and stores the step's K/V itself
             new_kv = NewTokenKV(k, v, positions, cos_sin, meta.slot_mapping)
             out = rope_store_decode_attention(q, new_kv, k_cache, v_cache, meta.block_tables, meta.context_lens,
                                               self.scale)
         else:
             q = rope_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
             out = paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
-                                          meta.context_lens, self.scale, meta.max_seqlen_q)
+                                          meta.context_lens, self.scale, meta.work)
         return out.flatten(1)

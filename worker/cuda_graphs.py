@@ -1,71 +1,101 @@
-"""Decode steps captured as CUDA graphs, one per batch size; a batch replays the smallest size that holds it.
+"""Steps captured as CUDA graphs over the static views of StepBuffers; a step replays the smallest size that
+holds it.
 
-Sizes 1, 2, 4, 8, then every 8, up to the first size >= max_num_seqs (at most 512). Capture goes largest
-first into one shared memory pool, so the smaller graphs reuse the largest one's memory. Padded lanes read
-and write a spare dummy row, store to slot -1 (skipped) and attend to nothing (context length 0).
+Decode graphs: one per batch size, 1, 2, 4, 8, then every 8, up to the first size >= max_num_seqs (at most
+512). Prefill graphs: the whole model's forward for a prompt step, one per token bucket (powers of two,
+PREFILL_GRAPH_MIN_TOKENS to PREFILL_GRAPH_MAX_TOKENS): launched eagerly, a prompt step costs ~12 ms of host
+time whatever its size (~250 Triton and cuBLAS launches; bench/NOTES.md, probe17), so every step under ~3,000
+tokens would wait on the host. The prefill attention's grid is its list of work items, sized for the bucket
+(kernels/prefill_attention.py), so it does not change with the step's sequences.
+
+Capture goes largest first into one memory pool per kind, so the smaller graphs reuse the largest one's
+memory. Padded lanes read and write a spare dummy row, store to slot -1 (skipped), attend to nothing
+(context length 0, no queries, no work items), and every op of a step is row-wise outside the attention, so
+they never reach the real rows.
 """
 from __future__ import annotations
 
 import bisect
+import functools
 import time
 from collections.abc import Callable
 
 import torch
 from tqdm import tqdm
 
-from worker.input_buffers import StepBuffers
-
 MAX_GRAPH_BATCH = 512
-DecodeForward = Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor]]
+PREFILL_GRAPH_MAX_TOKENS = 2048  # above it a prompt step's kernels outlast its eager launch (probe17)
+PREFILL_GRAPH_MIN_TOKENS = 128
+Views = dict[str, torch.Tensor]
+_PAD = {"slot_mapping": -1, "work": -1}  # fill values of a padded lane; rows take the dummy row, the rest 0
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    """The captured sizes: enough to hold any batch up to max_num_seqs (or up to 512 when it is larger)."""
+    """The captured decode sizes: enough to hold any batch up to max_num_seqs (or up to 512 when it is larger)."""
     candidates = [1, 2, 4] + list(range(8, MAX_GRAPH_BATCH + 1, 8))
     sizes = [s for s in candidates if s < max_num_seqs]
     return sizes + [s for s in candidates if s >= max_num_seqs][:1]
 
 
-class DecodeGraphs:
-    """forward(views) -> (logits, drawn tokens) captured per size over the static views StepBuffers gives it."""
+def prefill_buckets(max_num_batched_tokens: int) -> list[int]:
+    """Powers of two from PREFILL_GRAPH_MIN_TOKENS up to PREFILL_GRAPH_MAX_TOKENS, none above the step budget."""
+    top = min(PREFILL_GRAPH_MAX_TOKENS, max_num_batched_tokens)
+    buckets, size = [], PREFILL_GRAPH_MIN_TOKENS
+    while size <= top:
+        buckets.append(size)
+        size *= 2
+    return buckets
 
-    def __init__(self, sizes: list[int], buffers: StepBuffers, forward: DecodeForward, dummy_row: int,
-                 warmup: DecodeForward | None = None) -> None:
-        self.sizes = sorted(sizes)
-        self.views = {size: buffers.decode_views(size) for size in self.sizes}
+
+class StepGraphs:
+    """forward(views) captured per size over that size's static views; replay(size) returns its outputs.
+
+    capture(graphs=False) keeps forward as a plain call over the same views: the graphs' flow, padding
+    included, without CUDA (CPU tests).
+    """
+
+    def __init__(self, name: str, views: dict[int, Views], forward: Callable[[Views], object], dummy_row: int,
+                 warmup: Callable[[Views], object] | None = None) -> None:
+        self.name, self.views = name, views
+        self.sizes = sorted(views)
         self._forward, self._dummy_row = forward, dummy_row
         self._warmup = warmup or forward  # launches every kernel variant forward does; may be cheaper
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._replays: dict[int, Callable[[], object]] = {}
         self.warmup_s = 0.0  # of capture(): the eager warm-ups (Triton compiles, GEMV timing) before each graph
 
-    def size_for(self, batch: int) -> int | None:
-        """The smallest captured size >= batch, or None when the batch is larger than every graph."""
-        i = bisect.bisect_left(self.sizes, batch)
+    def size_for(self, n: int) -> int | None:
+        """The smallest captured size >= n, or None when n is larger than every graph."""
+        i = bisect.bisect_left(self.sizes, n)
         return self.sizes[i] if i < len(self.sizes) else None
 
-    def capture(self) -> None:
-        pool = torch.cuda.graph_pool_handle()
-        for size in tqdm(self.sizes[::-1], desc="Capturing decode graphs", unit="graph"):
+    def capture(self, graphs: bool = True) -> None:
+        pool = torch.cuda.graph_pool_handle() if graphs else None
+        for size in tqdm(self.sizes[::-1], desc=f"Capturing {self.name} graphs", unit="graph", disable=not graphs):
             views = self.views[size]
             self._fill_padding(views)
+            if not graphs:
+                self._replays[size] = functools.partial(self._forward, views)
+                continue
             started = time.perf_counter()
             self._warmup(views)  # outside the graph: compiles kernels (capture cannot load one), times GEMVs
             torch.cuda.synchronize()
             self.warmup_s += time.perf_counter() - started
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self._outputs[size] = self._forward(views)
-            self._graphs[size] = graph
-        torch.cuda.synchronize()
+                outputs = self._forward(views)
+            self._replays[size] = functools.partial(_replay, graph, outputs)
+        if graphs:
+            torch.cuda.synchronize()
 
-    def replay(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        self._graphs[size].replay()
-        return self._outputs[size]
+    def replay(self, size: int):
+        return self._replays[size]()
 
-    def _fill_padding(self, views: dict[str, torch.Tensor]) -> None:
+    def _fill_padding(self, views: Views) -> None:
         """Every lane a padded lane while capturing: nothing is stored, nothing attended."""
-        views["rows"].fill_(self._dummy_row)
-        views["slot_mapping"].fill_(-1)
-        for name in ("positions", "context_lens", "sample_pos"):
-            views[name].zero_()
+        for name, view in views.items():
+            view.fill_(self._dummy_row if name == "rows" else _PAD.get(name, 0))
+
+
+def _replay(graph: torch.cuda.CUDAGraph, outputs: object) -> object:
+    graph.replay()
+    return outputs

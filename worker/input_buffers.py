@@ -2,8 +2,9 @@
 
 Every array of a step is written with numpy into one pinned host staging buffer and reaches the device in
 a single host->device copy, where typed views of a static device buffer read it. The layout puts the
-arrays a captured decode graph reads first, so their offsets depend on the batch size alone: a graph
-captured for size b reads the same addresses on every replay.
+arrays a captured graph reads first, so their offsets depend on the graph's size alone: a decode graph
+captured for batch size b, or a prefill graph for a bucket of b tokens, reads the same addresses on every
+replay. A step run by a graph is staged padded to the graph's size.
 """
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kernels.prefill_attention import max_prefill_work, prefill_work
 from protocol.messages import NewRow, StepPlan
 
-# (name, dtype, size key). A decode graph of size b reads the first four fields at T == B == b.
+# (name, dtype, size key). A decode graph of size b reads the first four fields at T == B == b; a prefill
+# graph reads the first seven.
 _FIELDS = (
     ("rows", np.int64, "B"),  # mirror row of each scheduled sequence (padded lanes: the dummy row)
     ("positions", np.int64, "T"),
@@ -23,6 +26,7 @@ _FIELDS = (
     ("context_lens", np.int32, "B"),
     ("cu_seqlens_q", np.int32, "B1"),
     ("input_ids", np.int64, "T"),  # prompt tokens; decode tokens are filled on the device
+    ("work", np.int32, "W2"),  # prefill attention's [2, W] work items (kernels/prefill_attention.py); -1: none
     ("sample_idx", np.int64, "S"),  # token index of each sampled row's last token
     ("sample_rows", np.int64, "S"),
     ("sample_pos", np.int64, "S"),  # index in its sequence of the token being sampled (seeds hash it)
@@ -31,6 +35,7 @@ _FIELDS = (
 )
 _TORCH = {np.int64: torch.int64, np.int32: torch.int32}
 _DECODE_READS = ("rows", "positions", "slot_mapping", "context_lens", "sample_pos")
+_PREFILL_READS = ("rows", "positions", "slot_mapping", "context_lens", "cu_seqlens_q", "input_ids", "work")
 
 
 # Triton specialises a pointer argument on whether it is 16-byte aligned: fields at 8-byte offsets that move
@@ -39,9 +44,10 @@ FIELD_ALIGN = 16
 
 
 @functools.lru_cache(maxsize=4096)
-def _layout(tokens: int, seqs: int, samples: int, deltas: int) -> tuple[dict[str, tuple[int, int, type]], int]:
+def _layout(tokens: int, seqs: int, samples: int, deltas: int,
+            work: int) -> tuple[dict[str, tuple[int, int, type]], int]:
     """Byte offset, byte length and dtype of every field, and the end; each field starts FIELD_ALIGN-aligned."""
-    sizes = {"T": tokens, "B": seqs, "B1": seqs + 1, "S": samples, "D": deltas}
+    sizes = {"T": tokens, "B": seqs, "B1": seqs + 1, "S": samples, "D": deltas, "W2": 2 * work}
     out, offset = {}, 0
     for name, dtype, key in _FIELDS:
         nbytes = sizes[key] * np.dtype(dtype).itemsize
@@ -51,10 +57,13 @@ def _layout(tokens: int, seqs: int, samples: int, deltas: int) -> tuple[dict[str
 
 
 class StepBuffers:
-    """Two pinned host staging buffers (alternating, so one may be in flight) and one device buffer."""
+    """Two pinned host staging buffers (alternating, so one may be in flight) and one device buffer.
+    `group` is the model's query heads per KV head, which sets the prefill attention's work items."""
 
-    def __init__(self, max_tokens: int, max_seqs: int, max_deltas: int, device: torch.device) -> None:
-        _, capacity = _layout(max_tokens, max_seqs, max_seqs, max_deltas)
+    def __init__(self, max_tokens: int, max_seqs: int, max_deltas: int, group: int, device: torch.device) -> None:
+        self.max_seqs, self.group = max_seqs, group
+        work = max_prefill_work(max_tokens, max_seqs, group)
+        _, capacity = _layout(max_tokens, max_seqs, max_seqs, max_deltas, work)
         pin = device.type == "cuda"
         self._host = [torch.zeros(capacity, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
         self._host_np = [h.numpy() for h in self._host]
@@ -64,15 +73,15 @@ class StepBuffers:
         self._end = 0
         self._host_views: dict[tuple, dict[str, np.ndarray]] = {}
 
-    def stage(self, tokens: int, seqs: int, samples: int, deltas: int) -> dict[str, np.ndarray]:
+    def stage(self, tokens: int, seqs: int, samples: int, deltas: int, work: int) -> dict[str, np.ndarray]:
         """Numpy views of the next host buffer under this step's layout, to fill."""
-        layout, end = _layout(tokens, seqs, samples, deltas)
+        layout, end = _layout(tokens, seqs, samples, deltas, work)
         if end > self.device_buf.numel():
             raise ValueError(f"a step of {tokens} tokens over {seqs} rows is over the worker's buffers: the "
                              f"scheduler must keep within max_num_batched_tokens and max_num_seqs")
         self._turn ^= 1
         self._layout, self._end = layout, end
-        key = (self._turn, tokens, seqs, samples, deltas)
+        key = (self._turn, tokens, seqs, samples, deltas, work)
         views = self._host_views.get(key)
         if views is None:  # a step shape seen before (every decode step of a batch size) costs nothing here
             if len(self._host_views) > 4096:
@@ -85,23 +94,31 @@ class StepBuffers:
         """The one host->device copy of the step (asynchronous from pinned memory)."""
         self.device_buf[:self._end].copy_(self._host[self._turn][:self._end], non_blocking=True)
 
-    def write(self, step: HostStep, size: int, host_ids: np.ndarray, deltas: tuple[np.ndarray, np.ndarray],
-              dummy_row: int) -> None:
-        """Stage and upload a step; a decode step is padded to `size` lanes that store and attend nothing.
+    def write(self, step: HostStep, host_ids: np.ndarray, deltas: tuple[np.ndarray, np.ndarray], dummy_row: int,
+              padded_to: int | None = None) -> None:
+        """Stage and upload a step. padded_to: the size of the graph that runs it, whose static layout the step
+        fills (a decode step's lanes, a prompt step's tokens); padded lanes store and attend nothing.
 
-        A decode step leaves input_ids, sample_idx and sample_rows unwritten: its reads are _DECODE_READS.
+        A decode step leaves input_ids, work, sample_idx and sample_rows unwritten: its reads are _DECODE_READS.
         """
-        b, t, pad = len(step.rows), len(step.positions), size - len(step.rows)
-        sampled = slice(None) if step.is_decode else np.flatnonzero(step.samples)
-        v = self.stage(t + pad, size, (b if step.is_decode else len(sampled)) + pad, len(deltas[0]))
+        b, t = len(step.rows), len(step.positions)
+        if step.is_decode:
+            sampled, work = slice(None), None
+            v = self.stage(padded_to or b, padded_to or b, padded_to or b, len(deltas[0]), 0)
+        else:
+            sampled, work = np.flatnonzero(step.samples), prefill_work(step.num_tokens, self.group)
+            tokens, seqs, items = self.prefill_shape(padded_to) if padded_to else (t, b, work.shape[1])
+            v = self.stage(tokens, seqs, len(sampled), len(deltas[0]), items)
         _put(v["rows"], step.rows, dummy_row)
         _put(v["positions"], step.positions, 0)
         _put(v["slot_mapping"], step.slot_mapping, -1)
         _put(v["context_lens"], step.context_lens, 0)
         _put(v["sample_pos"], step.sample_pos[sampled], 0)
-        if not step.is_decode:
-            v["cu_seqlens_q"][:] = step.cu_seqlens_q
-            v["input_ids"][step.num_device_tokens:] = host_ids
+        if work is not None:
+            _put(v["cu_seqlens_q"], step.cu_seqlens_q, t)  # padded sequences have no queries
+            _put(v["input_ids"][step.num_device_tokens:], host_ids, 0)
+            for dst, items in zip(v["work"].reshape(2, -1), work):
+                _put(dst, items, -1)
             v["sample_idx"][:] = step.cu_seqlens_q[1:][sampled] - 1
             v["sample_rows"][:] = step.rows[sampled]
         if len(deltas[0]):
@@ -115,8 +132,25 @@ class StepBuffers:
 
     def decode_views(self, size: int) -> dict[str, torch.Tensor]:
         """The static device views a decode graph of batch `size` reads (the same for every step of it)."""
-        layout, _ = _layout(size, size, size, 0)
+        layout, _ = _layout(size, size, size, 0, 0)
         return {name: self._device_view(*layout[name]) for name in _DECODE_READS}
+
+    def prefill_shape(self, tokens: int) -> tuple[int, int, int]:
+        """Tokens, sequences and work items of the static layout of a prefill graph of `tokens` tokens."""
+        seqs = min(tokens, self.max_seqs)  # every sequence of a step brings at least one token
+        return tokens, seqs, max_prefill_work(tokens, seqs, self.group)
+
+    def prefill_views(self, tokens: int | None = None) -> dict[str, torch.Tensor]:
+        """The device views a prompt step reads: those of a prefill graph of `tokens` tokens (static), or with
+        tokens None those of the step staged last."""
+        if tokens is None:
+            layout = self._layout
+        else:
+            tokens, seqs, items = self.prefill_shape(tokens)
+            layout = _layout(tokens, seqs, 0, 0, items)[0]
+        views = {name: self._device_view(*layout[name]) for name in _PREFILL_READS}
+        views["work"] = views["work"].view(2, -1)
+        return views
 
     def _device_view(self, off: int, nbytes: int, dt: type) -> torch.Tensor:
         return self.device_buf[off:off + nbytes].view(_TORCH[dt])

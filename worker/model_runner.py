@@ -1,8 +1,8 @@
 """ModelRunner: the model, its paged KV cache and the row mirror of one worker rank; one StepPlan per call.
 
 A decode step feeds each row the token it sampled last, read on the device (last_token[row]): no token
-crosses back from the host. On CUDA a decode-only step replays a captured graph; any step holding a prompt
-chunk runs eagerly.
+crosses back from the host. On CUDA a decode-only step replays a captured graph, and so does the model's
+forward of a step holding prompt chunks of up to PREFILL_GRAPH_MAX_TOKENS tokens; larger steps run eagerly.
 """
 from __future__ import annotations
 
@@ -13,16 +13,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kernels.prefill_attention import prefill_work
 from protocol.config import EngineConfig, ModelConfig
 from protocol.messages import StepPlan, StepResult
 from protocol.sampling import SamplingParams
 from worker.attention import AttentionMetadata
-from worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from worker.cuda_graphs import StepGraphs, graph_batch_sizes, prefill_buckets
 from worker.input_buffers import HostStep, RowMirror, StepBuffers
 from worker.loader import init_dummy_weights, load_weights
 from worker.models.qwen2 import Qwen2ForCausalLM
 from worker.parallel import local_kv_heads
-from worker.prefill_graphs import PrefillGraphs, prefill_buckets
 from worker.sampler import Sampler, SamplerOutput
 
 # A graph's warm-up runs this many layers: the first (no residual yet) and one as every later layer runs,
@@ -84,7 +84,7 @@ class ModelRunner:
             self.block_tables = torch.zeros(self.max_rows + 1, max_blocks, dtype=torch.int32, device=self.device)
             self.decode_cu = torch.arange(max(sizes + [self.max_rows]) + 1, dtype=torch.int32, device=self.device)
             self.buffers = StepBuffers(max(sizes + [config.max_num_batched_tokens]), max(sizes + [self.max_rows]),
-                                       self.max_rows * max_blocks, self.device)
+                                       self.max_rows * max_blocks, self._gqa_group(), self.device)
             pin = self.device.type == "cuda"
             self._host_tokens = [torch.zeros(self.max_rows, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
             self._done_events = [torch.cuda.Event() for _ in range(2)] if pin else []
@@ -92,18 +92,15 @@ class ModelRunner:
             self.num_kv_blocks = self._num_kv_blocks()
             self.kv_caches = self._allocate_kv_cache(self.num_kv_blocks)
             kv_done = time.perf_counter()
-            self.graphs = DecodeGraphs(sizes, self.buffers, self._decode_forward, self.dummy_row,
-                                       functools.partial(self._decode_forward, layers=WARMUP_LAYERS)) if sizes else None
-            if self.graphs is not None:
-                self.graphs.capture()
+            self.graphs = self._graphs("decode", {s: self.buffers.decode_views(s) for s in sizes},
+                                       self._decode_forward)
             buckets = prefill_buckets(config.max_num_batched_tokens) if use_graphs else []
-            self.prefill_graphs = PrefillGraphs(self.model.model, buckets, self.dtype, self.device) if buckets else None
-            if self.prefill_graphs is not None:
-                self.prefill_graphs.capture(graphs=True)
+            self.prefill_graphs = self._graphs("prefill", {b: self.buffers.prefill_views(b) for b in buckets},
+                                               self._prefill_forward)
         # Seconds per start-up phase, reported in Ready for bench/startup.py.
         self.startup = {"weights_s": weights_done - started, "kv_cache_s": kv_done - weights_done,
                         "graph_capture_s": time.perf_counter() - kv_done,
-                        "graph_warmup_s": self.graphs.warmup_s if self.graphs is not None else 0.0}
+                        "graph_warmup_s": sum(g.warmup_s for g in (self.graphs, self.prefill_graphs) if g)}
 
     # ---- set-up -------------------------------------------------------------------------------------
 
@@ -120,6 +117,18 @@ class ModelRunner:
         else:
             load_weights(model, model_dir, self.rank, self.tp_size)
         return model.eval()
+
+    def _gqa_group(self) -> int:
+        qkv = self.model.model.layers[0].self_attn.qkv_proj
+        return qkv.num_heads // qkv.num_kv_heads
+
+    def _graphs(self, name: str, views: dict, forward) -> StepGraphs | None:
+        """forward captured per size over `views` (none: no graphs); warm-ups run WARMUP_LAYERS layers."""
+        if not views:
+            return None
+        graphs = StepGraphs(name, views, forward, self.dummy_row, functools.partial(forward, layers=WARMUP_LAYERS))
+        graphs.capture()
+        return graphs
 
     def _kv_block_bytes(self) -> int:
         mc = self.model_config
@@ -157,15 +166,17 @@ class ModelRunner:
         mc, bs = self.model_config, self.config.block_size
         tokens = self.config.max_num_batched_tokens
         seq = min(tokens, self.max_model_len)
-        cu = torch.tensor(list(range(0, tokens, seq)) + [tokens], dtype=torch.int32, device=self.device)
+        cu_host = np.array(list(range(0, tokens, seq)) + [tokens])
+        cu = torch.tensor(cu_host, dtype=torch.int32, device=self.device)
         lens = cu[1:] - cu[:-1]
         positions = torch.arange(tokens, device=self.device) - cu[:-1].repeat_interleave(lens).long()
         heads = local_kv_heads(mc.num_key_value_heads, self.tp_size)
         cache = [(torch.zeros(1, heads, bs, mc.head_dim, dtype=self.dtype, device=self.device),) * 2
                  for _ in range(mc.num_hidden_layers)]
+        work = torch.from_numpy(prefill_work(np.diff(cu_host), self._gqa_group())).to(self.device)
         meta = AttentionMetadata(torch.full((tokens,), -1, dtype=torch.int64, device=self.device),
                                  torch.zeros(len(lens), -(-seq // bs), dtype=torch.int32, device=self.device),
-                                 lens, cu, seq)
+                                 lens, cu, work)
         hidden = self.model(torch.zeros(tokens, dtype=torch.int64, device=self.device), positions, meta, cache)
         self.sampler.profile(self.model.compute_logits(hidden[:min(self.max_rows, tokens)]))
 
@@ -199,13 +210,11 @@ class ModelRunner:
         self._free_rows(plan.free_rows)
         self._apply_row_deltas(plan)
         step = self.mirror.plan(plan)
-        size = len(step.rows)
-        if step.is_decode and self.graphs is not None:
-            size = self.graphs.size_for(size) or size
-        self.buffers.write(step, size, self.mirror.host_input_ids(step), self.mirror.take_deltas(),
-                           self.dummy_row)
+        graphs = self.graphs if step.is_decode else self.prefill_graphs
+        size = graphs.size_for(len(step.positions)) if graphs is not None else None
+        self.buffers.write(step, self.mirror.host_input_ids(step), self.mirror.take_deltas(), self.dummy_row, size)
         self._apply_block_table_deltas()
-        out = self._run_decode(step, size) if step.is_decode else self._run_mixed(step)
+        out = self._run_decode(step, size) if step.is_decode else self._run_mixed(step, size)
         if events is not None:
             events[1].record()
         launched = self._copy_out(plan.step, step.samples, out)
@@ -281,18 +290,24 @@ class ModelRunner:
         """
         rows = views["rows"]
         meta = AttentionMetadata(views["slot_mapping"], self.block_tables[rows], views["context_lens"],
-                                 self.decode_cu[:rows.shape[0] + 1], 1)
+                                 self.decode_cu[:rows.shape[0] + 1])
         hidden = self.model(self.last_token[rows], views["positions"], meta, self.kv_caches[:layers])
         logits = self.model.compute_logits(hidden)
         drawn = self.sampler.draw(logits, rows, views["sample_pos"])
         self.last_token[rows] = drawn
         return logits, drawn
 
-    def _run_decode(self, step: HostStep, size: int) -> SamplerOutput:
-        graphs = self.graphs if self.graphs is not None and size in self.graphs.sizes else None
-        views = graphs.views[size] if graphs else self.buffers.decode_views(size)
+    def _prefill_forward(self, views: dict[str, torch.Tensor], layers: int | None = None) -> torch.Tensor:
+        """The final hidden states of a step with prompt chunks, one row per staged token: the body a prefill
+        graph captures (reads only static views). `layers` runs only the first few decoder layers (a warm-up)."""
+        meta = AttentionMetadata(views["slot_mapping"], self.block_tables[views["rows"]], views["context_lens"],
+                                 views["cu_seqlens_q"], views["work"])
+        return self.model(views["input_ids"], views["positions"], meta, self.kv_caches[:layers])
+
+    def _run_decode(self, step: HostStep, size: int | None) -> SamplerOutput:
+        views = self.graphs.views[size] if size else self.buffers.decode_views(len(step.rows))
         self.sampler.sync_params()  # before the graph: its draw reads the rows' temperatures and seeds
-        logits, drawn = graphs.replay(size) if graphs else self._decode_forward(views)
+        logits, drawn = self.graphs.replay(size) if size else self._decode_forward(views)
         b = len(step.rows)
         if self.sampler.drawn_in_graph:
             return SamplerOutput(drawn[:b])
@@ -301,20 +316,15 @@ class ModelRunner:
         self.last_token.index_copy_(0, rows, out.token_ids)
         return out
 
-    def _run_mixed(self, step: HostStep) -> SamplerOutput | None:
-        """A step with prompt chunks: decode rows first take their tokens from the device, then one forward."""
+    def _run_mixed(self, step: HostStep, size: int | None) -> SamplerOutput | None:
+        """A step with prompt chunks: decode rows first take their tokens from the device, then one forward
+        (a prefill graph's replay when one holds the step), then sampling of the rows that finish here."""
         buf = self.buffers
-        input_ids, rows = buf.view("input_ids"), buf.view("rows")
+        views = self.prefill_graphs.views[size] if size else buf.prefill_views()
         nd = step.num_device_tokens
         if nd:
-            input_ids[:nd] = self.last_token[rows[:nd]]
-        meta = AttentionMetadata(buf.view("slot_mapping"), self.block_tables[rows], buf.view("context_lens"),
-                                 buf.view("cu_seqlens_q"), int(step.num_tokens.max()))
-        graphs = self.prefill_graphs
-        if graphs is not None and graphs.bucket_for(input_ids.shape[0]) is not None:
-            hidden = graphs.run(input_ids, buf.view("positions"), meta, self.kv_caches)
-        else:
-            hidden = self.model(input_ids, buf.view("positions"), meta, self.kv_caches)
+            views["input_ids"][:nd] = self.last_token[views["rows"][:nd]]
+        hidden = self.prefill_graphs.replay(size) if size else self._prefill_forward(views)
         if not step.samples.any():
             return None
         sample_rows = buf.view("sample_rows")

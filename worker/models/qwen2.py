@@ -28,13 +28,16 @@ class Qwen2Attention(nn.Module):
         heads, kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.sizes, self.shapes = [heads * d, kv_heads * d, kv_heads * d], [(heads, d), (kv_heads, d)]
 
-    def attend(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, kv_cache: KVCache,
-               meta: AttentionMetadata) -> torch.Tensor:
-        """Attention over the fused qkv output [T, (Hq + 2 Hkv) * D]: [T, Hq * D], before o_proj."""
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
+                cos_sin: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(attention of norm(hidden + residual), hidden + residual): the norm runs inside qkv_proj's GEMV."""
+        qkv, residual = norm.then_linear(hidden, residual, self.qkv_proj)
         q, k, v = qkv.split(self.sizes, dim=-1)
         q_shape, kv_shape = self.shapes
-        return self.attn(q.unflatten(-1, q_shape), k.unflatten(-1, kv_shape), v.unflatten(-1, kv_shape),
-                         positions, cos_sin, kv_cache, meta)
+        out = self.attn(q.unflatten(-1, q_shape), k.unflatten(-1, kv_shape), v.unflatten(-1, kv_shape),
+                        positions, cos_sin, kv_cache, meta)
+        return self.o_proj(out), residual
 
 
 class Qwen2MLP(nn.Module):
@@ -59,13 +62,13 @@ class Qwen2DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def project(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(qkv of norm(hidden + residual), hidden + residual): the norm runs inside qkv_proj's GEMV."""
-        return self.input_layernorm.then_linear(hidden, residual, self.self_attn.qkv_proj)
-
-    def finish(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(MLP output, residual) after the attention output attn: o_proj, then the MLP with its norm."""
-        return self.mlp(self.self_attn.o_proj(attn), residual, self.post_attention_layernorm)
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                cos_sin: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        # Each sublayer adds the residual and runs its norm inside its first linear (residual None: layer 0).
+        hidden, residual = self.self_attn(positions, hidden, residual, self.input_layernorm, cos_sin, kv_cache,
+                                          meta)
+        return self.mlp(hidden, residual, self.post_attention_layernorm)
 
 
 class Qwen2Model(nn.Module):
@@ -90,31 +93,12 @@ class Qwen2Model(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[KVCache]) -> torch.Tensor:
-        """The final hidden states [T, H]: piece 0, then each layer's attention and the piece after it.
-        Fewer caches than layers run the first layers alone: a graph's warm-up (worker/cuda_graphs.py)."""
-        n = len(kv_caches)
-        x, residual = self.piece(0, n, input_ids, None)
-        for i, kv_cache in enumerate(kv_caches):
-            x, residual = self.piece(i + 1, n, self.attend(i, x, positions, kv_cache, meta), residual)
-        return x
-
-    def piece(self, i: int, n: int, x: torch.Tensor,
-              residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The work between two attention calls of an n-layer forward, which needs no attention metadata:
-        i = 0 embeds input ids x; 0 < i <= n finishes layer i - 1 from its attention output x. Then i < n
-        projects layer i's qkv, returning (qkv, residual); i = n the final norm, returning (hidden, None)."""
-        if i == 0:
-            hidden = self.embed_tokens(x)
-        else:
-            hidden, residual = self.layers[i - 1].finish(x, residual)
-        if i == n:
-            return self.norm(hidden, residual)[0], None
-        return self.layers[i].project(hidden, residual)
-
-    def attend(self, i: int, qkv: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
-               meta: AttentionMetadata) -> torch.Tensor:
-        """Layer i's attention over its qkv (RoPE, the K/V store, then paged attention)."""
-        return self.layers[i].self_attn.attend(qkv, positions, self.cos_sin, kv_cache, meta)
+        hidden, residual = self.embed_tokens(input_ids), None
+        # Fewer caches than layers run the first layers alone: a graph's warm-up (worker/cuda_graphs.py).
+        for layer, kv_cache in zip(self.layers[:len(kv_caches)], kv_caches, strict=True):
+            hidden, residual = layer(positions, hidden, residual, self.cos_sin, kv_cache, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
 
 
 class Qwen2ForCausalLM(nn.Module):
