@@ -3,8 +3,9 @@ and 64, random token-id prompts, a fixed output length, ignore_eos.
 
 Per level: output tokens/s over the level's wall time; time to first token and inter-token latency (the
 gaps between streamed chunks) at p50 and p99; and the CPU each process used over the level's wall time, in
-cores (the frontend, scheduler and worker processes, and this client): which one, if any, is the bottleneck.
-Each level sends --rounds x concurrency requests.
+cores (the frontend, scheduler and worker processes, and the client's): which one, if any, is the bottleneck.
+Each level sends --rounds x concurrency requests from client processes of --client-streams streams each: one
+asyncio client parsing 64 streams used a whole core and took chunks late, in bursts (bench/NOTES.md).
 
     python -m bench.serving
 """
@@ -14,6 +15,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import multiprocessing
 import os
 import random
 import signal
@@ -22,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -38,6 +40,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--rounds", type=int, default=4, help="requests per level = rounds x concurrency")
+    p.add_argument("--client-streams", type=int, default=16, help="streams in flight per client process")
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for /health")
     p.add_argument("--request-timeout", type=float, default=300.0, help="seconds a stream may stay silent")
     return p.parse_args(argv)
@@ -131,11 +134,9 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], ar
     return {"ttft": arrivals[0] - start, "itl": np.diff(arrivals).tolist(), "tokens": tokens}
 
 
-async def run_level(url: str, prompts: list[list[int]], concurrency: int, args: argparse.Namespace,
-                    processes: dict[str, int] | None = None) -> dict:
-    """All prompts, at most `concurrency` in flight; the CPU cores `processes` (role -> pid) and this client
-    used over the level."""
-    processes = {**(processes or {}), "client": os.getpid()}
+async def stream_all(url: str, prompts: list[list[int]], concurrency: int, args: argparse.Namespace,
+                     ready: Callable[[], None]) -> list[dict]:
+    """Every prompt streamed, at most `concurrency` in flight; ready() runs once the client is set up."""
     gate = asyncio.Semaphore(concurrency)
     timeout = httpx.Timeout(args.request_timeout, pool=None)  # a stalled stream fails instead of hanging
     limits = httpx.Limits(max_connections=concurrency)
@@ -144,16 +145,57 @@ async def run_level(url: str, prompts: list[list[int]], concurrency: int, args: 
             async with gate:
                 return await one_request(client, url, prompt, args)
 
-        start, cpu_start = time.perf_counter(), {role: cpu_seconds(pid) for role, pid in processes.items()}
-        results = await asyncio.gather(*(gated(p) for p in prompts))
-        wall = time.perf_counter() - start
-        cpu = {f"{role}_cpu": (cpu_seconds(pid) - cpu_start[role]) / wall for role, pid in processes.items()}
+        ready()
+        return await asyncio.gather(*(gated(p) for p in prompts))
+
+
+def client_process(url: str, prompts: list[list[int]], concurrency: int, args: argparse.Namespace,
+                   barrier, results) -> None:
+    """One client process: sets up, waits for the others, then puts (its requests' results, its CPU seconds
+    from then on), or the error that stopped it."""
+    started = []
+
+    def ready() -> None:
+        barrier.wait()
+        started.append(time.process_time())
+
+    try:
+        out = asyncio.run(stream_all(url, prompts, concurrency, args, ready))
+        results.put((out, time.process_time() - started[0]))
+    except Exception as e:  # the parent waits on the queue: it must hear of a failure
+        results.put(RuntimeError(f"a client process failed: {e!r}"))
+
+
+def run_level(url: str, prompts: list[list[int]], concurrency: int, args: argparse.Namespace,
+              processes: dict[str, int]) -> dict:
+    """All prompts, at most `concurrency` in flight over ceil(concurrency / --client-streams) client processes;
+    the CPU cores `processes` (role -> pid) and the clients used over the level."""
+    n = -(-concurrency // args.client_streams)
+    ctx = multiprocessing.get_context("fork")  # no CUDA and no running event loop in this process
+    barrier, queue = ctx.Barrier(n + 1, timeout=60), ctx.Queue()
+    clients = [ctx.Process(target=client_process, daemon=True,
+                           args=(url, prompts[i::n], concurrency // n + (i < concurrency % n), args, barrier, queue))
+               for i in range(n)]
+    for client in clients:
+        client.start()
+    barrier.wait()
+    start, cpu_start = time.perf_counter(), {role: cpu_seconds(pid) for role, pid in processes.items()}
+    outs = [queue.get() for _ in clients]
+    wall = time.perf_counter() - start
+    for out in outs:
+        if isinstance(out, Exception):
+            raise out
+    cpu = {f"{role}_cpu": (cpu_seconds(pid) - cpu_start[role]) / wall for role, pid in processes.items()}
+    for client in clients:
+        client.join()
+    results = [r for out, _ in outs for r in out]
     ttft = [r["ttft"] * 1e3 for r in results]
     itl = [gap * 1e3 for r in results for gap in r["itl"]] or [float("nan")]
-    return {"concurrency": concurrency, "requests": len(results),
+    return {"concurrency": concurrency, "requests": len(results), "client_procs": n,
             "output_tok_s": sum(r["tokens"] for r in results) / wall,
             "ttft_p50_ms": float(np.percentile(ttft, 50)), "ttft_p99_ms": float(np.percentile(ttft, 99)),
-            "itl_p50_ms": float(np.percentile(itl, 50)), "itl_p99_ms": float(np.percentile(itl, 99)), **cpu}
+            "itl_p50_ms": float(np.percentile(itl, 50)), "itl_p99_ms": float(np.percentile(itl, 99)), **cpu,
+            "client_cpu": sum(c for _, c in outs) / wall}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,11 +204,12 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     rows = []
     with running_server(args) as (url, pid):
-        asyncio.run(run_level(url, [random_ids(rng, args.prompt_len, vocab)], 1, args))  # warm-up
+        # Warm-up, in this process: the clients forked later find httpx's lazily imported modules loaded.
+        asyncio.run(stream_all(url, [random_ids(rng, args.prompt_len, vocab)], 1, args, lambda: None))
         processes = engine_processes(pid)
         for concurrency in args.concurrency:
             prompts = [random_ids(rng, args.prompt_len, vocab) for _ in range(args.rounds * concurrency)]
-            rows.append(asyncio.run(run_level(url, prompts, concurrency, args, processes)))
+            rows.append(run_level(url, prompts, concurrency, args, processes))
     print_table(f"serving: {args.model}, prompts of {args.prompt_len} random tokens, {args.output_len} "
                 "output tokens each", rows)
     record("serving", args, {"rows": rows})

@@ -91,10 +91,11 @@ def test_frontend_records_the_host_cost_per_token_of_both_detokenizers(tiny_ckpt
 
 
 def test_serving_records_each_levels_speed_latencies_and_the_cpu_of_each_process(tiny_ckpt, tmp_path):
+    # One stream per client process: level 2 runs two clients, whose results and CPU add up.
     result = run_bench("serving", tiny_ckpt, tmp_path, "--concurrency", "1", "2", "--prompt-len", "8",
-                       "--output-len", "4", "--rounds", "2")
+                       "--output-len", "4", "--rounds", "2", "--client-streams", "1")
     rows = result["numbers"]["rows"]
-    assert [(r["concurrency"], r["requests"]) for r in rows] == [(1, 2), (2, 4)]
+    assert [(r["concurrency"], r["requests"], r["client_procs"]) for r in rows] == [(1, 2, 1), (2, 4, 2)]
     for row in rows:
         assert row["output_tok_s"] > 0 and 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"]
         # Every process of the server was found; the CPU engine's worker did the most work (a 10 ms clock tick
