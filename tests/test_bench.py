@@ -68,8 +68,8 @@ def test_profile_lists_the_kernels_of_decode_steps_per_batch_and_of_a_prefill_st
         assert abs(sum(row["share"] for row in table) - 1) < 1e-6
         assert any("mm" in row["kernel"] for row in table)  # the linears are there
     assert numbers["prefill"]["tokens"] == 3 * 20  # three whole prompts: as many rows as the engine has
-    assert set(numbers["startup"]) == {"weights_s", "kv_cache_s", "graph_capture_s", "graph_warmup_s",
-                                       "recapture_s"}
+    assert set(numbers["startup"]) == {"weights_s", "kv_cache_s", "graph_capture_s", "prefill_capture_s",
+                                       "graph_warmup_s", "recapture_s"}
     assert numbers["startup"]["recapture_s"] is None  # no graphs on the CPU
 
 

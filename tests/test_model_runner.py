@@ -255,7 +255,7 @@ def test_worker_process_says_ready_answers_plans_and_exits_on_shutdown(workers, 
     readies = sorted((decode(results.recv()) for _ in procs), key=lambda r: r.rank)
     want = [("worker", rank, 16) for rank in range(len(procs))]
     assert [(r.role, r.rank, r.info["num_kv_blocks"]) for r in readies] == want
-    parts = {"weights_s", "kv_cache_s", "graph_capture_s", "graph_warmup_s", "clock"}
+    parts = {"weights_s", "kv_cache_s", "graph_capture_s", "prefill_capture_s", "graph_warmup_s", "clock"}
     assert all(set(r.info["startup"]) == parts for r in readies)
     marks = ["worker_entered", "torch_imported", "device_selected", "worker_ready"]
     assert all(list(r.info["startup"]["clock"]) == marks for r in readies)
@@ -286,6 +286,14 @@ def test_worker_process_reports_a_malformed_plan_and_exits_nonzero(workers):
     assert isinstance(error, WorkerError) and error.rank == 0 and "ProtocolError" in error.reason
     proc.join(30)
     assert proc.exitcode == 1
+
+
+def test_prefill_buckets_pad_at_most_one_and_a_half_times_and_end_at_the_step_budget():
+    from worker.cuda_graphs import prefill_buckets
+
+    assert prefill_buckets(8192) == prefill_buckets(2048) == [256, 512, 768, 1024, 1536, 2048]
+    assert prefill_buckets(1000) == [256, 512, 768, 1000]
+    assert prefill_buckets(128) == [128]
 
 
 def test_prompt_steps_through_the_prefill_graphs_flow_equal_hf_greedy(tiny_ckpt, hf_greedy):

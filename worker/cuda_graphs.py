@@ -2,9 +2,8 @@
 holds it.
 
 Decode graphs: one per batch size, 1, 2, 4, 8, then every 8, up to the first size >= max_num_seqs (at most
-512). Prefill graphs: the whole model's forward for a prompt step, one per token bucket (powers of two,
-PREFILL_GRAPH_MIN_TOKENS to PREFILL_GRAPH_MAX_TOKENS): launched eagerly, a prompt step costs ~12 ms of host
-time whatever its size (~250 Triton and cuBLAS launches; bench/NOTES.md, probe17), so every step under ~3,000
+512). Prefill graphs: the whole model's forward for a prompt step, one per token bucket (prefill_buckets):
+launched eagerly, a prompt step costs ~12 ms of host time whatever its size (~250 Triton and cuBLAS launches; bench/NOTES.md, probe17), so every step under ~3,000
 tokens would wait on the host. The prefill attention's grid is its list of work items, sized for the bucket
 (kernels/prefill_attention.py), so it does not change with the step's sequences.
 
@@ -24,8 +23,9 @@ import torch
 from tqdm import tqdm
 
 MAX_GRAPH_BATCH = 512
-PREFILL_GRAPH_MAX_TOKENS = 2048  # above it a prompt step's kernels outlast its eager launch (probe17)
-PREFILL_GRAPH_MIN_TOKENS = 128
+# Above 2,048 tokens a prompt step's kernels outlast its eager launch (probe17). Steps of 256 tokens or more
+# pad by at most 1.5x: a 512-token prompt beside a few decode rows takes 768, not 1,024.
+PREFILL_GRAPH_BUCKETS = (256, 512, 768, 1024, 1536, 2048)
 Views = dict[str, torch.Tensor]
 _PAD = {"slot_mapping": -1, "work": -1}  # fill values of a padded lane; rows take the dummy row, the rest 0
 
@@ -38,13 +38,10 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 def prefill_buckets(max_num_batched_tokens: int) -> list[int]:
-    """Powers of two from PREFILL_GRAPH_MIN_TOKENS up to PREFILL_GRAPH_MAX_TOKENS, none above the step budget."""
-    top = min(PREFILL_GRAPH_MAX_TOKENS, max_num_batched_tokens)
-    buckets, size = [], PREFILL_GRAPH_MIN_TOKENS
-    while size <= top:
-        buckets.append(size)
-        size *= 2
-    return buckets
+    """The captured prompt-step sizes: PREFILL_GRAPH_BUCKETS under the step budget, then the budget itself
+    when it is under the largest (the largest step there can be)."""
+    top = min(PREFILL_GRAPH_BUCKETS[-1], max_num_batched_tokens)
+    return [b for b in PREFILL_GRAPH_BUCKETS if b < top] + [top]
 
 
 class StepGraphs:

@@ -2,7 +2,7 @@
 
 A decode step feeds each row the token it sampled last, read on the device (last_token[row]): no token
 crosses back from the host. On CUDA a decode-only step replays a captured graph, and so does the model's
-forward of a step holding prompt chunks of up to PREFILL_GRAPH_MAX_TOKENS tokens; larger steps run eagerly.
+forward of a step holding prompt chunks of up to 2,048 tokens (worker/cuda_graphs.py); larger steps run eagerly.
 """
 from __future__ import annotations
 
@@ -94,12 +94,14 @@ class ModelRunner:
             kv_done = time.perf_counter()
             self.graphs = self._graphs("decode", {s: self.buffers.decode_views(s) for s in sizes},
                                        self._decode_forward)
+            decode_done = time.perf_counter()
             buckets = prefill_buckets(config.max_num_batched_tokens) if use_graphs else []
             self.prefill_graphs = self._graphs("prefill", {b: self.buffers.prefill_views(b) for b in buckets},
                                                self._prefill_forward)
         # Seconds per start-up phase, reported in Ready for bench/startup.py.
         self.startup = {"weights_s": weights_done - started, "kv_cache_s": kv_done - weights_done,
                         "graph_capture_s": time.perf_counter() - kv_done,
+                        "prefill_capture_s": time.perf_counter() - decode_done,
                         "graph_warmup_s": sum(g.warmup_s for g in (self.graphs, self.prefill_graphs) if g)}
 
     # ---- set-up -------------------------------------------------------------------------------------
