@@ -309,7 +309,7 @@ def test_prompt_steps_through_the_prefill_graphs_flow_equal_hf_greedy(tiny_ckpt,
         graphs.capture(graphs=False)
     for host in runner.buffers._host_np:
         host[:] = np.random.default_rng(0).integers(0, 256, host.shape, dtype=np.uint8)
-    runner.prefill_graphs, steps = graphs, []
+    runner.prefill_buckets, runner.prefill_graphs, steps = [8, 32], graphs, []
     replay = graphs.replay
     graphs.replay = lambda size: steps.append(size) or replay(size)
     prompts = {0: _prompt(37, seed=1), 1: _prompt(5, seed=2)}

@@ -37,6 +37,12 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sizes + [s for s in candidates if s >= max_num_seqs][:1]
 
 
+def smallest_at_least(sizes: list[int], n: int) -> int | None:
+    """The smallest of the sorted `sizes` >= n, or None when n is larger than every one."""
+    i = bisect.bisect_left(sizes, n)
+    return sizes[i] if i < len(sizes) else None
+
+
 def prefill_buckets(max_num_batched_tokens: int) -> list[int]:
     """The captured prompt-step sizes: PREFILL_GRAPH_BUCKETS under the step budget, then the budget itself
     when it is under the largest (the largest step there can be)."""
@@ -59,11 +65,6 @@ class StepGraphs:
         self._warmup = warmup or forward  # launches every kernel variant forward does; may be cheaper
         self._replays: dict[int, Callable[[], object]] = {}
         self.warmup_s = 0.0  # of capture(): the eager warm-ups (Triton compiles, GEMV timing) before each graph
-
-    def size_for(self, n: int) -> int | None:
-        """The smallest captured size >= n, or None when n is larger than every graph."""
-        i = bisect.bisect_left(self.sizes, n)
-        return self.sizes[i] if i < len(self.sizes) else None
 
     def capture(self, graphs: bool = True) -> None:
         pool = torch.cuda.graph_pool_handle() if graphs else None

@@ -18,7 +18,7 @@ from protocol.config import EngineConfig, ModelConfig
 from protocol.messages import StepPlan, StepResult
 from protocol.sampling import SamplingParams
 from worker.attention import AttentionMetadata
-from worker.cuda_graphs import StepGraphs, graph_batch_sizes, prefill_buckets
+from worker.cuda_graphs import StepGraphs, graph_batch_sizes, prefill_buckets, smallest_at_least
 from worker.input_buffers import HostStep, RowMirror, StepBuffers
 from worker.loader import init_dummy_weights, load_weights
 from worker.models.qwen2 import Qwen2ForCausalLM
@@ -73,6 +73,9 @@ class ModelRunner:
         self.step = 0
         use_graphs = self.device.type == "cuda" and not config.enforce_eager
         sizes = graph_batch_sizes(self.max_rows) if use_graphs else []
+        # On CUDA a prompt step of up to 2,048 tokens is padded to its token bucket, graphs or not: eager, it
+        # runs a graph's shapes (cuBLAS picks its kernels by shape), so the two give the same tokens.
+        self.prefill_buckets = prefill_buckets(config.max_num_batched_tokens) if self.device.type == "cuda" else []
         started = time.perf_counter()
         with torch.inference_mode():
             self.model = self._build_model(model_dir)
@@ -95,7 +98,7 @@ class ModelRunner:
             self.graphs = self._graphs("decode", {s: self.buffers.decode_views(s) for s in sizes},
                                        self._decode_forward)
             decode_done = time.perf_counter()
-            buckets = prefill_buckets(config.max_num_batched_tokens) if use_graphs else []
+            buckets = self.prefill_buckets if use_graphs else []
             self.prefill_graphs = self._graphs("prefill", {b: self.buffers.prefill_views(b) for b in buckets},
                                                self._prefill_forward)
         # Seconds per start-up phase, reported in Ready for bench/startup.py.
@@ -212,8 +215,7 @@ class ModelRunner:
         self._free_rows(plan.free_rows)
         self._apply_row_deltas(plan)
         step = self.mirror.plan(plan)
-        graphs = self.graphs if step.is_decode else self.prefill_graphs
-        size = graphs.size_for(len(step.positions)) if graphs is not None else None
+        size = self._padded_size(step)
         self.buffers.write(step, self.mirror.host_input_ids(step), self.mirror.take_deltas(), self.dummy_row, size)
         self._apply_block_table_deltas()
         out = self._run_decode(step, size) if step.is_decode else self._run_mixed(step, size)
@@ -224,6 +226,12 @@ class ModelRunner:
         if plan.trace:
             launched.trace = (start_ns, time.perf_counter_ns(), events, step.is_decode)
         return launched
+
+    def _padded_size(self, step: HostStep) -> int | None:
+        """What the step is staged padded to: a decode step's graph batch size, a prompt step's token bucket."""
+        if step.is_decode:
+            return smallest_at_least(self.graphs.sizes, len(step.rows)) if self.graphs is not None else None
+        return smallest_at_least(self.prefill_buckets, len(step.positions))
 
     def is_done(self, launched: Launched) -> bool:
         """Whether collect() would return without waiting for the device."""
@@ -322,11 +330,12 @@ class ModelRunner:
         """A step with prompt chunks: decode rows first take their tokens from the device, then one forward
         (a prefill graph's replay when one holds the step), then sampling of the rows that finish here."""
         buf = self.buffers
-        views = self.prefill_graphs.views[size] if size else buf.prefill_views()
+        graphs = self.prefill_graphs if size else None
+        views = graphs.views[size] if graphs else buf.prefill_views()  # the staged layout: padded to `size`
         nd = step.num_device_tokens
         if nd:
             views["input_ids"][:nd] = self.last_token[views["rows"][:nd]]
-        hidden = self.prefill_graphs.replay(size) if size else self._prefill_forward(views)
+        hidden = graphs.replay(size) if graphs else self._prefill_forward(views)
         if not step.samples.any():
             return None
         sample_rows = buf.view("sample_rows")
