@@ -5,7 +5,8 @@ Per level: output tokens/s over the level's wall time; time to first token and i
 gaps between streamed chunks) at p50 and p99; and the CPU each process used over the level's wall time, in
 cores (the frontend, scheduler and worker processes, and the client's): which one, if any, is the bottleneck.
 Each level sends --rounds x concurrency requests from client processes of --client-streams streams each: one
-asyncio client parsing 64 streams used a whole core and took chunks late, in bursts (bench/NOTES.md).
+asyncio client parsing 64 streams used a whole core and took chunks late, in bursts; at 16 streams a process
+concurrency 16 and 64 still gained 10% (bench/NOTES.md).
 
     python -m bench.serving
 """
@@ -40,7 +41,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--rounds", type=int, default=4, help="requests per level = rounds x concurrency")
-    p.add_argument("--client-streams", type=int, default=16, help="streams in flight per client process")
+    p.add_argument("--client-streams", type=int, default=4, help="streams in flight per client process")
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for /health")
     p.add_argument("--request-timeout", type=float, default=300.0, help="seconds a stream may stay silent")
     return p.parse_args(argv)
