@@ -3,9 +3,10 @@ holds it.
 
 Decode graphs: one per batch size, 1, 2, 4, 8, then every 8, up to the first size >= max_num_seqs (at most
 512). Prefill graphs: the whole model's forward for a prompt step, one per token bucket (prefill_buckets):
-launched eagerly, a prompt step costs ~12 ms of host time whatever its size (~250 Triton and cuBLAS launches; bench/NOTES.md, probe17), so every step under ~3,000
-tokens would wait on the host. The prefill attention's grid is its list of work items, sized for the bucket
-(kernels/prefill_attention.py), so it does not change with the step's sequences.
+launched eagerly, a prompt step costs ~12 ms of host time whatever its size (~250 Triton and cuBLAS
+launches; bench/NOTES.md, probe17), so every step under ~3,000 tokens would wait on the host. The prefill
+attention's grid is its list of work items, sized for the bucket (kernels/prefill_attention.py), so it does
+not change with the step's sequences.
 
 Capture goes largest first into one memory pool per kind, so the smaller graphs reuse the largest one's
 memory. Padded lanes read and write a spare dummy row, store to slot -1 (skipped), attend to nothing
@@ -85,7 +86,7 @@ class StepGraphs:
         if graphs:
             torch.cuda.synchronize()
 
-    def replay(self, size: int):
+    def replay(self, size: int) -> object:
         return self._replays[size]()
 
     def _fill_padding(self, views: Views) -> None:
