@@ -23,7 +23,7 @@ COPY_TBPS = 4.24  # the H200's device-to-device copy, bytes read + written (shar
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 # Engine options the benchmarks pass on, under LLM(...)'s keyword names (launch.py's flags in snake_case).
 ENGINE_KEYS = ("load_format", "device", "dtype", "enforce_eager", "tensor_parallel_size", "num_kv_blocks",
-               "block_size", "trace_dir")
+               "block_size", "max_num_batched_tokens", "trace_dir")
 
 
 def engine_parser(description: str) -> argparse.ArgumentParser:
@@ -37,6 +37,8 @@ def engine_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, help="GPUs to shard the model over")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="fix the KV cache size (default: from memory)")
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache block (default: the engine's)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one step (default: the engine's)")
     p.add_argument("--trace-dir", default=None, help="also write the engine's traces to this folder")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts and lengths")
     p.add_argument("--out", default=str(RESULTS_DIR), help="folder the result JSON is written to")
