@@ -25,7 +25,7 @@ OUR_FLAGS = ["--device", "--num-kv-blocks", "--max-waiting-requests", "--step-ti
 def test_defaults_are_engine_config_and_server_options_defaults(monkeypatch):
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
     config, options = cli.parse_args(["--model", "m"])
-    assert config == EngineConfig(model="m")
+    assert config == EngineConfig(model="m", max_num_batched_tokens=2048)  # the one serving default of its own
     assert options == ServerOptions()
     assert (options.host, options.port) == ("127.0.0.1", 8000)
 
