@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -103,6 +104,17 @@ def test_serving_records_each_levels_speed_latencies_and_the_cpu_of_each_process
         cpu = {k: v for k, v in row.items() if k.endswith("_cpu")}
         assert set(cpu) == {"frontend_cpu", "scheduler_cpu", "worker0_cpu", "client_cpu"}, cpu
         assert min(cpu.values()) >= 0 and cpu["worker0_cpu"] == max(cpu.values()) > 0, cpu
+
+
+def test_serving_level_raises_a_client_processs_failure_instead_of_waiting_for_it():
+    from bench import serving
+
+    with socket.socket() as sock:  # a port nothing listens on: every request fails to connect
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    args = serving.parse_args(["--client-streams", "1", "--request-timeout", "5"])
+    with pytest.raises(RuntimeError, match="a client process failed: ConnectError"):
+        serving.run_level(url, [[1, 2, 3]] * 2, 2, args, {})
 
 
 def test_roofline_counts_every_parameter_of_the_model(tiny_ckpt):
