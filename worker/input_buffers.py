@@ -103,8 +103,8 @@ class StepBuffers:
         """
         b, t = len(step.rows), len(step.positions)
         if step.is_decode:
-            sampled, work = slice(None), None
-            v = self.stage(padded_to or b, padded_to or b, padded_to or b, len(deltas[0]), 0)
+            sampled, work, lanes = slice(None), None, padded_to or b
+            v = self.stage(lanes, lanes, lanes, len(deltas[0]), 0)
         else:
             sampled, work = np.flatnonzero(step.samples), prefill_work(step.num_tokens, self.group)
             tokens, seqs, items = self.prefill_shape(padded_to) if padded_to else (t, b, work.shape[1])
