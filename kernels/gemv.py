@@ -5,8 +5,10 @@ cuBLAS runs the small decode GEMVs far below memory bandwidth (too few thread bl
 each program owns a BLOCK_N slice of output rows and a slice of K, reads its weight tile once for all
 M <= 16 rows (one tl.dot tile), and accumulates in float32; split-K partials are summed in a fixed order by
 a second small kernel, so results are bit-reproducible (a graph replay equals the eager run). For one row
-(batch-1 decode) a second kernel multiplies and sums without the 16-row tensor-core tile, so a program can
-own as few as 2 output rows and a small matrix spreads over every SM without splitting K.
+(batch-1 decode) a second kernel multiplies and sums without the 16-row tensor-core tile, all of K in a
+program, so a program can own a single output row and a small matrix spreads over every SM without splitting
+K; its programs may each walk several row blocks, streaming the next block's weights while they finish this
+one's (a grid of a few programs an SM reads gate_up and down ~20% faster than a program a block).
 
 The norm prologue (norm_gemv_triton) computes linear(rms_norm(x + residual)) as
 out[n] = rstd * sum_k W[n, k] * (norm_w[k] * s[k]) with s = x + residual, so one pass over K sums both the
@@ -47,18 +49,20 @@ class GemvConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
-    one_row: bool = False  # _gemv_row_kernel: x must have exactly one row
+    one_row: bool = False  # _gemv_row_kernel: x must have exactly one row; all of K in a program (split_k 1)
+    per_sm: int = 0  # one_row: programs an SM, each walking output blocks in turn; 0: a program a block
 
 
-# Candidate tiles: (block_n, block_k, num_warps, programs wanted per SM). The one-row tiles are the fastest
-# of a sweep on an H200 at Qwen2.5-1.5B's shapes, each in a CUDA graph over cold weights (bench/NOTES.md);
-# the long-K ones run all of a K >= LONG_K (down_proj's 8960 at 1.5B) in each program (2 x 4096 won down,
-# 9.8 µs against cuBLAS's 11.2). A tile with BLOCK_K >= K (2048 at 1.5B's 1536) loads all its weights before it
-# waits on the kernel before it (kernels/pdl.py): qkv, o_proj and down took 4 x 2048 at 76dfbcb.
+# Candidate tiles: (block_n, block_k, num_warps, programs per SM). A dot tile splits K until it has that many
+# programs an SM; a one-row tile runs all of K in a program, and its grid is that many programs an SM walking
+# the output blocks in turn (0: one program a block). The one-row tiles are the fastest of sweeps on an H200
+# at Qwen2.5-1.5B's shapes, each in a CUDA graph over cold weights (bench/NOTES.md, probes 20-21): 8 x 512 for
+# lm_head, a program a block for qkv and o_proj, 4 x 2048 walking at 8 an SM for down, 1 x 2048 at 16 an SM
+# for gate_up with SwiGLU. A tile with BLOCK_K >= K (2048 at 1.5B's 1536) loads all its weights before it
+# waits on the kernel before it (kernels/pdl.py).
 _DOT_TILES = ((64, 128, 4, 2), (32, 256, 4, 2), (128, 128, 8, 2))
-_ONE_ROW_TILES = ((4, 2048, 8, 4), (8, 512, 4, 1), (16, 512, 8, 1), (2, 2048, 4, 4), (8, 2048, 8, 2))
-_LONG_K_TILES = ((2, 1024, 4, 1), (4, 2048, 8, 1), (2, 4096, 8, 1), (4, 1024, 8, 1))
-LONG_K = 4096
+_ONE_ROW_TILES = ((8, 512, 4, 0), (4, 2048, 8, 0), (8, 2048, 8, 0), (2, 2048, 4, 4), (1, 2048, 4, 16),
+                  (4, 2048, 4, 8), (4, 2048, 8, 8))
 
 
 def linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -173,52 +177,69 @@ def _gemv_kernel(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, w_ptr, bias_ptr, out_p
 
 
 @triton.jit
-def _load_w_tile(w_rows, offs_n, offs_k, N, k_end, stride_wk):
-    return tl.load(w_rows + offs_k[None, :] * stride_wk, mask=(offs_n[:, None] < N) & (offs_k[None, :] < k_end),
-                   other=0.0)
+def _gemv_row_kernel(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, w_ptr, bias_ptr, out_ptr, N, K, k_tiles, eps,
+                     stride_xk, stride_wn, stride_wk, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, WHOLE_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    # x[0] times W, all of K a block of BLOCK_N output rows. Program p takes blocks p, p + G, ... (G programs: one
+    # a block, or a few an SM) and walks their K tiles as one loop, loading the next tile, the next block's
+    # first one included, while it multiplies this one; products are summed per element and reduced once a
+    # block, so the loads never wait on a reduction. The first tile loads before waiting for the kernel that
+    # writes x (PDL).
+    pid, num_programs = tl.program_id(0), tl.num_programs(0)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    total = tl.cdiv(tl.cdiv(N, BLOCK_N) - pid, num_programs) * k_tiles
+    w, w_up = _load_w_tiles(w_ptr, pid, 0, N, K, stride_wn, stride_wk, SWIGLU, BLOCK_N, BLOCK_K)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    offs_k = tl.arange(0, BLOCK_K)
+    if WHOLE_K:  # x's one tile, the same for every block
+        x, sq = _load_x(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, offs_k * stride_xk, offs_k, offs_k < K, K,
+                        pid == 0, NORM, HAS_RESIDUAL)
+        x = x.to(tl.float32)[None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    sq_acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for i in range(total):
+        w_next, w_up_next = _load_w_tiles(w_ptr, pid + (i + 1) // k_tiles * num_programs, (i + 1) % k_tiles, N, K,
+                                          stride_wn, stride_wk, SWIGLU, BLOCK_N, BLOCK_K)
+        k_tile = i % k_tiles
+        if not WHOLE_K:  # p 0 stores the new residual, over its first block's tiles
+            offs_k = k_tile * BLOCK_K + tl.arange(0, BLOCK_K)
+            x, sq = _load_x(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, offs_k * stride_xk, offs_k, offs_k < K, K,
+                            (pid == 0) & (i < k_tiles), NORM, HAS_RESIDUAL)
+            x = x.to(tl.float32)[None, :]
+        acc += w.to(tl.float32) * x
+        if SWIGLU:
+            acc_up += w_up.to(tl.float32) * x
+        if NORM:
+            sq_acc += sq
+        w, w_up = w_next, w_up_next
+        if k_tile == k_tiles - 1:  # the block's sums hold all of K
+            offs_n = (pid + i // k_tiles * num_programs) * BLOCK_N + tl.arange(0, BLOCK_N)
+            _epilogue(tl.sum(acc, axis=1)[None, :], tl.sum(acc_up, axis=1)[None, :],
+                      tl.zeros([1], dtype=tl.float32) + tl.sum(sq_acc, axis=0), out_ptr, bias_ptr, out_ptr,
+                      tl.arange(0, 1), offs_n, 0, 0, 1, N, K, eps, NORM, HAS_BIAS, False, SWIGLU)
+            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            sq_acc = tl.zeros([BLOCK_K], dtype=tl.float32)
 
 
 @triton.jit
-def _gemv_row_kernel(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, w_ptr, bias_ptr, out_ptr, sumsq_ptr, N, K,
-                     k_per_split, eps, stride_xk, stride_wn, stride_wk, NORM: tl.constexpr,
-                     HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
-                     SWIGLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    # Program (n, s): x[0] times output rows [n*BLOCK_N, +BLOCK_N) over split s of K, as _gemv_kernel with M = 1.
-    # Each weight tile is loaded one step ahead; the first before waiting for the kernel that writes x (PDL).
-    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_start = pid_k * k_per_split
-    k_end = tl.minimum(K, k_start + k_per_split)
-    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
-    up_rows = w_rows + N * stride_wn  # read under SWIGLU only
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
-    sumsq = tl.zeros([1], dtype=tl.float32)
-    offs_k = k_start + tl.arange(0, BLOCK_K)
-    w = _load_w_tile(w_rows, offs_n, offs_k, N, k_end, stride_wk)
+def _load_w_tiles(w_ptr, block, k_tile, N, K, stride_wn, stride_wk, SWIGLU: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    # W's [BLOCK_N, BLOCK_K] tile of output block `block` (and the up rows' under SWIGLU, else the same tile);
+    # a block past the last loads nothing (masked), so the loop's look-ahead past its end costs no traffic.
+    offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = k_tile * BLOCK_K + tl.arange(0, BLOCK_K)
+    ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :] * stride_wk
+    mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
+    w = tl.load(ptrs, mask=mask, other=0.0)
     w_up = w
     if SWIGLU:
-        w_up = _load_w_tile(up_rows, offs_n, offs_k, N, k_end, stride_wk)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    for k0 in range(k_start, k_end, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        x, sq = _load_x(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, offs_k * stride_xk, offs_k, offs_k < K, K,
-                        pid_n == 0, NORM, HAS_RESIDUAL)
-        if NORM:
-            sumsq += tl.sum(sq, axis=0)
-        xf = x.to(tl.float32)[None, :]
-        w_next = _load_w_tile(w_rows, offs_n, offs_k + BLOCK_K, N, k_end, stride_wk)
-        acc += tl.sum(w.to(tl.float32) * xf, axis=1)
-        w = w_next
-        if SWIGLU:
-            w_up_next = _load_w_tile(up_rows, offs_n, offs_k + BLOCK_K, N, k_end, stride_wk)
-            acc_up += tl.sum(w_up.to(tl.float32) * xf, axis=1)
-            w_up = w_up_next
-    _epilogue(acc[None, :], acc_up[None, :], sumsq, out_ptr, bias_ptr, sumsq_ptr, tl.arange(0, 1), offs_n, pid_n,
-              pid_k, 1, N, K, eps, NORM, HAS_BIAS, PARTIAL, SWIGLU)
+        w_up = tl.load(ptrs + N * stride_wn, mask=mask, other=0.0)
+    return w, w_up
 
 
 @triton.jit(do_not_specialize=["MN", "SPLIT_K"])
@@ -269,6 +290,9 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, config: G
     if swiglu and (n % 2 or cfg.split_k > 1):
         raise ValueError(f"the SwiGLU epilogue needs w = [gate | up] (an even row count, got {n}) and all of K in "
                          f"one program (split_k = 1, got {cfg.split_k}): use candidate_configs(..., swiglu=True)")
+    if cfg.one_row and (m != 1 or cfg.split_k > 1):
+        raise ValueError(f"{cfg} takes exactly one row of x (got {m}) and all of K in a program (split_k 1, got "
+                         f"{cfg.split_k}); use a config with one_row=False")
     n_out = n // 2 if swiglu else n
     out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     new_res = None if residual is None else torch.empty_like(x)
@@ -276,20 +300,19 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, config: G
     partial, norm = cfg.split_k > 1, norm_weight is not None
     target = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device) if partial else out
     sumsq = torch.empty((cfg.split_k, m), dtype=torch.float32, device=x.device) if partial and norm else w
-    pointers = (x, _or_w(residual, w), _or_w(norm_weight, w), _or_w(new_res, w), w, _or_w(bias, w), target, sumsq)
+    pointers = (x, _or_w(residual, w), _or_w(norm_weight, w), _or_w(new_res, w), w, _or_w(bias, w), target)
     meta = dict(NORM=norm, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None and not partial,
-                PARTIAL=partial, SWIGLU=swiglu, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=pdl_enabled(x.device),
+                SWIGLU=swiglu, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=pdl_enabled(x.device),
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.one_row:
-        if m != 1:
-            raise ValueError(f"{cfg} takes exactly one row of x, got {m}; use a config with one_row=False")
-        _gemv_row_kernel[(triton.cdiv(n_out, cfg.block_n), cfg.split_k)](
-            *pointers, n_out, k, k_per_split, eps, x.stride(1), w.stride(0), w.stride(1), **meta,
-            **pdl_launch(x.device))
+        blocks, k_tiles = triton.cdiv(n_out, cfg.block_n), triton.cdiv(k, cfg.block_k)
+        grid = min(blocks, cfg.per_sm * num_sms(x.device)) if cfg.per_sm else blocks
+        _gemv_row_kernel[(grid,)](*pointers, n_out, k, k_tiles, eps, x.stride(1), w.stride(0), w.stride(1),
+                                  WHOLE_K=k_tiles == 1, **meta, **pdl_launch(x.device))
     else:
         grid = (triton.cdiv(n_out, cfg.block_n), cfg.split_k, triton.cdiv(m, BLOCK_M))
-        _gemv_kernel[grid](*pointers, m, n_out, k, k_per_split, eps, x.stride(0), x.stride(1), w.stride(0),
-                           w.stride(1), BLOCK_M=BLOCK_M, **meta)
+        _gemv_kernel[grid](*pointers, sumsq, m, n_out, k, k_per_split, eps, x.stride(0), x.stride(1), w.stride(0),
+                           w.stride(1), PARTIAL=partial, BLOCK_M=BLOCK_M, **meta)
     if partial:
         _split_k_reduce_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](
             target, sumsq, _or_w(bias, w), out, m * n, n, k, cfg.split_k, eps, NORM=norm, HAS_BIAS=bias is not None,
@@ -302,18 +325,18 @@ def _or_w(t: torch.Tensor | None, w: torch.Tensor) -> torch.Tensor:
 
 
 def candidate_configs(n: int, k: int, num_sms: int, rows: int = GEMV_MAX_M, swiglu: bool = False) -> list[GemvConfig]:
-    """Tile shapes worth timing for an [n, k] weight and x of `rows` rows (the one-row kernel's too for 1);
-    K is split until each tile shape has its programs per SM (never with swiglu: its epilogue needs all of K);
-    a config two tiles share is listed once."""
-    row_tiles = (*_ONE_ROW_TILES, *(_LONG_K_TILES if k >= LONG_K else ())) if rows == 1 else ()
-    shapes = [(tile, False) for tile in _DOT_TILES] + [(tile, True) for tile in row_tiles]
-    configs = {}
-    for (block_n, block_k, warps, per_sm), one_row in shapes:
+    """Tile shapes worth timing for an [n, k] weight and x of `rows` rows (the one-row kernel's too for 1); a
+    dot tile's K is split until it has its programs per SM (never with swiglu: its epilogue needs all of K)."""
+    configs = []
+    for block_n, block_k, warps, per_sm in _DOT_TILES:
         chunks = triton.cdiv(k, block_k)
         wanted = triton.cdiv(per_sm * num_sms, triton.cdiv(n, block_n))
         per_split = chunks if swiglu else max(1, chunks // wanted)  # whole chunks a split: >= `wanted` splits
-        configs[GemvConfig(block_n, block_k, triton.cdiv(chunks, per_split), warps, one_row=one_row)] = None
-    return list(configs)
+        configs.append(GemvConfig(block_n, block_k, triton.cdiv(chunks, per_split), warps))
+    if rows == 1:
+        configs += [GemvConfig(block_n, block_k, 1, warps, one_row=True, per_sm=per_sm)
+                    for block_n, block_k, warps, per_sm in _ONE_ROW_TILES]
+    return configs
 
 
 @functools.lru_cache(maxsize=None)

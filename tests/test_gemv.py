@@ -37,10 +37,10 @@ def test_gemv_triton_matches_linear_for_one_to_eight_rows(config, with_bias):
         torch.testing.assert_close(out, linear_ref(x, w, bias), **TOL)
 
 
-# Every kernel path a fold takes: the dot kernel split and whole, the one-row kernel whole and split.
+# Every kernel path a fold takes: the dot kernel split and whole, the one-row kernel over K tiles and whole-K.
 FOLD_CONFIGS = [GemvConfig(16, 16, split_k=3), GemvConfig(32, 32), GemvConfig(8, 32, one_row=True),
-                    GemvConfig(4, 16, split_k=4, one_row=True)]
-FOLD_IDS = ["split-k", "direct", "one-row", "one-row-split-k"]
+                GemvConfig(8, 128, one_row=True)]
+FOLD_IDS = ["split-k", "direct", "one-row", "one-row-whole-k"]
 
 
 def fold_weights(n: int, k: int, dtype: torch.dtype = torch.float32):
@@ -102,6 +102,24 @@ def test_norm_and_swiglu_in_one_gemv_equal_the_unfused_ops(config):
         ref, ref_residual = norm_linear_ref(x, residual, norm_w, 1e-6, w, bias, linear=swiglu_linear_ref)
         torch.testing.assert_close(out, ref, **TOL)
         assert torch.equal(new_residual, ref_residual)
+
+
+@pytest.mark.parametrize("block_k", [32, 128], ids=["k-tiles", "whole-k"])
+def test_one_row_programs_walking_blocks_equal_a_program_a_block(block_k, monkeypatch):
+    # One "SM", 3 programs: each walks 4 or 3 of the 12 blocks of 4 rows (the last block short) and loads the
+    # next block's first tile while it finishes this one; the sums per element are the same, so the bits are.
+    monkeypatch.setattr(gemv, "num_sms", lambda device: 1)
+    walking, a_block = GemvConfig(4, block_k, one_row=True, per_sm=3), GemvConfig(4, block_k, one_row=True)
+    w, bias, norm_w = fold_weights(90, 100)
+    x, residual = 3 * torch.randn(1, 100), torch.randn(1, 100)
+    for swiglu, n in ((False, 45), (True, 90)):
+        outs = [norm_gemv_triton(x, residual, norm_w, 1e-6, w[:n], bias[:n], c, swiglu=swiglu) for c in
+                (walking, a_block)]
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+        ref = norm_linear_ref(x, residual, norm_w, 1e-6, w[:n], bias[:n],
+                              linear=swiglu_linear_ref if swiglu else linear_ref)
+        torch.testing.assert_close(outs[0][0], ref[0], **TOL)
+        assert torch.equal(gemv_triton(x, w[:n], None, walking, swiglu), gemv_triton(x, w[:n], None, a_block, swiglu))
 
 
 def test_swiglu_gemv_refuses_split_k_and_an_odd_weight():

@@ -336,17 +336,19 @@ def test_gemv_candidate_configs_match_linear_for_1_to_16_rows_at_ragged_shapes()
             torch.testing.assert_close(gemv_triton(x, w, b, cfg), ref, atol=1e-4, rtol=1e-4)
 
 
-def test_one_row_gemv_matches_linear_at_ragged_shapes_and_refuses_more_rows():
+def test_one_row_gemv_matches_linear_at_ragged_shapes_and_refuses_more_rows_or_split_k():
     n, k = 45, 1000
     w, bias = torch.randn(n, k), torch.randn(n)
     one_row = [c for c in candidate_configs(n, k, num_sms=132, rows=1) if c.one_row]
-    assert len(one_row) == 5 and not any(c.one_row for c in candidate_configs(n, k, num_sms=132, rows=2))
+    assert len(one_row) == 7 and not any(c.one_row for c in candidate_configs(n, k, num_sms=132, rows=2))
     x = torch.randn(3, 2 * k)[1:2, ::2]  # one row, column stride 2
-    for cfg in [*one_row, GemvConfig(8, 256, 1, one_row=True), GemvConfig(16, 128, 3, one_row=True)]:
+    for cfg in [*one_row, GemvConfig(8, 256, 1, one_row=True)]:
         for b in (bias, None):
             torch.testing.assert_close(gemv_triton(x, w, b, cfg), linear_ref(x, w, b), atol=1e-4, rtol=1e-4)
-    with pytest.raises(ValueError, match="exactly one row of x, got 2"):
+    with pytest.raises(ValueError, match=r"exactly one row of x \(got 2\)"):
         gemv_triton(torch.randn(2, k), w, bias, one_row[0])
+    with pytest.raises(ValueError, match="split_k 1, got 3"):
+        gemv_triton(x, w, bias, GemvConfig(16, 128, 3, one_row=True))
 
 
 def test_silu_and_mul_on_a_strided_row_view():

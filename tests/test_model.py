@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kernels import gemv as gemv_module
 from kernels import linear as linear_module
 from kernels.gemv import GemvConfig
 from kernels.prefill_attention import prefill_work
@@ -127,11 +128,13 @@ def test_decode_token_by_token_across_blocks_equals_hf(case):
 
 def test_decode_with_norm_and_swiglu_folded_into_the_gemvs_equals_hf(tiny_ckpt, monkeypatch):
     # The GPU's fused path, forced here under Triton's interpreter: layer 0's norm without a residual, split-K
-    # partials of the GEMV and of the sums of squares, and the one-row kernel at decode.
+    # partials of the GEMV and of the sums of squares, and the one-row kernel at decode over K tiles, its
+    # programs walking several blocks (one "SM", 2 programs) for gate_up.
     ours, hf, block_size = build_model(tiny_ckpt), hf_model(tiny_ckpt), 4
-    # SwiGLU's epilogue (gate_up) takes whole-K configs only.
-    split = {False: GemvConfig(32, 32, split_k=2), True: GemvConfig(32, 32, split_k=2, one_row=True)}
-    whole = {False: GemvConfig(32, 32), True: GemvConfig(8, 32, one_row=True)}
+    monkeypatch.setattr(gemv_module, "num_sms", lambda device: 1)
+    # SwiGLU's epilogue (gate_up) takes split_k 1 only.
+    split = {False: GemvConfig(32, 32, split_k=2), True: GemvConfig(32, 32, one_row=True)}
+    whole = {False: GemvConfig(32, 32), True: GemvConfig(8, 32, one_row=True, per_sm=2)}
     monkeypatch.setattr(linear_module, "choice", lambda fold, inputs, w, bias: (
         whole if fold.endswith("swiglu") else split)[inputs[0].shape[0] == 1] if fold else None)
     prompt = tokens_for(2, 2 * block_size + 1)
