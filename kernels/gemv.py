@@ -55,14 +55,14 @@ class GemvConfig:
 
 # Candidate tiles: (block_n, block_k, num_warps, programs per SM). A dot tile splits K until it has that many
 # programs an SM; a one-row tile runs all of K in a program, and its grid is that many programs an SM walking
-# the output blocks in turn (0: one program a block). The one-row tiles are the fastest of sweeps on an H200
-# at Qwen2.5-1.5B's shapes, each in a CUDA graph over cold weights (bench/NOTES.md, probes 20-21): 8 x 512 for
-# lm_head, a program a block for qkv and o_proj, 4 x 2048 walking at 8 an SM for down, 1 x 2048 at 16 an SM
-# for gate_up with SwiGLU. A tile with BLOCK_K >= K (2048 at 1.5B's 1536) loads all its weights before it
-# waits on the kernel before it (kernels/pdl.py).
+# the output blocks in turn (0: one program a block). The one-row tiles come from sweeps on an H200 at
+# Qwen2.5-1.5B's shapes, each in a CUDA graph over cold weights, and from the decode step itself (bench/NOTES.md,
+# probes 20-23): 8 x 512 for lm_head; a program a block for qkv, o_proj and down (4 x 2048 with 4 warps: 8
+# warps cost down ~2 µs a layer in the step); gate_up with SwiGLU 1 x 2048 at 16 programs an SM. Small
+# matrices do not walk: alone a walking grid times as fast, but in the step it loads less before it waits on
+# the kernel before it (kernels/pdl.py), and the step was ~25 µs slower.
 _DOT_TILES = ((64, 128, 4, 2), (32, 256, 4, 2), (128, 128, 8, 2))
-_ONE_ROW_TILES = ((8, 512, 4, 0), (4, 2048, 8, 0), (8, 2048, 8, 0), (2, 2048, 4, 4), (1, 2048, 4, 16),
-                  (4, 2048, 4, 8), (4, 2048, 8, 8))
+_ONE_ROW_TILES = ((8, 512, 4, 0), (4, 2048, 8, 0), (8, 2048, 8, 0), (1, 2048, 4, 16), (4, 2048, 4, 8))
 
 
 def linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -183,9 +183,9 @@ def _gemv_row_kernel(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, w_ptr, bias_ptr, o
                      BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     # x[0] times W, all of K a block of BLOCK_N output rows. Program p takes blocks p, p + G, ... (G programs: one
     # a block, or a few an SM) and walks their K tiles as one loop, loading the next tile, the next block's
-    # first one included, while it multiplies this one; products are summed per element and reduced once a
-    # block, so the loads never wait on a reduction. The first tile loads before waiting for the kernel that
-    # writes x (PDL).
+    # first one included, while it multiplies this one. Over several K tiles the products are summed per
+    # element and reduced once a block, so the loads never wait on a reduction. The first tile loads before
+    # waiting for the kernel that writes x (PDL).
     pid, num_programs = tl.program_id(0), tl.num_programs(0)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -193,37 +193,52 @@ def _gemv_row_kernel(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, w_ptr, bias_ptr, o
     w, w_up = _load_w_tiles(w_ptr, pid, 0, N, K, stride_wn, stride_wk, SWIGLU, BLOCK_N, BLOCK_K)
     if PDL:
         tl.extra.cuda.gdc_wait()
-    offs_k = tl.arange(0, BLOCK_K)
-    if WHOLE_K:  # x's one tile, the same for every block
+    if WHOLE_K:  # x's one tile serves every block; a block's sums are whole at once, nothing carried over
+        offs_k = tl.arange(0, BLOCK_K)
         x, sq = _load_x(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, offs_k * stride_xk, offs_k, offs_k < K, K,
                         pid == 0, NORM, HAS_RESIDUAL)
         x = x.to(tl.float32)[None, :]
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    sq_acc = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for i in range(total):
-        w_next, w_up_next = _load_w_tiles(w_ptr, pid + (i + 1) // k_tiles * num_programs, (i + 1) % k_tiles, N, K,
-                                          stride_wn, stride_wk, SWIGLU, BLOCK_N, BLOCK_K)
-        k_tile = i % k_tiles
-        if not WHOLE_K:  # p 0 stores the new residual, over its first block's tiles
-            offs_k = k_tile * BLOCK_K + tl.arange(0, BLOCK_K)
+        sumsq = tl.zeros([1], dtype=tl.float32) + tl.sum(sq, axis=0)
+        for i in range(total):
+            w_next, w_up_next = _load_w_tiles(w_ptr, pid + (i + 1) * num_programs, 0, N, K, stride_wn, stride_wk,
+                                              SWIGLU, BLOCK_N, BLOCK_K)
+            _store_block(tl.sum(w.to(tl.float32) * x, axis=1), tl.sum(w_up.to(tl.float32) * x, axis=1), sumsq,
+                         out_ptr, bias_ptr, pid + i * num_programs, N, K, eps, NORM, HAS_BIAS, SWIGLU, BLOCK_N)
+            w, w_up = w_next, w_up_next
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        sq_acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for i in range(total):
+            w_next, w_up_next = _load_w_tiles(w_ptr, pid + (i + 1) // k_tiles * num_programs, (i + 1) % k_tiles, N,
+                                              K, stride_wn, stride_wk, SWIGLU, BLOCK_N, BLOCK_K)
+            k_tile = i % k_tiles
+            offs_k = k_tile * BLOCK_K + tl.arange(0, BLOCK_K)  # p 0 stores the new residual, over its first block
             x, sq = _load_x(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, offs_k * stride_xk, offs_k, offs_k < K, K,
                             (pid == 0) & (i < k_tiles), NORM, HAS_RESIDUAL)
             x = x.to(tl.float32)[None, :]
-        acc += w.to(tl.float32) * x
-        if SWIGLU:
-            acc_up += w_up.to(tl.float32) * x
-        if NORM:
-            sq_acc += sq
-        w, w_up = w_next, w_up_next
-        if k_tile == k_tiles - 1:  # the block's sums hold all of K
-            offs_n = (pid + i // k_tiles * num_programs) * BLOCK_N + tl.arange(0, BLOCK_N)
-            _epilogue(tl.sum(acc, axis=1)[None, :], tl.sum(acc_up, axis=1)[None, :],
-                      tl.zeros([1], dtype=tl.float32) + tl.sum(sq_acc, axis=0), out_ptr, bias_ptr, out_ptr,
-                      tl.arange(0, 1), offs_n, 0, 0, 1, N, K, eps, NORM, HAS_BIAS, False, SWIGLU)
-            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-            acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-            sq_acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+            acc += w.to(tl.float32) * x
+            if SWIGLU:
+                acc_up += w_up.to(tl.float32) * x
+            if NORM:
+                sq_acc += sq
+            w, w_up = w_next, w_up_next
+            if k_tile == k_tiles - 1:  # the block's sums hold all of K
+                _store_block(tl.sum(acc, axis=1), tl.sum(acc_up, axis=1),
+                             tl.zeros([1], dtype=tl.float32) + tl.sum(sq_acc, axis=0), out_ptr, bias_ptr,
+                             pid + i // k_tiles * num_programs, N, K, eps, NORM, HAS_BIAS, SWIGLU, BLOCK_N)
+                acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+                acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+                sq_acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+
+
+@triton.jit
+def _store_block(sums, sums_up, sumsq, out_ptr, bias_ptr, block, N, K, eps, NORM: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Output block `block` of the one-row kernel from its whole-K sums (the up rows' too, under SWIGLU).
+    offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    _epilogue(sums[None, :], sums_up[None, :], sumsq, out_ptr, bias_ptr, out_ptr, tl.arange(0, 1), offs_n, 0, 0, 1,
+              N, K, eps, NORM, HAS_BIAS, False, SWIGLU)
 
 
 @triton.jit
