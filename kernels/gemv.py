@@ -40,7 +40,6 @@ from kernels.pdl import pdl_enabled, pdl_launch
 GEMV_MAX_M = 16  # rows the Triton path takes: one tl.dot tile (its M is at least 16 anyway)
 BLOCK_M = 16
 REDUCE_BLOCK = 1024
-ROW_K_CHUNK = 256  # the one-row kernel's accumulator columns (_chunk_sums)
 
 
 @dataclass(frozen=True)
@@ -181,12 +180,12 @@ def _gemv_kernel(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, w_ptr, bias_ptr, out_p
 def _gemv_row_kernel(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, w_ptr, bias_ptr, out_ptr, N, K, k_tiles, eps,
                      stride_xk, stride_wn, stride_wk, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                      HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, WHOLE_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr, PDL: tl.constexpr):
+                     BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     # x[0] times W, all of K a block of BLOCK_N output rows. Program p takes blocks p, p + G, ... (G programs: one
     # a block, or a few an SM) and walks their K tiles as one loop, loading the next tile, the next block's
-    # first one included, while it multiplies this one. Over several K tiles each thread sums its products
-    # into K_CHUNK columns, reduced across threads once a block, so the loads never wait on a reduction. The
-    # first tile loads before waiting for the kernel that writes x (PDL).
+    # first one included, while it multiplies this one. Over several K tiles the products are summed per
+    # element and reduced once a block, so the loads never wait on a reduction. The first tile loads before
+    # waiting for the kernel that writes x (PDL).
     pid, num_programs = tl.program_id(0), tl.num_programs(0)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -207,8 +206,8 @@ def _gemv_row_kernel(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, w_ptr, bias_ptr, o
                          out_ptr, bias_ptr, pid + i * num_programs, N, K, eps, NORM, HAS_BIAS, SWIGLU, BLOCK_N)
             w, w_up = w_next, w_up_next
     else:
-        acc = tl.zeros([BLOCK_N, K_CHUNK], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_N, K_CHUNK], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         sq_acc = tl.zeros([BLOCK_K], dtype=tl.float32)
         for i in range(total):
             w_next, w_up_next = _load_w_tiles(w_ptr, pid + (i + 1) // k_tiles * num_programs, (i + 1) % k_tiles, N,
@@ -218,9 +217,9 @@ def _gemv_row_kernel(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, w_ptr, bias_ptr, o
             x, sq = _load_x(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, offs_k * stride_xk, offs_k, offs_k < K, K,
                             (pid == 0) & (i < k_tiles), NORM, HAS_RESIDUAL)
             x = x.to(tl.float32)[None, :]
-            acc += _chunk_sums(w, x, BLOCK_N, BLOCK_K, K_CHUNK)
+            acc += w.to(tl.float32) * x
             if SWIGLU:
-                acc_up += _chunk_sums(w_up, x, BLOCK_N, BLOCK_K, K_CHUNK)
+                acc_up += w_up.to(tl.float32) * x
             if NORM:
                 sq_acc += sq
             w, w_up = w_next, w_up_next
@@ -228,18 +227,9 @@ def _gemv_row_kernel(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, w_ptr, bias_ptr, o
                 _store_block(tl.sum(acc, axis=1), tl.sum(acc_up, axis=1),
                              tl.zeros([1], dtype=tl.float32) + tl.sum(sq_acc, axis=0), out_ptr, bias_ptr,
                              pid + i // k_tiles * num_programs, N, K, eps, NORM, HAS_BIAS, SWIGLU, BLOCK_N)
-                acc = tl.zeros([BLOCK_N, K_CHUNK], dtype=tl.float32)
-                acc_up = tl.zeros([BLOCK_N, K_CHUNK], dtype=tl.float32)
+                acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+                acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
                 sq_acc = tl.zeros([BLOCK_K], dtype=tl.float32)
-
-
-@triton.jit
-def _chunk_sums(w, x, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr):
-    # w * x [BLOCK_N, BLOCK_K] summed over the K_CHUNK-wide chunks of K: [BLOCK_N, K_CHUNK]. With K_CHUNK the span
-    # of one warp's vector loads (32 x 8), a thread's columns of the chunks are its own: the sum stays in its
-    # registers, and the accumulator is BLOCK_K / K_CHUNK times smaller (down at 4 x 2048, 4 warps: 204 -> 138
-    # registers a thread, so 3 programs an SM instead of 2).
-    return tl.sum(tl.reshape(w.to(tl.float32) * x, [BLOCK_N, BLOCK_K // K_CHUNK, K_CHUNK]), axis=1)
 
 
 @triton.jit
@@ -333,8 +323,7 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, config: G
         blocks, k_tiles = triton.cdiv(n_out, cfg.block_n), triton.cdiv(k, cfg.block_k)
         grid = min(blocks, cfg.per_sm * num_sms(x.device)) if cfg.per_sm else blocks
         _gemv_row_kernel[(grid,)](*pointers, n_out, k, k_tiles, eps, x.stride(1), w.stride(0), w.stride(1),
-                                  WHOLE_K=k_tiles == 1, K_CHUNK=min(cfg.block_k, ROW_K_CHUNK), **meta,
-                                  **pdl_launch(x.device))
+                                  WHOLE_K=k_tiles == 1, **meta, **pdl_launch(x.device))
     else:
         grid = (triton.cdiv(n_out, cfg.block_n), cfg.split_k, triton.cdiv(m, BLOCK_M))
         _gemv_kernel[grid](*pointers, sumsq, m, n_out, k, k_per_split, eps, x.stride(0), x.stride(1), w.stride(0),
