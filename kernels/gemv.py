@@ -8,7 +8,8 @@ a second small kernel, so results are bit-reproducible (a graph replay equals th
 (batch-1 decode) a second kernel multiplies and sums without the 16-row tensor-core tile, all of K in a
 program, so a program can own a single output row and a small matrix spreads over every SM without splitting
 K; its programs may each walk several row blocks, streaming the next block's weights while they finish this
-one's (a grid of a few programs an SM reads gate_up and down ~20% faster than a program a block).
+one's (gate_up with SwiGLU, walked by 16 programs an SM, is ~20% faster than with a program a block; the
+smaller matrices keep a program a block: see _ONE_ROW_TILES).
 
 The norm prologue (norm_gemv_triton) computes linear(rms_norm(x + residual)) as
 out[n] = rstd * sum_k W[n, k] * (norm_w[k] * s[k]) with s = x + residual, so one pass over K sums both the
@@ -56,11 +57,12 @@ class GemvConfig:
 # Candidate tiles: (block_n, block_k, num_warps, programs per SM). A dot tile splits K until it has that many
 # programs an SM; a one-row tile runs all of K in a program, and its grid is that many programs an SM walking
 # the output blocks in turn (0: one program a block). The one-row tiles come from sweeps on an H200 at
-# Qwen2.5-1.5B's shapes, each in a CUDA graph over cold weights, and from the decode step itself (bench/NOTES.md,
-# probes 20-23): 8 x 512 for lm_head; a program a block for qkv, o_proj and down (4 x 2048 with 4 warps: 8
-# warps cost down ~2 µs a layer in the step); gate_up with SwiGLU 1 x 2048 at 16 programs an SM. Small
-# matrices do not walk: alone a walking grid times as fast, but in the step it loads less before it waits on
-# the kernel before it (kernels/pdl.py), and the step was ~25 µs slower.
+# Qwen2.5-1.5B's shapes, each in a CUDA graph over cold weights, and from the decode step itself
+# (bench/NOTES.md, probes 20-23): 8 x 512 for lm_head (the dot kernel's 32 x 256 ties it); a program a block
+# for qkv, o_proj and down (4 x 2048 with 4 warps: 8 warps cost down ~2 µs a layer in the step); gate_up with
+# SwiGLU 1 x 2048 at 16 programs an SM. Small matrices do not walk: alone a walking grid times as fast, but in
+# the step it loads less before it waits on the kernel before it (kernels/pdl.py), and the step was ~25 µs
+# slower.
 _DOT_TILES = ((64, 128, 4, 2), (32, 256, 4, 2), (128, 128, 8, 2))
 _ONE_ROW_TILES = ((8, 512, 4, 0), (4, 2048, 8, 0), (8, 2048, 8, 0), (1, 2048, 4, 16), (4, 2048, 4, 8))
 
