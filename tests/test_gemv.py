@@ -106,7 +106,7 @@ def test_norm_and_swiglu_in_one_gemv_equal_the_unfused_ops(config):
 
 @pytest.mark.parametrize("block_k", [32, 128], ids=["k-tiles", "whole-k"])
 def test_one_row_programs_walking_blocks_equal_a_program_a_block(block_k, monkeypatch):
-    # One "SM", 3 programs: each walks 4 or 3 of the 12 blocks of 4 rows (the last block short) and loads the
+    # One "SM", 3 programs: each walks 4 of the 12 blocks of 4 rows (the last block short) and loads the
     # next block's first tile while it finishes this one; the sums per element are the same, so the bits are.
     monkeypatch.setattr(gemv, "num_sms", lambda device: 1)
     walking, a_block = GemvConfig(4, block_k, one_row=True, per_sm=3), GemvConfig(4, block_k, one_row=True)
