@@ -313,7 +313,6 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, config: G
     n_out = n // 2 if swiglu else n
     out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     new_res = None if residual is None else torch.empty_like(x)
-    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     partial, norm = cfg.split_k > 1, norm_weight is not None
     target = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device) if partial else out
     sumsq = torch.empty((cfg.split_k, m), dtype=torch.float32, device=x.device) if partial and norm else w
@@ -328,6 +327,7 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, config: G
                                   WHOLE_K=k_tiles == 1, **meta, **pdl_launch(x.device))
     else:
         grid = (triton.cdiv(n_out, cfg.block_n), cfg.split_k, triton.cdiv(m, BLOCK_M))
+        k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
         _gemv_kernel[grid](*pointers, sumsq, m, n_out, k, k_per_split, eps, x.stride(0), x.stride(1), w.stride(0),
                            w.stride(1), PARTIAL=partial, BLOCK_M=BLOCK_M, **meta)
     if partial:
