@@ -8,9 +8,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_tile import attend_range
+from kernels.attention_tile import attend_range, attend_tile, load_kv_tile
 from kernels.kv_store import check_cache_layout, check_new_kv, rope_store_kv_ref
-from kernels.pdl import pdl_enabled
+from kernels.pdl import pdl_enabled, pdl_launch
 
 # Split-K sizing, measured on an H200 at Qwen2.5-1.5B shapes (bench/NOTES.md, the 987288b probe): a program
 # walks its split one tile at a time, latency-bound, so short splits (many programs) win at small batch. The
@@ -125,34 +125,50 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, ou
         d_mask = offs_d < HEAD_DIM
         heads = kv_head * group + offs_g
         q_rows = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
+        block_table_row = block_tables + b.to(tl.int64) * stride_bt
+        end = tl.minimum(start + split_len, ctx)
+        # The split's first K/V tile loads before waiting on the kernel that writes q (PDL): no kernel before
+        # this one writes this layer's cache, so only the step's own token, stored below, can be stale in it.
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        k_first, v_first = load_kv_tile(k_cache, v_cache, block_table_row, offs_n, n_mask, kv_head, stride_cb,
+                                        stride_ch, stride_cs, block_size, offs_d, d_mask)
+        if NEW_KV:
+            pos = tl.load(positions + b).to(tl.int64)
+            cos, sin, partner = _rope_factors(cos_sin, pos, offs_d, d_mask, HEAD_DIM)
+            slot = tl.load(slot_mapping + b).to(tl.int64)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
         q = tl.load(q_rows + offs_d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
         if NEW_KV:
             # The step's own token: q is rotated here, and the split holding position ctx - 1 rotates and stores
-            # the token's K and V before reading its range (a barrier makes the stores visible to every thread
-            # of the program); no other program reads that position. Saves rope_store_kv's launch a layer.
-            pos = tl.load(positions + b).to(tl.int64)
-            cos, sin, partner = _rope_factors(cos_sin, pos, offs_d, d_mask, HEAD_DIM)
+            # the token's K and V (slot_mapping's slot is that position's), puts them into its first tile if
+            # the token is there, and otherwise reads them back in its loop (a barrier makes the stores
+            # visible to every thread of the program); no other program reads that position. Saves
+            # rope_store_kv's launch a layer.
             q_partner = tl.load(q_rows + partner[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
             q = _rotate(q, q_partner, cos[None, :], sin[None, :]).to(q_ptr.dtype.element_ty)
-            slot = tl.load(slot_mapping + b).to(tl.int64)
             if (split == used - 1) & (slot >= 0):
                 cache_off = (slot // block_size) * stride_cb + kv_head * stride_ch + (slot % block_size) * stride_cs
                 k_row = k_new + b.to(tl.int64) * stride_kb + kv_head * stride_kh
                 k = _rotate(tl.load(k_row + offs_d, mask=d_mask, other=0.0),
-                            tl.load(k_row + partner, mask=d_mask, other=0.0), cos, sin)
-                tl.store(k_cache + cache_off + offs_d, k.to(k_cache.dtype.element_ty), mask=d_mask)
+                            tl.load(k_row + partner, mask=d_mask, other=0.0), cos, sin).to(k_cache.dtype.element_ty)
+                tl.store(k_cache + cache_off + offs_d, k, mask=d_mask)
                 v = tl.load(v_new + b.to(tl.int64) * stride_vb + kv_head * stride_vh + offs_d, mask=d_mask, other=0.0)
-                tl.store(v_cache + cache_off + offs_d, v.to(v_cache.dtype.element_ty), mask=d_mask)
+                v = v.to(v_cache.dtype.element_ty)
+                tl.store(v_cache + cache_off + offs_d, v, mask=d_mask)
                 tl.debug_barrier()
+                is_new = (offs_n == ctx - 1)[:, None]
+                k_first = tl.where(is_new, k[None, :], k_first)
+                v_first = tl.where(is_new, v[None, :], v_first)
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
-        block_table_row = block_tables + b.to(tl.int64) * stride_bt
         # The query is the row's last token (position ctx - 1): the mask only cuts the tile's tail past the split.
+        m_i, l_i, acc = attend_tile(q, k_first, v_first, n_mask[None, :], m_i, l_i, acc, qk_scale, True)
         m_i, l_i, acc = attend_range(q, tl.full([GROUP_PAD], ctx - 1, tl.int32), m_i, l_i, acc, k_cache, v_cache,
-                                     block_table_row, kv_head, start, tl.minimum(start + split_len, ctx),
-                                     stride_cb, stride_ch, stride_cs, block_size, offs_d, d_mask, qk_scale, BLOCK_N,
-                                     True)
+                                     block_table_row, kv_head, start + BLOCK_N, end, stride_cb, stride_ch, stride_cs,
+                                     block_size, offs_d, d_mask, qk_scale, BLOCK_N, True)
         if used <= 1:  # the whole row in this program: no partials, no arrival; context 0 gives 0 / 1
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
@@ -328,7 +344,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         new.k.stride(1), new.v.stride(0), new.v.stride(1), block_size, group, num_q_heads, HEAD_DIM=head_dim,
         D_PAD=d_pad, GROUP_PAD=max(16, group_p2), GROUP_P2=group_p2, SPLITS_PAD=splits_pad, CHUNK=chunk,
         SPLIT_GROUP=_SPLIT_GROUP, COUNTERS=counters, BLOCK_N=block_n, NEW_KV=new_kv is not None,
-        PDL=pdl_enabled(q.device), **launch)
+        PDL=pdl_enabled(q.device), **launch, **pdl_launch(q.device))
     return out
 
 
