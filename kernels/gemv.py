@@ -52,19 +52,23 @@ class GemvConfig:
     num_stages: int = 3
     one_row: bool = False  # _gemv_row_kernel: x must have exactly one row; all of K in a program (split_k 1)
     per_sm: int = 0  # one_row: programs an SM, each walking output blocks in turn; 0: a program a block
+    max_regs: int = 0  # the register cap ptxas compiles the kernel with (maxnreg); 0: ptxas's own choice
 
 
-# Candidate tiles: (block_n, block_k, num_warps, programs per SM). A dot tile splits K until it has that many
-# programs an SM; a one-row tile runs all of K in a program, and its grid is that many programs an SM walking
-# the output blocks in turn (0: one program a block). The one-row tiles come from sweeps on an H200 at
-# Qwen2.5-1.5B's shapes, each in a CUDA graph over cold weights, and from the decode step itself
-# (bench/NOTES.md, probes 20-23): 8 x 512 for lm_head (the dot kernel's 32 x 256 ties it); a program a block
+# Candidate tiles: (block_n, block_k, num_warps, programs per SM), and a one-row tile's register cap (0: none).
+# A dot tile splits K until it has that many programs an SM; a one-row tile runs all of K in a program, and its
+# grid is that many programs an SM walking the output blocks in turn (0: one program a block). The one-row
+# tiles come from sweeps on an H200 at Qwen2.5-1.5B's shapes, each in a CUDA graph over cold weights, and from
+# the decode step itself (bench/NOTES.md, probes 20-24): 8 x 512 for lm_head (the dot kernel's 32 x 256 ties it); a program a block
 # for qkv, o_proj and down (4 x 2048 with 4 warps: 8 warps cost down ~2 µs a layer in the step); gate_up with
 # SwiGLU 1 x 2048 at 16 programs an SM. Small matrices do not walk: alone a walking grid times as fast, but in
 # the step it loads less before it waits on the kernel before it (kernels/pdl.py), and the step was ~25 µs
-# slower.
+# slower. A register cap changes how ptxas schedules the loads: down_proj's 4 x 2048 tile at a cap of 168
+# compiled to 159 registers, not its own 133, and ran 9.4-9.6 -> 8.1-8.2 µs (probe 24), with 3 programs an SM
+# either way.
 _DOT_TILES = ((64, 128, 4, 2), (32, 256, 4, 2), (128, 128, 8, 2))
-_ONE_ROW_TILES = ((8, 512, 4, 0), (4, 2048, 8, 0), (8, 2048, 8, 0), (1, 2048, 4, 16), (4, 2048, 4, 8))
+_ONE_ROW_TILES = ((8, 512, 4, 0, 0), (4, 2048, 8, 0, 0), (8, 2048, 8, 0, 0), (1, 2048, 4, 16, 0),
+                  (4, 2048, 4, 8, 0), (4, 2048, 4, 8, 168))
 
 
 def linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -320,6 +324,8 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, config: G
     meta = dict(NORM=norm, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None and not partial,
                 SWIGLU=swiglu, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=pdl_enabled(x.device),
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.max_regs:
+        meta["maxnreg"] = cfg.max_regs
     if cfg.one_row:
         blocks, k_tiles = triton.cdiv(n_out, cfg.block_n), triton.cdiv(k, cfg.block_k)
         grid = min(blocks, cfg.per_sm * num_sms(x.device)) if cfg.per_sm else blocks
@@ -351,8 +357,8 @@ def candidate_configs(n: int, k: int, num_sms: int, rows: int = GEMV_MAX_M, swig
         per_split = chunks if swiglu else max(1, chunks // wanted)  # whole chunks a split: >= `wanted` splits
         configs.append(GemvConfig(block_n, block_k, triton.cdiv(chunks, per_split), warps))
     if rows == 1:
-        configs += [GemvConfig(block_n, block_k, 1, warps, one_row=True, per_sm=per_sm)
-                    for block_n, block_k, warps, per_sm in _ONE_ROW_TILES]
+        configs += [GemvConfig(block_n, block_k, 1, warps, one_row=True, per_sm=per_sm, max_regs=regs)
+                    for block_n, block_k, warps, per_sm, regs in _ONE_ROW_TILES]
     return configs
 
 
