@@ -36,6 +36,9 @@ _COMBINE_TILE = 64  # partial elements [heads, splits, head_dim] a combine step 
 # A few rows run a few hundred long programs: 8 warps each keep more loads in flight (batch 1: 36.4 -> 19.6 µs
 # a layer at 32K, 6.96 -> 5.75 at 512). Many rows fill the SMs with programs: 4 warps, 2 stages (batch 64:
 # 8 warps 31.5 µs, 4 warps 3 stages 23.5, 2 stages 20.9).
+# The few-rows launch also goes with PDL and loads each split's first K/V tile before it waits on qkv (EARLY:
+# batch 1 +2.1%); many rows do neither: the GEMM before them is cuBLAS, which never lets them start early, and
+# the early tile cost the throughput run 12% (34.5K -> 30.5K tok/s, bench/NOTES.md).
 _FEW_ROWS_KV_HEADS = 8  # rows x KV heads up to which the few-rows launch applies
 _FEW_ROWS_LAUNCH = dict(num_warps=8, num_stages=3)
 _MANY_ROWS_LAUNCH = dict(num_warps=4, num_stages=2)
@@ -100,7 +103,8 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, ou
                          stride_vb, stride_vh, block_size, group, num_q_heads, HEAD_DIM: tl.constexpr,
                          D_PAD: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr,
                          SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr, SPLIT_GROUP: tl.constexpr,
-                         COUNTERS: tl.constexpr, BLOCK_N: tl.constexpr, NEW_KV: tl.constexpr, PDL: tl.constexpr):
+                         COUNTERS: tl.constexpr, BLOCK_N: tl.constexpr, NEW_KV: tl.constexpr, PDL: tl.constexpr,
+                         EARLY: tl.constexpr):
     # Program (row, kv head, split): the group of query heads sharing this KV head attends to tokens
     # [split * L, (split + 1) * L) of the row (L = _split_len), so each K/V tile is read once for the group.
     # A row of one used split writes its output here; otherwise the last of its used splits to arrive combines
@@ -127,12 +131,14 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, ou
         q_rows = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
         block_table_row = block_tables + b.to(tl.int64) * stride_bt
         end = tl.minimum(start + split_len, ctx)
-        # The split's first K/V tile loads before waiting on the kernel that writes q (PDL): no kernel before
-        # this one writes this layer's cache, so only the step's own token, stored below, can be stale in it.
+        # EARLY (a few rows, launched with PDL): the split's first K/V tile loads before waiting on the kernel
+        # that writes q. No kernel before this one writes this layer's cache, so only the step's own token,
+        # stored below, can be stale in it.
         offs_n = start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
-        k_first, v_first = load_kv_tile(k_cache, v_cache, block_table_row, offs_n, n_mask, kv_head, stride_cb,
-                                        stride_ch, stride_cs, block_size, offs_d, d_mask)
+        if EARLY:
+            k_first, v_first = load_kv_tile(k_cache, v_cache, block_table_row, offs_n, n_mask, kv_head, stride_cb,
+                                            stride_ch, stride_cs, block_size, offs_d, d_mask)
         if NEW_KV:
             pos = tl.load(positions + b).to(tl.int64)
             cos, sin, partner = _rope_factors(cos_sin, pos, offs_d, d_mask, HEAD_DIM)
@@ -158,17 +164,21 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, ou
                 v = v.to(v_cache.dtype.element_ty)
                 tl.store(v_cache + cache_off + offs_d, v, mask=d_mask)
                 tl.debug_barrier()
-                is_new = (offs_n == ctx - 1)[:, None]
-                k_first = tl.where(is_new, k[None, :], k_first)
-                v_first = tl.where(is_new, v[None, :], v_first)
+                if EARLY:
+                    is_new = (offs_n == ctx - 1)[:, None]
+                    k_first = tl.where(is_new, k[None, :], k_first)
+                    v_first = tl.where(is_new, v[None, :], v_first)
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
         # The query is the row's last token (position ctx - 1): the mask only cuts the tile's tail past the split.
-        m_i, l_i, acc = attend_tile(q, k_first, v_first, n_mask[None, :], m_i, l_i, acc, qk_scale, True)
+        lo = start
+        if EARLY:
+            m_i, l_i, acc = attend_tile(q, k_first, v_first, n_mask[None, :], m_i, l_i, acc, qk_scale, True)
+            lo = start + BLOCK_N
         m_i, l_i, acc = attend_range(q, tl.full([GROUP_PAD], ctx - 1, tl.int32), m_i, l_i, acc, k_cache, v_cache,
-                                     block_table_row, kv_head, start + BLOCK_N, end, stride_cb, stride_ch, stride_cs,
-                                     block_size, offs_d, d_mask, qk_scale, BLOCK_N, True)
+                                     block_table_row, kv_head, lo, end, stride_cb, stride_ch, stride_cs, block_size,
+                                     offs_d, d_mask, qk_scale, BLOCK_N, True)
         if used <= 1:  # the whole row in this program: no partials, no arrival; context 0 gives 0 / 1
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
@@ -330,7 +340,8 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     out = torch.empty((batch, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     d_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot wants every dim >= 16
     group_p2 = triton.next_power_of_2(group)  # the combine's heads: no tl.dot there, so no padding to 16
-    launch = _FEW_ROWS_LAUNCH if batch * num_kv_heads <= _FEW_ROWS_KV_HEADS else _MANY_ROWS_LAUNCH
+    few_rows = batch * num_kv_heads <= _FEW_ROWS_KV_HEADS
+    launch = _FEW_ROWS_LAUNCH if few_rows else _MANY_ROWS_LAUNCH
     splits_pad = max(_SPLIT_GROUP, _MAX_SPLITS // _SPLIT_GROUP)  # the most partials one combine takes
     # Splits a combine step takes: from static shapes only, so the kernel compiles once per launch shape.
     chunk = max(1, min(splits_pad, _COMBINE_TILE * 32 * launch["num_warps"] // (group_p2 * d_pad)))
@@ -344,7 +355,8 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         new.k.stride(1), new.v.stride(0), new.v.stride(1), block_size, group, num_q_heads, HEAD_DIM=head_dim,
         D_PAD=d_pad, GROUP_PAD=max(16, group_p2), GROUP_P2=group_p2, SPLITS_PAD=splits_pad, CHUNK=chunk,
         SPLIT_GROUP=_SPLIT_GROUP, COUNTERS=counters, BLOCK_N=block_n, NEW_KV=new_kv is not None,
-        PDL=pdl_enabled(q.device), **launch, **pdl_launch(q.device))
+        PDL=pdl_enabled(q.device), EARLY=few_rows, **launch,
+        **(pdl_launch(q.device) if few_rows else {}))
     return out
 
 

@@ -75,6 +75,7 @@ def run_decode(lens: list[int], group: int, hkv: int, d: int, block_size: int, p
     ([5, 0, 200, 17], 3, 2, 128, 64, None, None),  # the default grid, two KV heads
     ([33, 1, 96], 2, 2, 32, 8, 16, None),  # many short splits: the token's split is the last of six
     ([33, 1, 96, 0], 2, 2, 32, 8, 16, 2),  # groups of two: the token's split ends the third (96) or is alone (33)
+    ([0, 1, 63, 64, 65, 130, 7, 9, 20], 7, 1, 64, 16, 64, None),  # nine rows: the many-rows launch, no early tile
 ])
 def test_decode_rotates_and_stores_the_steps_own_kv_as_rope_store_kv_then_attention(monkeypatch, lens, group, hkv,
                                                                                     d, block_size, partition,
