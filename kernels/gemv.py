@@ -59,13 +59,13 @@ class GemvConfig:
 # A dot tile splits K until it has that many programs an SM; a one-row tile runs all of K in a program, and its
 # grid is that many programs an SM walking the output blocks in turn (0: one program a block). The one-row
 # tiles come from sweeps on an H200 at Qwen2.5-1.5B's shapes, each in a CUDA graph over cold weights, and from
-# the decode step itself (bench/NOTES.md, probes 20-24): 8 x 512 for lm_head (the dot kernel's 32 x 256 ties it); a program a block
-# for qkv, o_proj and down (4 x 2048 with 4 warps: 8 warps cost down ~2 µs a layer in the step); gate_up with
-# SwiGLU 1 x 2048 at 16 programs an SM. Small matrices do not walk: alone a walking grid times as fast, but in
-# the step it loads less before it waits on the kernel before it (kernels/pdl.py), and the step was ~25 µs
-# slower. A register cap changes how ptxas schedules the loads: down_proj's 4 x 2048 tile at a cap of 168
-# compiled to 159 registers, not its own 133, and ran 9.4-9.6 -> 8.1-8.2 µs (probe 24), with 3 programs an SM
-# either way.
+# the decode step itself (bench/NOTES.md, probes 20-25): 8 x 512 for lm_head (the dot kernel's 32 x 256 ties
+# it); a program a block for qkv, o_proj and down (4 x 2048 with 4 warps: 8 warps cost down ~2 µs a layer in the
+# step); gate_up with SwiGLU 1 x 2048 at 16 programs an SM. Small matrices do not walk: alone a walking grid
+# times as fast, but in the step it loads less before it waits on the kernel before it (kernels/pdl.py), and
+# the step was ~25 µs slower. A register cap changes how ptxas schedules the loads: down_proj's 4 x 2048 tile
+# at a cap of 168 compiled to 159 registers, not its own 133, and ran 9.4 -> 8.0 µs, still 3 programs an SM
+# (over 168, 2 an SM: 11.3); o_proj's stopped spilling, 2.85 -> 2.4 (probes 24-25).
 _DOT_TILES = ((64, 128, 4, 2), (32, 256, 4, 2), (128, 128, 8, 2))
 _ONE_ROW_TILES = ((8, 512, 4, 0, 0), (4, 2048, 8, 0, 0), (8, 2048, 8, 0, 0), (1, 2048, 4, 16, 0),
                   (4, 2048, 4, 8, 0), (4, 2048, 4, 8, 168))
