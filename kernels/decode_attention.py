@@ -134,9 +134,9 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, ou
         # EARLY (a few rows, launched with PDL): the split's first K/V tile loads before waiting on the kernel
         # that writes q. No kernel before this one writes this layer's cache, so only the step's own token,
         # stored below, can be stale in it.
-        offs_n = start + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < end
         if EARLY:
+            offs_n = start + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < end
             k_first, v_first = load_kv_tile(k_cache, v_cache, block_table_row, offs_n, n_mask, kv_head, stride_cb,
                                             stride_ch, stride_cs, block_size, offs_d, d_mask)
         if NEW_KV:
