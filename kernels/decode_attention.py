@@ -8,6 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.arrivals import arrival_counters, last_to_arrive
 from kernels.attention_tile import attend_range, attend_tile, load_kv_tile
 from kernels.kv_store import check_cache_layout, check_new_kv, rope_store_kv_ref
 from kernels.pdl import pdl_enabled, pdl_launch
@@ -41,6 +42,7 @@ _COMBINE_TILE = 64  # partial elements [heads, splits, head_dim] a combine step 
 # the early tile cost the throughput run 12% (34.5K -> 30.5K tok/s, bench/NOTES.md).
 _FEW_ROWS_KV_HEADS = 8  # rows x KV heads up to which the few-rows launch applies
 _FEW_ROWS_LAUNCH = dict(num_warps=8, num_stages=3)
+_AHEAD = True  # PROBE: the few-rows launch loads each next tile before attending to this one
 _MANY_ROWS_LAUNCH = dict(num_warps=4, num_stages=2)
 
 
@@ -104,7 +106,7 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, ou
                          D_PAD: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr,
                          SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr, SPLIT_GROUP: tl.constexpr,
                          COUNTERS: tl.constexpr, BLOCK_N: tl.constexpr, NEW_KV: tl.constexpr, PDL: tl.constexpr,
-                         EARLY: tl.constexpr):
+                         EARLY: tl.constexpr, AHEAD: tl.constexpr):
     # Program (row, kv head, split): the group of query heads sharing this KV head attends to tokens
     # [split * L, (split + 1) * L) of the row (L = _split_len), so each K/V tile is read once for the group.
     # A row of one used split writes its output here; otherwise the last of its used splits to arrive combines
@@ -172,13 +174,18 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, ou
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
         # The query is the row's last token (position ctx - 1): the mask only cuts the tile's tail past the split.
-        lo = start
-        if EARLY:
-            m_i, l_i, acc = attend_tile(q, k_first, v_first, n_mask[None, :], m_i, l_i, acc, qk_scale, True)
-            lo = start + BLOCK_N
-        m_i, l_i, acc = attend_range(q, tl.full([GROUP_PAD], ctx - 1, tl.int32), m_i, l_i, acc, k_cache, v_cache,
-                                     block_table_row, kv_head, lo, end, stride_cb, stride_ch, stride_cs, block_size,
-                                     offs_d, d_mask, qk_scale, BLOCK_N, True)
+        if EARLY and AHEAD:
+            m_i, l_i, acc = _attend_ahead(q, k_first, v_first, n_mask, m_i, l_i, acc, k_cache, v_cache,
+                                          block_table_row, kv_head, start, end, stride_cb, stride_ch, stride_cs,
+                                          block_size, offs_d, d_mask, qk_scale, BLOCK_N)
+        else:
+            lo = start
+            if EARLY:
+                m_i, l_i, acc = attend_tile(q, k_first, v_first, n_mask[None, :], m_i, l_i, acc, qk_scale, True)
+                lo = start + BLOCK_N
+            m_i, l_i, acc = attend_range(q, tl.full([GROUP_PAD], ctx - 1, tl.int32), m_i, l_i, acc, k_cache,
+                                         v_cache, block_table_row, kv_head, lo, end, stride_cb, stride_ch, stride_cs,
+                                         block_size, offs_d, d_mask, qk_scale, BLOCK_N, True)
         if used <= 1:  # the whole row in this program: no partials, no arrival; context 0 gives 0 / 1
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
@@ -195,7 +202,7 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, ou
             if two_levels:
                 first = split - split % SPLIT_GROUP
                 count = tl.minimum(used - first, SPLIT_GROUP)  # the last group may be short
-                on_top = _last_to_arrive(counters + 1 + split // SPLIT_GROUP, count)
+                on_top = last_to_arrive(counters + 1 + split // SPLIT_GROUP, count)
                 if on_top:
                     _combine_splits(out_ptr, part_acc, part_max, part_sum, b, kv_head, group, num_q_heads, first, 1,
                                     count, num_splits, stride_ob, stride_oh, HEAD_DIM, D_PAD, GROUP_P2, SPLITS_PAD,
@@ -203,22 +210,25 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, ou
             if on_top:
                 step = tl.where(two_levels, SPLIT_GROUP, 1)  # the group partials sit at slots 0, G, 2G, ...
                 top_count = tl.cdiv(used, step)
-                if _last_to_arrive(counters, top_count):
+                if last_to_arrive(counters, top_count):
                     _combine_splits(out_ptr, part_acc, part_max, part_sum, b, kv_head, group, num_q_heads, 0, step,
                                     top_count, num_splits, stride_ob, stride_oh, HEAD_DIM, D_PAD, GROUP_P2,
                                     SPLITS_PAD, CHUNK, False)
 
 
 @triton.jit
-def _last_to_arrive(counter, count):
-    # Every thread's stores come before the one thread's release (a scalar atomic runs on one thread and
-    # broadcasts its result through shared memory behind a barrier, which orders the loads after); acq_rel also
-    # acquires what the earlier arrivers released, so the last one may read their partials.
-    tl.debug_barrier()
-    last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == count - 1
-    if last:
-        tl.store(counter, 0)  # all count have arrived: zero again for the next call (or replay)
-    return last
+def _attend_ahead(q, k, v, n_mask, m_i, l_i, acc, k_cache, v_cache, block_table_row, kv_head, lo, hi, stride_cb,
+                  stride_ch, stride_cs, block_size, offs_d, d_mask, qk_scale, BLOCK_N: tl.constexpr):
+    # Tokens [lo, hi), tile lo's K/V already loaded (k, v under n_mask): each next tile's loads are issued
+    # before this tile's math, so a program always has a tile in flight (the last look-ahead is all masked).
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_next = n0 + BLOCK_N + tl.arange(0, BLOCK_N)
+        next_mask = offs_next < hi
+        k_next, v_next = load_kv_tile(k_cache, v_cache, block_table_row, offs_next, next_mask, kv_head, stride_cb,
+                                      stride_ch, stride_cs, block_size, offs_d, d_mask)
+        m_i, l_i, acc = attend_tile(q, k, v, n_mask[None, :], m_i, l_i, acc, qk_scale, True)
+        k, v, n_mask = k_next, v_next, next_mask
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -274,33 +284,6 @@ def _partition_size(batch: int, num_kv_heads: int, max_context: int) -> int:
     return max(_MIN_PARTITION, triton.next_power_of_2(triton.cdiv(max_context, splits)))
 
 
-# Arrival counters, int32 [rows, kv heads, 1 + _MAX_SPLITS // _SPLIT_GROUP] flattened, one buffer per device:
-# a (row, kv head)'s top counter, then one for each group of its splits (only a row of more than _SPLIT_GROUP
-# splits counts on those; its groups' last arrivers then count on the top one). All are zero between calls: the
-# last arriver on each counter resets it, and a row of one used split touches none. So one zeroed buffer serves
-# every call and every graph replay on the device, given that calls on a device run one at a time (one stream,
-# as the worker runs). It is only grown on an eager call: a capture that needed a new one would bake in its
-# allocation, so it fails instead (the engine and bench.kernels warm each size up eagerly before capturing it,
-# largest first). A grown-out buffer stays alive: graphs captured on it still use it.
-_arrivals: dict[torch.device, torch.Tensor] = {}
-_outgrown: list[torch.Tensor] = []
-
-
-def arrival_counters(device: torch.device, size: int) -> torch.Tensor:
-    """The device's zeroed int32 counters, at least size of them (grown, never shrunk, outside graph capture)."""
-    counters = _arrivals.get(device)
-    if counters is not None and counters.numel() >= size:
-        return counters
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        have = 0 if counters is None else counters.numel()
-        raise RuntimeError(f"decode attention needs {size} arrival counters on {device} but has {have}, and a "
-                           "CUDA graph is being captured: make the same call eagerly before capturing it")
-    if counters is not None:
-        _outgrown.append(counters)
-    _arrivals[device] = torch.zeros(size, dtype=torch.int32, device=device)
-    return _arrivals[device]
-
-
 @dataclass(frozen=True)
 class NewTokenKV:
     """A decode step's own K and V ([B, Hkv, D], views of the qkv output allowed, before RoPE), which the
@@ -345,17 +328,20 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     splits_pad = max(_SPLIT_GROUP, _MAX_SPLITS // _SPLIT_GROUP)  # the most partials one combine takes
     # Splits a combine step takes: from static shapes only, so the kernel compiles once per launch shape.
     chunk = max(1, min(splits_pad, _COMBINE_TILE * 32 * launch["num_warps"] // (group_p2 * d_pad)))
+    # Counters [rows, kv heads, counters]: a (row, kv head)'s top counter, then one for each group of its splits
+    # (only a row of more than _SPLIT_GROUP splits counts on those; its groups' last arrivers then count on the
+    # top one). A row of one used split touches none.
     counters = 1 + _MAX_SPLITS // _SPLIT_GROUP
     new = new_kv or NewTokenKV(q, q, context_lens, q, context_lens)  # placeholders, never read without NEW_KV
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_max, part_sum,
-        arrival_counters(q.device, batch * num_kv_heads * counters), new.k, new.v, new.positions, new.cos_sin,
+        arrival_counters(q.device, batch * num_kv_heads * counters, "decode attention"), new.k, new.v, new.positions, new.cos_sin,
         new.slot_mapping, scale * math.log2(math.e), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), new.k.stride(0),
         new.k.stride(1), new.v.stride(0), new.v.stride(1), block_size, group, num_q_heads, HEAD_DIM=head_dim,
         D_PAD=d_pad, GROUP_PAD=max(16, group_p2), GROUP_P2=group_p2, SPLITS_PAD=splits_pad, CHUNK=chunk,
         SPLIT_GROUP=_SPLIT_GROUP, COUNTERS=counters, BLOCK_N=block_n, NEW_KV=new_kv is not None,
-        PDL=pdl_enabled(q.device), EARLY=few_rows, **launch,
+        PDL=pdl_enabled(q.device), EARLY=few_rows, AHEAD=_AHEAD, **launch,
         **(pdl_launch(q.device) if few_rows else {}))
     return out
 

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda.libdevice import fast_logf
 
+from kernels.arrivals import arrival_counters, last_to_arrive
 from kernels.gemv import num_sms
 
 # splitmix64's constants; tl.constexpr so that the Triton kernel may read them as globals.
@@ -23,6 +24,9 @@ GOLDEN = tl.constexpr(0x9E3779B97F4A7C15)
 MIX1 = tl.constexpr(0xBF58476D1CE4E5B9)
 MIX2 = tl.constexpr(0x94D049BB133111EB)
 _FAST_LOG = os.environ.get("TRITON_INTERPRET") != "1"  # read at import, as triton.jit reads it
+# The chunks of a row one program combines, a constexpr so that every batch size runs one compiled kernel
+# (at 151,936 tokens and 512-wide blocks there are at most 75).
+_MAX_CHUNKS = 128
 
 
 def _i64(c: tl.constexpr) -> int:
@@ -97,23 +101,30 @@ def _neg_log(u, FAST_LOG: tl.constexpr):
 # chunk_len varies with the batch size: specialising on it (a constexpr, or an int Triton marks as divisible
 # by 16) compiled a new kernel for many batch sizes, a ~0.5 s stall in the middle of serving each time.
 @triton.jit(do_not_specialize=["chunk_len"])
-def _gumbel_argmax_kernel(logits_ptr, stride, temps_ptr, seeds_ptr, pos_ptr, best_val_ptr, best_idx_ptr,
-                          vocab, chunk_len, BLOCK: tl.constexpr, FAST_LOG: tl.constexpr):
-    # Program (row, chunk) scans chunk_len columns of one row; the host reduces the chunks' maxima. Every
-    # column's score depends only on its own (row, column), so the result is the same for any chunking or batch.
-    row = tl.program_id(0).to(tl.int64)
+def _gumbel_argmax_kernel(logits_ptr, stride, rows_ptr, temps_ptr, stride_temp, seeds_ptr, stride_seed, pos_ptr,
+                          best_val_ptr, best_idx_ptr, arrivals, out_ptr, last_token_ptr, vocab, chunk_len,
+                          BLOCK: tl.constexpr, MAX_CHUNKS: tl.constexpr, HAS_ROWS: tl.constexpr,
+                          STORE_LAST: tl.constexpr, FAST_LOG: tl.constexpr):
+    # Program (n, chunk) scans chunk_len columns of logits row n; the last of row n's chunks to arrive picks its
+    # token from the chunks' maxima. Every column's score depends only on its own (row, column), so the result
+    # is the same for any chunking or batch. Row n's temperature and seed are those of table row rows[n].
+    n = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    temp = tl.load(temps_ptr + row)
+    chunks = tl.num_programs(1)
+    row = n
+    if HAS_ROWS:
+        row = tl.load(rows_ptr + n).to(tl.int64)
+    temp = tl.load(temps_ptr + row * stride_temp)
     inv_temp = tl.math.div_rn(1.0, temp)  # rounded as the reference's 1 / temp
-    seed = tl.load(seeds_ptr + row).to(tl.uint64, bitcast=True)
-    pos = tl.load(pos_ptr + row).to(tl.uint64, bitcast=True)
+    seed = tl.load(seeds_ptr + row * stride_seed).to(tl.uint64, bitcast=True)
+    pos = tl.load(pos_ptr + n).to(tl.uint64, bitcast=True)
     row_key = _mix64(seed * GOLDEN + pos)
     best_val = tl.full((BLOCK,), float("-inf"), tl.float32)
     best_idx = tl.zeros((BLOCK,), tl.int32)
     for start in range(chunk * chunk_len, chunk * chunk_len + chunk_len, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < vocab
-        score = tl.load(logits_ptr + row * stride + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        score = tl.load(logits_ptr + n * stride + cols, mask=mask, other=float("-inf")).to(tl.float32)
         if temp > 0:  # a greedy row (a decode graph draws every row here) skips the hash: a plain argmax
             z = _mix64(row_key + cols.to(tl.uint64) * GOLDEN)
             u = ((z >> 41).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # as uniform_from_bits
@@ -122,35 +133,58 @@ def _gumbel_argmax_kernel(logits_ptr, stride, temps_ptr, seeds_ptr, pos_ptr, bes
         best_val = tl.where(better, score, best_val)
         best_idx = tl.where(better, cols, best_idx)
     val = tl.max(best_val, axis=0)
-    idx = tl.min(tl.where(best_val == val, best_idx, vocab), axis=0)
-    tl.store(best_val_ptr + row * tl.num_programs(1) + chunk, val)
-    tl.store(best_idx_ptr + row * tl.num_programs(1) + chunk, idx)
+    tl.store(best_val_ptr + n * chunks + chunk, val)
+    tl.store(best_idx_ptr + n * chunks + chunk, tl.min(tl.where(best_val == val, best_idx, vocab), axis=0))
+    if last_to_arrive(arrivals + n, chunks):
+        # The first column of the row's maximum: chunks hold ascending columns, and a chunk with no score above
+        # -inf holds column 0, as does the row then.
+        offs = tl.arange(0, MAX_CHUNKS)
+        vals = tl.load(best_val_ptr + n * chunks + offs, mask=offs < chunks, other=float("-inf"),
+                       cache_modifier=".cg")
+        idxs = tl.load(best_idx_ptr + n * chunks + offs, mask=offs < chunks, other=vocab, cache_modifier=".cg")
+        token = tl.min(tl.where(vals == tl.max(vals, axis=0), idxs, vocab), axis=0).to(tl.int64)
+        tl.store(out_ptr + n, token)
+        if STORE_LAST:
+            tl.store(last_token_ptr + row, token)
 
 
-def gumbel_argmax_triton(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor,
-                         positions: torch.Tensor, block: int = 512, chunks: int | None = None) -> torch.Tensor:
+def gumbel_argmax_triton(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+                         rows: torch.Tensor | None = None, last_token: torch.Tensor | None = None, block: int = 512,
+                         chunks: int | None = None) -> torch.Tensor:
     if logits.stride(-1) != 1:
         raise ValueError(f"gumbel_argmax needs a unit stride on the vocab dim, got {logits.stride()}")
-    rows, vocab = logits.shape
+    n, vocab = logits.shape
     if chunks is None:
         # The 64-bit hash makes this compute-bound: programs enough to fill the card at batch 1, and at least
         # 8 chunks a row at any batch (H200, 151,936 tokens: batch 256 from 181 µs with 2 chunks of 1,024-wide
         # blocks and 4 warps to 153 µs with 8 of 512 and 8 warps; batch 1 11.7 -> 8.6 µs).
-        chunks = max(1, min(triton.cdiv(vocab, 4 * block), max(8, triton.cdiv(2 * num_sms(logits.device), rows))))
+        chunks = max(1, min(triton.cdiv(vocab, 4 * block), max(8, triton.cdiv(2 * num_sms(logits.device), n))))
+    chunks = min(chunks, _MAX_CHUNKS)
     chunk = triton.cdiv(triton.cdiv(vocab, chunks), block) * block
     chunks = triton.cdiv(vocab, chunk)
-    best_val = torch.empty((rows, chunks), dtype=torch.float32, device=logits.device)
-    best_idx = torch.empty((rows, chunks), dtype=torch.int32, device=logits.device)
-    _gumbel_argmax_kernel[(rows, chunks)](logits, logits.stride(0), temps, seeds, positions, best_val, best_idx,
-                                          vocab, chunk, BLOCK=block, num_warps=8,
-                                          FAST_LOG=_FAST_LOG)
-    # argmax returns the first of equal maxima: the earliest chunk, whose column is the earliest.
-    return best_idx.gather(1, best_val.argmax(dim=1, keepdim=True)).squeeze(1).long()
+    best_val = torch.empty((n, chunks), dtype=torch.float32, device=logits.device)
+    best_idx = torch.empty((n, chunks), dtype=torch.int32, device=logits.device)
+    out = torch.empty(n, dtype=torch.int64, device=logits.device)
+    _gumbel_argmax_kernel[(n, chunks)](
+        logits, logits.stride(0), positions if rows is None else rows, temps, temps.stride(0), seeds,
+        seeds.stride(0), positions, best_val, best_idx, arrival_counters(logits.device, n, "gumbel_argmax"), out,
+        out if last_token is None else last_token, vocab, chunk, BLOCK=block, MAX_CHUNKS=_MAX_CHUNKS,
+        HAS_ROWS=rows is not None, STORE_LAST=last_token is not None, num_warps=8, FAST_LOG=_FAST_LOG)
+    return out
 
 
-def gumbel_argmax(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor,
-                  positions: torch.Tensor) -> torch.Tensor:
-    """Token ids [N]: argmax(logits / temps + hashed Gumbel noise) per row, plain argmax where temps <= 0."""
+def gumbel_argmax(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+                  rows: torch.Tensor | None = None, last_token: torch.Tensor | None = None) -> torch.Tensor:
+    """Token ids [N]: argmax(logits[n] / temp + hashed Gumbel noise) per row n, plain argmax where temp <= 0, with
+    temp and seed temps[n] and seeds[n], or temps[rows[n]] and seeds[rows[n]] given rows (the sampler's per-row
+    tables). With last_token (and rows), row n's token is also stored at last_token[rows[n]]."""
+    if last_token is not None and rows is None:
+        raise ValueError("gumbel_argmax stores into last_token[rows[n]]: pass rows with last_token")
     if logits.is_cuda:
-        return gumbel_argmax_triton(logits, temps, seeds, positions)
-    return gumbel_argmax_ref(logits, temps, seeds, positions)
+        return gumbel_argmax_triton(logits, temps, seeds, positions, rows, last_token)
+    if rows is not None:
+        temps, seeds = temps[rows], seeds[rows]
+    out = gumbel_argmax_ref(logits, temps, seeds, positions)
+    if last_token is not None:
+        last_token[rows] = out
+    return out

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+from kernels import arrivals
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from kernels.decode_attention import paged_decode_attention_ref, paged_decode_attention_triton
 from kernels.kv_store import (make_cos_sin, rope_store_kv_ref, rope_store_kv_triton, store_kv_ref,
@@ -216,6 +217,25 @@ def test_gumbel_argmax_triton_matches_reference_for_any_chunking(vocab, block, c
     assert ref[0] == 7 and ref[3] == logits[3].argmax()  # greedy rows: the first of equal maxima
     out = gumbel_argmax_triton(logits, temps, seeds, positions, block=block, chunks=chunks)
     assert torch.equal(out, ref)
+
+
+def test_gumbel_argmax_reads_row_params_through_rows_and_stores_the_last_tokens():
+    # The decode graph's draw: temperatures and seeds from the sampler's [rows, 6] / [rows, 3] tables (strided
+    # columns), each token also stored at last_token[row]; every chunk counter back at zero afterwards.
+    logits, temps, seeds, positions = sampling_rows(6, 1000)
+    rows = torch.tensor([4, 0, 7, 2, 5, 1])
+    floats, ints = torch.zeros(8, 6), torch.zeros(8, 3, dtype=torch.int64)
+    floats[rows, 0], ints[rows, 1] = temps, seeds
+    last_token = torch.full((9,), -1, dtype=torch.int64)
+    out = gumbel_argmax_triton(logits, floats[:, 0], ints[:, 1], positions, rows, last_token, block=128, chunks=3)
+    assert torch.equal(out, gumbel_argmax_ref(logits, temps, seeds, positions))
+    assert torch.equal(last_token[rows], out) and (last_token[[3, 6, 8]] == -1).all()
+    assert not arrivals.arrival_counters(torch.device("cpu"), 6, "test").any()
+    cpu_last = torch.full((9,), -1, dtype=torch.int64)
+    assert torch.equal(kernels.gumbel_argmax(logits, floats[:, 0], ints[:, 1], positions, rows, cpu_last), out)
+    assert torch.equal(cpu_last, last_token)
+    with pytest.raises(ValueError, match="pass rows with last_token"):
+        kernels.gumbel_argmax(logits, temps, seeds, positions, last_token=cpu_last)
 
 
 def test_gumbel_argmax_reference_draws_depend_on_seed_and_position_only():

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import decode_attention, gemv
+from kernels import arrivals, decode_attention, gemv
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from kernels.decode_attention import NewTokenKV, paged_decode_attention_ref, paged_decode_attention_triton
 from kernels.gemv import GemvConfig, candidate_configs, gemv_triton, linear_ref
@@ -158,7 +158,7 @@ def test_decode_combines_each_group_of_splits_then_the_groups(monkeypatch, split
     lens = [40, 0, 64, 9, 80, 100, 128]
     first, second = run_decode(lens, 3, 2, 32, 16, 16, calls=2)
     assert torch.equal(first, second)  # the second call found every group's and row's counter back at zero
-    counters = decode_attention.arrival_counters(torch.device("cpu"), 1)
+    counters = arrivals.arrival_counters(torch.device("cpu"), 1, "test")
     assert counters.numel() >= len(lens) * 2 * (1 + decode_attention._MAX_SPLITS // split_group)
     assert not counters.any()
 
@@ -166,7 +166,7 @@ def test_decode_combines_each_group_of_splits_then_the_groups(monkeypatch, split
 def test_decode_leaves_every_arrival_counter_at_zero():
     # Rows of 0 (padded graph lanes), 1 (one split: no counter), 24 splits of 16, and one split short of that.
     run_decode([0, 1, 380, 0, 366], 3, 2, 32, 16, 16)
-    counters = decode_attention.arrival_counters(torch.device("cpu"), 5 * 2)
+    counters = arrivals.arrival_counters(torch.device("cpu"), 5 * 2, "test")
     assert counters.numel() >= 5 * 2 and not counters.any()
 
 
@@ -177,15 +177,15 @@ def test_decode_twice_gives_the_same_bits():
 
 
 def test_arrival_counters_grow_outside_capture_only(monkeypatch):
-    monkeypatch.setattr(decode_attention, "_arrivals", {})
-    monkeypatch.setattr(decode_attention, "_outgrown", [])
-    small = decode_attention.arrival_counters(torch.device("cpu"), 4)
-    assert decode_attention.arrival_counters(torch.device("cpu"), 3) is small
-    large = decode_attention.arrival_counters(torch.device("cpu"), 9)
-    assert large.numel() == 9 and not large.any() and decode_attention._outgrown == [small]
+    monkeypatch.setattr(arrivals, "_arrivals", {})
+    monkeypatch.setattr(arrivals, "_outgrown", [])
+    small = arrivals.arrival_counters(torch.device("cpu"), 4, "test")
+    assert arrivals.arrival_counters(torch.device("cpu"), 3, "test") is small
+    large = arrivals.arrival_counters(torch.device("cpu"), 9, "test")
+    assert large.numel() == 9 and not large.any() and arrivals._outgrown == [small]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    with pytest.raises(RuntimeError, match="needs 8 arrival counters on cuda:0 but has 0, and a CUDA graph"):
-        decode_attention.arrival_counters(torch.device("cuda", 0), 8)
+    with pytest.raises(RuntimeError, match="decode attention needs 8 arrival counters on cuda:0 but has 0, and a CUDA"):
+        arrivals.arrival_counters(torch.device("cuda", 0), 8, "decode attention")
 
 
 def test_decode_refuses_more_splits_than_the_combine_takes():

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kernels.activation import silu_and_mul, silu_and_mul_ref
-from kernels import decode_attention
+from kernels import arrivals, decode_attention
 from kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
 from kernels.kv_store import make_cos_sin, rope_store_kv, rope_store_kv_ref, store_kv, store_kv_ref
 from kernels.norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
@@ -159,11 +159,11 @@ def test_decode_attention_replays_in_a_cuda_graph_with_new_lengths(split_group, 
     # The combine reads its splits in order whichever program arrives last: a replay equals an eager call bit for
     # bit, and every arrival counter is back at zero after each.
     assert torch.equal(out, paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.1))
-    assert not decode_attention._arrivals[q.device].any()
+    assert not arrivals._arrivals[q.device].any()
 
 
 def test_decode_attention_capture_without_an_eager_call_of_its_size_is_refused(monkeypatch):
-    monkeypatch.setattr(decode_attention, "_arrivals", {})  # as if no eager call had run on this device
+    monkeypatch.setattr(arrivals, "_arrivals", {})  # as if no eager call had run on this device
     k_cache, v_cache, tables = paged_cache([100], width=512 // BLOCK)
     q = torch.randn(1, HQ, D, device="cuda", dtype=BF16)
     ctx = torch.tensor([100], dtype=torch.int32, device="cuda")

@@ -303,8 +303,7 @@ class ModelRunner:
                                  self.decode_cu[:rows.shape[0] + 1])
         hidden = self.model(self.last_token[rows], views["positions"], meta, self.kv_caches[:layers])
         logits = self.model.compute_logits(hidden)
-        drawn = self.sampler.draw(logits, rows, views["sample_pos"])
-        self.last_token[rows] = drawn
+        drawn = self.sampler.draw(logits, rows, views["sample_pos"], self.last_token)
         return logits, drawn
 
     def _prefill_forward(self, views: dict[str, torch.Tensor], layers: int | None = None) -> torch.Tensor:

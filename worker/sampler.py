@@ -159,10 +159,12 @@ class Sampler:
 
     # ---- sampling -----------------------------------------------------------------------------------
 
-    def draw(self, logits: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Each row's token from its temperature and seed alone (argmax at temperature 0), in one kernel that
-        reads only device tables: the part of sampling a decode graph captures."""
-        return gumbel_argmax(logits, self.floats[rows, _TEMP], self.ints[rows, _SEED], positions)
+    def draw(self, logits: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+             last_token: torch.Tensor) -> torch.Tensor:
+        """Each row's token from its temperature and seed alone (argmax at temperature 0), also stored at
+        last_token[row], in one kernel that reads only device tables: the part of sampling a decode graph
+        captures."""
+        return gumbel_argmax(logits, self.floats[:, _TEMP], self.ints[:, _SEED], positions, rows, last_token)
 
     def __call__(self, logits: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
                  rows_host: np.ndarray) -> SamplerOutput:
