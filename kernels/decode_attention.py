@@ -42,7 +42,7 @@ _COMBINE_TILE = 64  # partial elements [heads, splits, head_dim] a combine step 
 # the early tile cost the throughput run 12% (34.5K -> 30.5K tok/s, bench/NOTES.md).
 _FEW_ROWS_KV_HEADS = 8  # rows x KV heads up to which the few-rows launch applies
 _FEW_ROWS_LAUNCH = dict(num_warps=8, num_stages=3)
-_AHEAD = True  # PROBE: the few-rows launch loads each next tile before attending to this one
+_FEW_ROWS_MIN_TILES = 1  # PROBE: tiles a split takes at least in the few-rows launch
 _MANY_ROWS_LAUNCH = dict(num_warps=4, num_stages=2)
 
 
@@ -75,10 +75,10 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 
 @triton.jit
-def _split_len(ctx, num_splits, BLOCK_N: tl.constexpr):
-    # The fewest whole tiles that cover ctx in num_splits splits (never more than the static partition,
-    # which covers the longest possible context in as many splits).
-    return tl.maximum(tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N), 1) * BLOCK_N
+def _split_len(ctx, num_splits, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr):
+    # The fewest whole tiles that cover ctx in num_splits splits, but at least MIN_TILES (so a short context
+    # runs in fewer splits and combines fewer partials, or none).
+    return tl.maximum(tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N), MIN_TILES) * BLOCK_N
 
 
 @triton.jit
@@ -106,7 +106,7 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, ou
                          D_PAD: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr,
                          SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr, SPLIT_GROUP: tl.constexpr,
                          COUNTERS: tl.constexpr, BLOCK_N: tl.constexpr, NEW_KV: tl.constexpr, PDL: tl.constexpr,
-                         EARLY: tl.constexpr, AHEAD: tl.constexpr):
+                         EARLY: tl.constexpr, MIN_TILES: tl.constexpr):
     # Program (row, kv head, split): the group of query heads sharing this KV head attends to tokens
     # [split * L, (split + 1) * L) of the row (L = _split_len), so each K/V tile is read once for the group.
     # A row of one used split writes its output here; otherwise the last of its used splits to arrive combines
@@ -119,7 +119,7 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, ou
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
     ctx = tl.load(context_lens + b)
-    split_len = _split_len(ctx, num_splits, BLOCK_N)
+    split_len = _split_len(ctx, num_splits, BLOCK_N, MIN_TILES)
     used = tl.cdiv(ctx, split_len)  # splits that start before ctx: 0 at context 0
     start = split * split_len
     # A split past the row's length does nothing: no store, no arrival (a graph sized for long contexts
@@ -174,18 +174,14 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, ou
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
         # The query is the row's last token (position ctx - 1): the mask only cuts the tile's tail past the split.
-        if EARLY and AHEAD:
+        if EARLY:
             m_i, l_i, acc = _attend_ahead(q, k_first, v_first, n_mask, m_i, l_i, acc, k_cache, v_cache,
                                           block_table_row, kv_head, start, end, stride_cb, stride_ch, stride_cs,
                                           block_size, offs_d, d_mask, qk_scale, BLOCK_N)
         else:
-            lo = start
-            if EARLY:
-                m_i, l_i, acc = attend_tile(q, k_first, v_first, n_mask[None, :], m_i, l_i, acc, qk_scale, True)
-                lo = start + BLOCK_N
             m_i, l_i, acc = attend_range(q, tl.full([GROUP_PAD], ctx - 1, tl.int32), m_i, l_i, acc, k_cache,
-                                         v_cache, block_table_row, kv_head, lo, end, stride_cb, stride_ch, stride_cs,
-                                         block_size, offs_d, d_mask, qk_scale, BLOCK_N, True)
+                                         v_cache, block_table_row, kv_head, start, end, stride_cb, stride_ch,
+                                         stride_cs, block_size, offs_d, d_mask, qk_scale, BLOCK_N, True)
         if used <= 1:  # the whole row in this program: no partials, no arrival; context 0 gives 0 / 1
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
@@ -341,7 +337,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         new.k.stride(1), new.v.stride(0), new.v.stride(1), block_size, group, num_q_heads, HEAD_DIM=head_dim,
         D_PAD=d_pad, GROUP_PAD=max(16, group_p2), GROUP_P2=group_p2, SPLITS_PAD=splits_pad, CHUNK=chunk,
         SPLIT_GROUP=_SPLIT_GROUP, COUNTERS=counters, BLOCK_N=block_n, NEW_KV=new_kv is not None,
-        PDL=pdl_enabled(q.device), EARLY=few_rows, AHEAD=_AHEAD, **launch,
+        PDL=pdl_enabled(q.device), EARLY=few_rows, MIN_TILES=_FEW_ROWS_MIN_TILES if few_rows else 1, **launch,
         **(pdl_launch(q.device) if few_rows else {}))
     return out
 
