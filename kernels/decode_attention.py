@@ -17,18 +17,22 @@ from kernels.pdl import pdl_enabled, pdl_launch
 # walks its split one tile at a time, latency-bound, so short splits (many programs) win at small batch. The
 # grid's split count comes from static shapes only (a captured graph must fit every length); each row then
 # cuts its *actual* context into that many splits of whole tiles (_split_len), so a short context runs one
-# tile per program instead of a few programs walking a long fixed partition. _MAX_PROGRAMS caps the grid at
+# tile per program instead of a few programs walking a long fixed partition (a floor of 2-8 tiles a split at
+# a few rows was slower wherever it merged splits: at 160 tokens 5.3 -> 6.4-6.8 µs, batch 1 889 -> 877-881 tok/s
+# at prompt 32; probe 28: a serial tile costs more than the combine it saves). _MAX_PROGRAMS caps the grid at
 # about four programs an SM: at batch 256 one split a row beat eight (37.7 vs 52.5 µs a layer at context 512,
 # no partials to write and combine), at batch 128 two beat eight. Rows of mixed length did not change that:
 # on the throughput run's own batches (nano-vllm's recipe at steps 10 to 950) caps of 1024 to 4096, with or
 # without a floor of 256 or 512 tokens a split, were 1-3% slower in sum (the 903dcd1 probe, bench/NOTES.md).
-# _MIN_PARTITION bounds the splits of a long context. A row of more than _SPLIT_GROUP splits combines them as
-# a tree: the last of each group of _SPLIT_GROUP consecutive splits combines the group into one partial, and
-# the last group combines those. One program combining all 128 partials of a 32K row (393 KB of float32 through
-# one SM) took the kernel to 19.1 µs a layer; groups of 16 17.7, of 8 16.9 (4096 tokens: 9.35 one level, 10.3
-# and 9.3; the 629609d probe). A combine takes at most max(_SPLIT_GROUP, _MAX_SPLITS // _SPLIT_GROUP) partials,
-# its tile of maxima and sums (both powers of two).
-_MIN_PARTITION = 256
+# _MAX_SPLITS bounds the splits of a long context; a short max_model_len gets splits down to one tile
+# (_MIN_PARTITION: at 256, four tiles, a 1,024-token row at batch 1 on a 1,153-token grid ran in five splits of
+# four serial tiles, 757 tok/s against 826 on the 32K grid; probe 28). A row of more than _SPLIT_GROUP splits
+# combines them as a tree: the last of each group of _SPLIT_GROUP consecutive splits combines the group into
+# one partial, and the last group combines those. One program combining all 128 partials of a 32K row (393 KB
+# of float32 through one SM) took the kernel to 19.1 µs a layer; groups of 16 17.7, of 8 16.9 (4096 tokens:
+# 9.35 one level, 10.3 and 9.3; the 629609d probe). A combine takes at most max(_SPLIT_GROUP, _MAX_SPLITS //
+# _SPLIT_GROUP) partials, its tile of maxima and sums (both powers of two).
+_MIN_PARTITION = 64
 _MAX_PROGRAMS = 512
 _MAX_SPLITS = 128
 _SPLIT_GROUP = 8
@@ -38,11 +42,11 @@ _COMBINE_TILE = 64  # partial elements [heads, splits, head_dim] a combine step 
 # a layer at 32K, 6.96 -> 5.75 at 512). Many rows fill the SMs with programs: 4 warps, 2 stages (batch 64:
 # 8 warps 31.5 µs, 4 warps 3 stages 23.5, 2 stages 20.9).
 # The few-rows launch also goes with PDL and loads each split's first K/V tile before it waits on qkv (EARLY:
-# batch 1 +2.1%); many rows do neither: the GEMM before them is cuBLAS, which never lets them start early, and
-# the early tile cost the throughput run 12% (34.5K -> 30.5K tok/s, bench/NOTES.md).
+# batch 1 +2.1%), then each next tile before this one's math (_attend_ahead: 32K 682 -> 716 tok/s, probe 27);
+# many rows do neither: the GEMM before them is cuBLAS, which never lets them start early, and the early tile
+# cost the throughput run 12% (34.5K -> 30.5K tok/s, bench/NOTES.md).
 _FEW_ROWS_KV_HEADS = 8  # rows x KV heads up to which the few-rows launch applies
 _FEW_ROWS_LAUNCH = dict(num_warps=8, num_stages=3)
-_FEW_ROWS_MIN_TILES = 1  # PROBE: tiles a split takes at least in the few-rows launch
 _MANY_ROWS_LAUNCH = dict(num_warps=4, num_stages=2)
 
 
@@ -75,10 +79,10 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 
 @triton.jit
-def _split_len(ctx, num_splits, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr):
-    # The fewest whole tiles that cover ctx in num_splits splits, but at least MIN_TILES (so a short context
-    # runs in fewer splits and combines fewer partials, or none).
-    return tl.maximum(tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N), MIN_TILES) * BLOCK_N
+def _split_len(ctx, num_splits, BLOCK_N: tl.constexpr):
+    # The fewest whole tiles that cover ctx in num_splits splits (never more than the static partition,
+    # which covers the longest possible context in as many splits).
+    return tl.maximum(tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N), 1) * BLOCK_N
 
 
 @triton.jit
@@ -106,7 +110,7 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, ou
                          D_PAD: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr,
                          SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr, SPLIT_GROUP: tl.constexpr,
                          COUNTERS: tl.constexpr, BLOCK_N: tl.constexpr, NEW_KV: tl.constexpr, PDL: tl.constexpr,
-                         EARLY: tl.constexpr, MIN_TILES: tl.constexpr):
+                         EARLY: tl.constexpr):
     # Program (row, kv head, split): the group of query heads sharing this KV head attends to tokens
     # [split * L, (split + 1) * L) of the row (L = _split_len), so each K/V tile is read once for the group.
     # A row of one used split writes its output here; otherwise the last of its used splits to arrive combines
@@ -119,7 +123,7 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, ou
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
     ctx = tl.load(context_lens + b)
-    split_len = _split_len(ctx, num_splits, BLOCK_N, MIN_TILES)
+    split_len = _split_len(ctx, num_splits, BLOCK_N)
     used = tl.cdiv(ctx, split_len)  # splits that start before ctx: 0 at context 0
     start = split * split_len
     # A split past the row's length does nothing: no store, no arrival (a graph sized for long contexts
@@ -331,13 +335,14 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     new = new_kv or NewTokenKV(q, q, context_lens, q, context_lens)  # placeholders, never read without NEW_KV
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_max, part_sum,
-        arrival_counters(q.device, batch * num_kv_heads * counters, "decode attention"), new.k, new.v, new.positions, new.cos_sin,
-        new.slot_mapping, scale * math.log2(math.e), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), new.k.stride(0),
-        new.k.stride(1), new.v.stride(0), new.v.stride(1), block_size, group, num_q_heads, HEAD_DIM=head_dim,
+        arrival_counters(q.device, batch * num_kv_heads * counters, "decode attention"), new.k, new.v,
+        new.positions, new.cos_sin, new.slot_mapping, scale * math.log2(math.e), q.stride(0), q.stride(1),
+        out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        new.k.stride(0), new.k.stride(1), new.v.stride(0), new.v.stride(1), block_size, group, num_q_heads,
+        HEAD_DIM=head_dim,
         D_PAD=d_pad, GROUP_PAD=max(16, group_p2), GROUP_P2=group_p2, SPLITS_PAD=splits_pad, CHUNK=chunk,
         SPLIT_GROUP=_SPLIT_GROUP, COUNTERS=counters, BLOCK_N=block_n, NEW_KV=new_kv is not None,
-        PDL=pdl_enabled(q.device), EARLY=few_rows, MIN_TILES=_FEW_ROWS_MIN_TILES if few_rows else 1, **launch,
+        PDL=pdl_enabled(q.device), EARLY=few_rows, **launch,
         **(pdl_launch(q.device) if few_rows else {}))
     return out
 

@@ -188,6 +188,14 @@ def test_arrival_counters_grow_outside_capture_only(monkeypatch):
         arrivals.arrival_counters(torch.device("cuda", 0), 8, "decode attention")
 
 
+def test_decode_grid_splits_a_short_max_model_len_down_to_one_tile():
+    # Batch 1 on a 1,168-token grid: splits of one 64-token tile, as on the 32K grid (splits of 256 there: the
+    # most the combine takes); many rows keep one split a row.
+    assert decode_attention._partition_size(1, 2, 1168) == decode_attention._BLOCK_N
+    assert decode_attention._partition_size(1, 2, 32768) == 32768 // decode_attention._MAX_SPLITS
+    assert decode_attention._partition_size(256, 2, 2048) == 2048
+
+
 def test_decode_refuses_more_splits_than_the_combine_takes():
     k_cache, v_cache, tables = paged_cache([2100], 1, 16, 128)
     q = torch.randn(1, 2, 16)
