@@ -42,7 +42,7 @@ _COMBINE_TILE = 64  # partial elements [heads, splits, head_dim] a combine step 
 # a layer at 32K, 6.96 -> 5.75 at 512). Many rows fill the SMs with programs: 4 warps, 2 stages (batch 64:
 # 8 warps 31.5 µs, 4 warps 3 stages 23.5, 2 stages 20.9).
 # The few-rows launch also goes with PDL and loads each split's first K/V tile before it waits on qkv (EARLY:
-# batch 1 +2.1%), then each next tile before this one's math (_attend_ahead: 32K 682 -> 716 tok/s, probe 27);
+# batch 1 +2.1%), then each next tile before this one's math (_attend_ahead: ~-50 µs a step at 32K, probe 27);
 # many rows do neither: the GEMM before them is cuBLAS, which never lets them start early, and the early tile
 # cost the throughput run 12% (34.5K -> 30.5K tok/s, bench/NOTES.md).
 _FEW_ROWS_KV_HEADS = 8  # rows x KV heads up to which the few-rows launch applies

@@ -165,6 +165,7 @@ def gumbel_argmax_triton(logits: torch.Tensor, temps: torch.Tensor, seeds: torch
     best_val = torch.empty((n, chunks), dtype=torch.float32, device=logits.device)
     best_idx = torch.empty((n, chunks), dtype=torch.int32, device=logits.device)
     out = torch.empty(n, dtype=torch.int64, device=logits.device)
+    # Without rows or last_token the kernel never reads those pointers: positions and out stand in.
     _gumbel_argmax_kernel[(n, chunks)](
         logits, logits.stride(0), positions if rows is None else rows, temps, temps.stride(0), seeds,
         seeds.stride(0), positions, best_val, best_idx, arrival_counters(logits.device, n, "gumbel_argmax"), out,
