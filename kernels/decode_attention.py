@@ -20,18 +20,19 @@ from kernels.pdl import pdl_enabled, pdl_launch
 # tile per program instead of a few programs walking a long fixed partition (a floor of 2-8 tiles a split at
 # a few rows was slower wherever it merged splits: at 160 tokens 5.3 -> 6.4-6.8 µs, batch 1 889 -> 877-881 tok/s
 # at prompt 32; probe 28: a serial tile costs more than the combine it saves). _MAX_PROGRAMS caps the grid at
-# about four programs an SM: at batch 256 one split a row beat eight (37.7 vs 52.5 µs a layer at context 512,
-# no partials to write and combine), at batch 128 two beat eight. Rows of mixed length did not change that:
-# on the throughput run's own batches (nano-vllm's recipe at steps 10 to 950) caps of 1024 to 4096, with or
-# without a floor of 256 or 512 tokens a split, were 1-3% slower in sum (the 903dcd1 probe, bench/NOTES.md).
+# about four programs an SM (the many-rows launch's 4-warp programs): at batch 256 one split a row beat eight
+# (37.7 vs 52.5 µs a layer at context 512, no partials to write and combine), at batch 128 two beat eight.
+# Rows of mixed length did not change that: on the throughput run's own batches (nano-vllm's recipe at steps
+# 10 to 950) caps of 1024 to 4096, with or without a floor of 256 or 512 tokens a split, were 1-3% slower in
+# sum (the 903dcd1 probe, bench/NOTES.md).
 # _MAX_SPLITS bounds the splits of a long context; a short max_model_len gets splits down to one tile
 # (_MIN_PARTITION: at 256, four tiles, a 1,024-token row at batch 1 on a 1,153-token grid ran in five splits of
 # four serial tiles, 757 tok/s against 826 on the 32K grid; probe 28). A row of more than _SPLIT_GROUP splits
 # combines them as a tree: the last of each group of _SPLIT_GROUP consecutive splits combines the group into
 # one partial, and the last group combines those. One program combining all 128 partials of a 32K row (393 KB
 # of float32 through one SM) took the kernel to 19.1 µs a layer; groups of 16 17.7, of 8 16.9 (4096 tokens:
-# 9.35 one level, 10.3 and 9.3; the 629609d probe). A combine takes at most max(_SPLIT_GROUP, _MAX_SPLITS //
-# _SPLIT_GROUP) partials, its tile of maxima and sums (both powers of two).
+# 9.35 one level, 10.3 and 9.3; the 629609d probe). The top of a tree takes at most _MAX_SPLITS // _SPLIT_GROUP
+# partials, any other combine _SPLIT_GROUP: its tile of maxima and sums (both powers of two).
 _MIN_PARTITION = 64
 _MAX_PROGRAMS = 512
 _MAX_SPLITS = 128
@@ -46,6 +47,9 @@ _COMBINE_TILE = 64  # partial elements [heads, splits, head_dim] a combine step 
 # many rows do neither: the GEMM before them is cuBLAS, which never lets them start early, and the early tile
 # cost the throughput run 12% (34.5K -> 30.5K tok/s, bench/NOTES.md).
 _FEW_ROWS_KV_HEADS = 8  # rows x KV heads up to which the few-rows launch applies
+# Its 8-warp programs run two an SM: 512 of them are two waves. 256 (one wave): 2 x 8192 tokens 18.1 -> 12.9 µs,
+# 4 x 8192 22.9 -> 17.4; batch 1 is bound by _MAX_SPLITS first (probe 30).
+_FEW_ROWS_MAX_PROGRAMS = 256
 _FEW_ROWS_LAUNCH = dict(num_warps=8, num_stages=3)
 _MANY_ROWS_LAUNCH = dict(num_warps=4, num_stages=2)
 
@@ -108,7 +112,8 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, ou
                          stride_ob, stride_oh, stride_cb, stride_ch, stride_cs, stride_bt, stride_kb, stride_kh,
                          stride_vb, stride_vh, block_size, group, num_q_heads, HEAD_DIM: tl.constexpr,
                          D_PAD: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr,
-                         SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr, SPLIT_GROUP: tl.constexpr,
+                         TOP_PAD: tl.constexpr, TOP_CHUNK: tl.constexpr, GROUP_CHUNK: tl.constexpr,
+                         SPLIT_GROUP: tl.constexpr,
                          COUNTERS: tl.constexpr, BLOCK_N: tl.constexpr, NEW_KV: tl.constexpr, PDL: tl.constexpr,
                          EARLY: tl.constexpr):
     # Program (row, kv head, split): the group of query heads sharing this KV head attends to tokens
@@ -205,15 +210,21 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, ou
                 on_top = last_to_arrive(counters + 1 + split // SPLIT_GROUP, count)
                 if on_top:
                     _combine_splits(out_ptr, part_acc, part_max, part_sum, b, kv_head, group, num_q_heads, first, 1,
-                                    count, num_splits, stride_ob, stride_oh, HEAD_DIM, D_PAD, GROUP_P2, SPLITS_PAD,
-                                    CHUNK, True)
+                                    count, num_splits, stride_ob, stride_oh, HEAD_DIM, D_PAD, GROUP_P2, SPLIT_GROUP,
+                                    GROUP_CHUNK, True)
+            # The top combine's tile fits what it takes: a two-level tree's group partials (at slots 0, G, 2G, ...),
+            # else at most SPLIT_GROUP splits (a tile sized for the former made the latter ~0.5 µs slower: probe 30).
             if on_top:
-                step = tl.where(two_levels, SPLIT_GROUP, 1)  # the group partials sit at slots 0, G, 2G, ...
-                top_count = tl.cdiv(used, step)
-                if last_to_arrive(counters, top_count):
-                    _combine_splits(out_ptr, part_acc, part_max, part_sum, b, kv_head, group, num_q_heads, 0, step,
-                                    top_count, num_splits, stride_ob, stride_oh, HEAD_DIM, D_PAD, GROUP_P2,
-                                    SPLITS_PAD, CHUNK, False)
+                if two_levels:
+                    top_count = tl.cdiv(used, SPLIT_GROUP)
+                    if last_to_arrive(counters, top_count):
+                        _combine_splits(out_ptr, part_acc, part_max, part_sum, b, kv_head, group, num_q_heads, 0,
+                                        SPLIT_GROUP, top_count, num_splits, stride_ob, stride_oh, HEAD_DIM, D_PAD,
+                                        GROUP_P2, TOP_PAD, TOP_CHUNK, False)
+                elif last_to_arrive(counters, used):
+                    _combine_splits(out_ptr, part_acc, part_max, part_sum, b, kv_head, group, num_q_heads, 0, 1, used,
+                                    num_splits, stride_ob, stride_oh, HEAD_DIM, D_PAD, GROUP_P2, SPLIT_GROUP,
+                                    GROUP_CHUNK, False)
 
 
 @triton.jit
@@ -280,7 +291,8 @@ def _combine_splits(out_ptr, part_acc, part_max, part_sum, b, kv_head, group, nu
 
 def _partition_size(batch: int, num_kv_heads: int, max_context: int) -> int:
     """Tokens per split at the longest context, from static shapes only: it sets the grid's split count."""
-    splits = max(1, min(_MAX_SPLITS, _MAX_PROGRAMS // max(1, batch * num_kv_heads)))
+    programs = _FEW_ROWS_MAX_PROGRAMS if batch * num_kv_heads <= _FEW_ROWS_KV_HEADS else _MAX_PROGRAMS
+    splits = max(1, min(_MAX_SPLITS, programs // max(1, batch * num_kv_heads)))
     return max(_MIN_PARTITION, triton.next_power_of_2(triton.cdiv(max_context, splits)))
 
 
@@ -325,9 +337,10 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     group_p2 = triton.next_power_of_2(group)  # the combine's heads: no tl.dot there, so no padding to 16
     few_rows = batch * num_kv_heads <= _FEW_ROWS_KV_HEADS
     launch = _FEW_ROWS_LAUNCH if few_rows else _MANY_ROWS_LAUNCH
-    splits_pad = max(_SPLIT_GROUP, _MAX_SPLITS // _SPLIT_GROUP)  # the most partials one combine takes
+    top_pad = max(_SPLIT_GROUP, _MAX_SPLITS // _SPLIT_GROUP)  # the most partials the top of a tree takes
     # Splits a combine step takes: from static shapes only, so the kernel compiles once per launch shape.
-    chunk = max(1, min(splits_pad, _COMBINE_TILE * 32 * launch["num_warps"] // (group_p2 * d_pad)))
+    per_step = _COMBINE_TILE * 32 * launch["num_warps"] // (group_p2 * d_pad)
+    top_chunk, group_chunk = (max(1, min(pad, per_step)) for pad in (top_pad, _SPLIT_GROUP))
     # Counters [rows, kv heads, counters]: a (row, kv head)'s top counter, then one for each group of its splits
     # (only a row of more than _SPLIT_GROUP splits counts on those; its groups' last arrivers then count on the
     # top one). A row of one used split touches none.
@@ -340,7 +353,8 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         new.k.stride(0), new.k.stride(1), new.v.stride(0), new.v.stride(1), block_size, group, num_q_heads,
         HEAD_DIM=head_dim,
-        D_PAD=d_pad, GROUP_PAD=max(16, group_p2), GROUP_P2=group_p2, SPLITS_PAD=splits_pad, CHUNK=chunk,
+        D_PAD=d_pad, GROUP_PAD=max(16, group_p2), GROUP_P2=group_p2, TOP_PAD=top_pad, TOP_CHUNK=top_chunk,
+        GROUP_CHUNK=group_chunk,
         SPLIT_GROUP=_SPLIT_GROUP, COUNTERS=counters, BLOCK_N=block_n, NEW_KV=new_kv is not None,
         PDL=pdl_enabled(q.device), EARLY=few_rows, **launch,
         **(pdl_launch(q.device) if few_rows else {}))

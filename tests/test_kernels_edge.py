@@ -193,6 +193,8 @@ def test_decode_grid_splits_a_short_max_model_len_down_to_one_tile():
     # most the combine takes); many rows keep one split a row.
     assert decode_attention._partition_size(1, 2, 1168) == decode_attention._BLOCK_N
     assert decode_attention._partition_size(1, 2, 32768) == 32768 // decode_attention._MAX_SPLITS
+    # A few rows fill one wave of the few-rows launch's programs: batch 2 x 2 KV heads x 64 splits of 512.
+    assert decode_attention._partition_size(2, 2, 32768) == 32768 * 4 // decode_attention._FEW_ROWS_MAX_PROGRAMS
     assert decode_attention._partition_size(256, 2, 2048) == 2048
 
 
