@@ -32,7 +32,7 @@ from kernels.pdl import pdl_enabled, pdl_launch
 # one partial, and the last group combines those. One program combining all 128 partials of a 32K row (393 KB
 # of float32 through one SM) took the kernel to 19.1 µs a layer; groups of 16 17.7, of 8 16.9 (4096 tokens:
 # 9.35 one level, 10.3 and 9.3; the 629609d probe). The top of a tree takes at most _MAX_SPLITS // _SPLIT_GROUP
-# partials, any other combine _SPLIT_GROUP: its tile of maxima and sums (both powers of two).
+# partials, any other combine _SPLIT_GROUP: the size of its tile of maxima and sums (powers of two).
 _MIN_PARTITION = 64
 _MAX_PROGRAMS = 512
 _MAX_SPLITS = 128
@@ -112,7 +112,8 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, ou
                          stride_ob, stride_oh, stride_cb, stride_ch, stride_cs, stride_bt, stride_kb, stride_kh,
                          stride_vb, stride_vh, block_size, group, num_q_heads, HEAD_DIM: tl.constexpr,
                          D_PAD: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr,
-                         TOP_PAD: tl.constexpr, TOP_CHUNK: tl.constexpr, GROUP_CHUNK: tl.constexpr,
+                         TOP_PAD: tl.constexpr, TOP_CHUNK: tl.constexpr, GROUP_PAD_C: tl.constexpr,
+                         GROUP_CHUNK: tl.constexpr,
                          SPLIT_GROUP: tl.constexpr,
                          COUNTERS: tl.constexpr, BLOCK_N: tl.constexpr, NEW_KV: tl.constexpr, PDL: tl.constexpr,
                          EARLY: tl.constexpr):
@@ -210,21 +211,30 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, ou
                 on_top = last_to_arrive(counters + 1 + split // SPLIT_GROUP, count)
                 if on_top:
                     _combine_splits(out_ptr, part_acc, part_max, part_sum, b, kv_head, group, num_q_heads, first, 1,
-                                    count, num_splits, stride_ob, stride_oh, HEAD_DIM, D_PAD, GROUP_P2, SPLIT_GROUP,
+                                    count, num_splits, stride_ob, stride_oh, HEAD_DIM, D_PAD, GROUP_P2, GROUP_PAD_C,
                                     GROUP_CHUNK, True)
-            # The top combine's tile fits what it takes: a two-level tree's group partials (at slots 0, G, 2G, ...),
-            # else at most SPLIT_GROUP splits (a tile sized for the former made the latter ~0.5 µs slower: probe 30).
             if on_top:
-                if two_levels:
-                    top_count = tl.cdiv(used, SPLIT_GROUP)
+                if EARLY:
+                    # A few rows: the top combine's tile fits what it takes, a two-level tree's group partials (at
+                    # slots 0, G, 2G, ...) or at most SPLIT_GROUP splits (one tile for both made the latter ~0.5 µs
+                    # slower, probe 30; many rows keep one: a third combine in their kernel cost throughput 1.3%).
+                    if two_levels:
+                        top_count = tl.cdiv(used, SPLIT_GROUP)
+                        if last_to_arrive(counters, top_count):
+                            _combine_splits(out_ptr, part_acc, part_max, part_sum, b, kv_head, group, num_q_heads, 0,
+                                            SPLIT_GROUP, top_count, num_splits, stride_ob, stride_oh, HEAD_DIM, D_PAD,
+                                            GROUP_P2, TOP_PAD, TOP_CHUNK, False)
+                    elif last_to_arrive(counters, used):
+                        _combine_splits(out_ptr, part_acc, part_max, part_sum, b, kv_head, group, num_q_heads, 0, 1,
+                                        used, num_splits, stride_ob, stride_oh, HEAD_DIM, D_PAD, GROUP_P2, GROUP_PAD_C,
+                                        GROUP_CHUNK, False)
+                else:
+                    step = tl.where(two_levels, SPLIT_GROUP, 1)  # the group partials sit at slots 0, G, 2G, ...
+                    top_count = tl.cdiv(used, step)
                     if last_to_arrive(counters, top_count):
-                        _combine_splits(out_ptr, part_acc, part_max, part_sum, b, kv_head, group, num_q_heads, 0,
-                                        SPLIT_GROUP, top_count, num_splits, stride_ob, stride_oh, HEAD_DIM, D_PAD,
-                                        GROUP_P2, TOP_PAD, TOP_CHUNK, False)
-                elif last_to_arrive(counters, used):
-                    _combine_splits(out_ptr, part_acc, part_max, part_sum, b, kv_head, group, num_q_heads, 0, 1, used,
-                                    num_splits, stride_ob, stride_oh, HEAD_DIM, D_PAD, GROUP_P2, SPLIT_GROUP,
-                                    GROUP_CHUNK, False)
+                        _combine_splits(out_ptr, part_acc, part_max, part_sum, b, kv_head, group, num_q_heads, 0, step,
+                                        top_count, num_splits, stride_ob, stride_oh, HEAD_DIM, D_PAD, GROUP_P2,
+                                        TOP_PAD, TOP_CHUNK, False)
 
 
 @triton.jit
@@ -338,9 +348,10 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     few_rows = batch * num_kv_heads <= _FEW_ROWS_KV_HEADS
     launch = _FEW_ROWS_LAUNCH if few_rows else _MANY_ROWS_LAUNCH
     top_pad = max(_SPLIT_GROUP, _MAX_SPLITS // _SPLIT_GROUP)  # the most partials the top of a tree takes
+    group_pad = _SPLIT_GROUP if few_rows else top_pad  # the tile of any other combine (see the kernel)
     # Splits a combine step takes: from static shapes only, so the kernel compiles once per launch shape.
     per_step = _COMBINE_TILE * 32 * launch["num_warps"] // (group_p2 * d_pad)
-    top_chunk, group_chunk = (max(1, min(pad, per_step)) for pad in (top_pad, _SPLIT_GROUP))
+    top_chunk, group_chunk = (max(1, min(pad, per_step)) for pad in (top_pad, group_pad))
     # Counters [rows, kv heads, counters]: a (row, kv head)'s top counter, then one for each group of its splits
     # (only a row of more than _SPLIT_GROUP splits counts on those; its groups' last arrivers then count on the
     # top one). A row of one used split touches none.
@@ -354,7 +365,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         new.k.stride(0), new.k.stride(1), new.v.stride(0), new.v.stride(1), block_size, group, num_q_heads,
         HEAD_DIM=head_dim,
         D_PAD=d_pad, GROUP_PAD=max(16, group_p2), GROUP_P2=group_p2, TOP_PAD=top_pad, TOP_CHUNK=top_chunk,
-        GROUP_CHUNK=group_chunk,
+        GROUP_PAD_C=group_pad, GROUP_CHUNK=group_chunk,
         SPLIT_GROUP=_SPLIT_GROUP, COUNTERS=counters, BLOCK_N=block_n, NEW_KV=new_kv is not None,
         PDL=pdl_enabled(q.device), EARLY=few_rows, **launch,
         **(pdl_launch(q.device) if few_rows else {}))
