@@ -112,9 +112,8 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, ou
                          stride_ob, stride_oh, stride_cb, stride_ch, stride_cs, stride_bt, stride_kb, stride_kh,
                          stride_vb, stride_vh, block_size, group, num_q_heads, HEAD_DIM: tl.constexpr,
                          D_PAD: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr,
-                         TOP_PAD: tl.constexpr, TOP_CHUNK: tl.constexpr, GROUP_PAD_C: tl.constexpr,
-                         GROUP_CHUNK: tl.constexpr,
-                         SPLIT_GROUP: tl.constexpr,
+                         TOP_PAD: tl.constexpr, TOP_CHUNK: tl.constexpr, LEAF_PAD: tl.constexpr,
+                         LEAF_CHUNK: tl.constexpr, SPLIT_GROUP: tl.constexpr,
                          COUNTERS: tl.constexpr, BLOCK_N: tl.constexpr, NEW_KV: tl.constexpr, PDL: tl.constexpr,
                          EARLY: tl.constexpr):
     # Program (row, kv head, split): the group of query heads sharing this KV head attends to tokens
@@ -211,8 +210,8 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, ou
                 on_top = last_to_arrive(counters + 1 + split // SPLIT_GROUP, count)
                 if on_top:
                     _combine_splits(out_ptr, part_acc, part_max, part_sum, b, kv_head, group, num_q_heads, first, 1,
-                                    count, num_splits, stride_ob, stride_oh, HEAD_DIM, D_PAD, GROUP_P2, GROUP_PAD_C,
-                                    GROUP_CHUNK, True)
+                                    count, num_splits, stride_ob, stride_oh, HEAD_DIM, D_PAD, GROUP_P2, LEAF_PAD,
+                                    LEAF_CHUNK, True)
             if on_top:
                 if EARLY:
                     # A few rows: the top combine's tile fits what it takes, a two-level tree's group partials (at
@@ -226,8 +225,8 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, ou
                                             GROUP_P2, TOP_PAD, TOP_CHUNK, False)
                     elif last_to_arrive(counters, used):
                         _combine_splits(out_ptr, part_acc, part_max, part_sum, b, kv_head, group, num_q_heads, 0, 1,
-                                        used, num_splits, stride_ob, stride_oh, HEAD_DIM, D_PAD, GROUP_P2, GROUP_PAD_C,
-                                        GROUP_CHUNK, False)
+                                        used, num_splits, stride_ob, stride_oh, HEAD_DIM, D_PAD, GROUP_P2, LEAF_PAD,
+                                        LEAF_CHUNK, False)
                 else:
                     step = tl.where(two_levels, SPLIT_GROUP, 1)  # the group partials sit at slots 0, G, 2G, ...
                     top_count = tl.cdiv(used, step)
@@ -348,10 +347,10 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     few_rows = batch * num_kv_heads <= _FEW_ROWS_KV_HEADS
     launch = _FEW_ROWS_LAUNCH if few_rows else _MANY_ROWS_LAUNCH
     top_pad = max(_SPLIT_GROUP, _MAX_SPLITS // _SPLIT_GROUP)  # the most partials the top of a tree takes
-    group_pad = _SPLIT_GROUP if few_rows else top_pad  # the tile of any other combine (see the kernel)
+    leaf_pad = _SPLIT_GROUP if few_rows else top_pad  # any other combine's (the kernel says why)
     # Splits a combine step takes: from static shapes only, so the kernel compiles once per launch shape.
     per_step = _COMBINE_TILE * 32 * launch["num_warps"] // (group_p2 * d_pad)
-    top_chunk, group_chunk = (max(1, min(pad, per_step)) for pad in (top_pad, group_pad))
+    top_chunk, leaf_chunk = (max(1, min(pad, per_step)) for pad in (top_pad, leaf_pad))
     # Counters [rows, kv heads, counters]: a (row, kv head)'s top counter, then one for each group of its splits
     # (only a row of more than _SPLIT_GROUP splits counts on those; its groups' last arrivers then count on the
     # top one). A row of one used split touches none.
@@ -363,11 +362,9 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         new.positions, new.cos_sin, new.slot_mapping, scale * math.log2(math.e), q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         new.k.stride(0), new.k.stride(1), new.v.stride(0), new.v.stride(1), block_size, group, num_q_heads,
-        HEAD_DIM=head_dim,
-        D_PAD=d_pad, GROUP_PAD=max(16, group_p2), GROUP_P2=group_p2, TOP_PAD=top_pad, TOP_CHUNK=top_chunk,
-        GROUP_PAD_C=group_pad, GROUP_CHUNK=group_chunk,
-        SPLIT_GROUP=_SPLIT_GROUP, COUNTERS=counters, BLOCK_N=block_n, NEW_KV=new_kv is not None,
-        PDL=pdl_enabled(q.device), EARLY=few_rows, **launch,
+        HEAD_DIM=head_dim, D_PAD=d_pad, GROUP_PAD=max(16, group_p2), GROUP_P2=group_p2, TOP_PAD=top_pad,
+        TOP_CHUNK=top_chunk, LEAF_PAD=leaf_pad, LEAF_CHUNK=leaf_chunk, SPLIT_GROUP=_SPLIT_GROUP, COUNTERS=counters,
+        BLOCK_N=block_n, NEW_KV=new_kv is not None, PDL=pdl_enabled(q.device), EARLY=few_rows, **launch,
         **(pdl_launch(q.device) if few_rows else {}))
     return out
 
