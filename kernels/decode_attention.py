@@ -51,6 +51,11 @@ _FEW_ROWS_KV_HEADS = 8  # rows x KV heads up to which the few-rows launch applie
 # 4 x 8192 22.9 -> 17.4; batch 1 is bound by _MAX_SPLITS first (probe 30).
 _FEW_ROWS_MAX_PROGRAMS = 256
 _FEW_ROWS_LAUNCH = dict(num_warps=8, num_stages=3)
+# A few rows combine up to 32 splits in one level, not a tree: a level costs its dependent round trips (partials
+# stored, the arrival, partials read back), not its bytes. Batch 1 at 1,024 tokens (16 splits) 7.35 -> 5.3 µs, at
+# 2,048 (32) 7.9 -> 6.7, 4 x 640 7.9 -> 5.9; prompt 1024 850 -> 878 tok/s (probe 32). Many rows keep
+# _SPLIT_GROUP: their kernel compiles from the same code as before (a change there cost the throughput run).
+_FEW_ROWS_ONE_LEVEL = 32
 _MANY_ROWS_LAUNCH = dict(num_warps=4, num_stages=2)
 
 
@@ -113,14 +118,15 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, ou
                          stride_vb, stride_vh, block_size, group, num_q_heads, HEAD_DIM: tl.constexpr,
                          D_PAD: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr,
                          TOP_PAD: tl.constexpr, TOP_CHUNK: tl.constexpr, LEAF_PAD: tl.constexpr,
-                         LEAF_CHUNK: tl.constexpr, SPLIT_GROUP: tl.constexpr,
+                         LEAF_CHUNK: tl.constexpr, ONE_LEVEL: tl.constexpr, ONE_CHUNK: tl.constexpr,
+                         SPLIT_GROUP: tl.constexpr,
                          COUNTERS: tl.constexpr, BLOCK_N: tl.constexpr, NEW_KV: tl.constexpr, PDL: tl.constexpr,
                          EARLY: tl.constexpr):
     # Program (row, kv head, split): the group of query heads sharing this KV head attends to tokens
     # [split * L, (split + 1) * L) of the row (L = _split_len), so each K/V tile is read once for the group.
     # A row of one used split writes its output here; otherwise the last of its used splits to arrive combines
-    # them (no second kernel: at batch 1 its launch cost more than its work), or past SPLIT_GROUP splits the last
-    # of each group combines the group and the last group combines the groups.
+    # them (no second kernel: at batch 1 its launch cost more than its work), or past ONE_LEVEL splits the last
+    # of each group of SPLIT_GROUP combines the group and the last group combines the groups.
     if PDL:  # o_proj's GEMV may start loading its weights (kernels/pdl.py)
         tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
@@ -202,7 +208,7 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, ou
             tl.store(part_acc + part[:, None] * HEAD_DIM + offs_d[None, :], acc,
                      mask=g_mask[:, None] & d_mask[None, :])
             counters = arrivals + (b * tl.num_programs(1) + kv_head) * COUNTERS  # [top, group 0, group 1, ...]
-            two_levels = used > SPLIT_GROUP
+            two_levels = used > ONE_LEVEL
             on_top = used > 1  # one level: every split arrives on the top counter; two: each group's last does
             if two_levels:
                 first = split - split % SPLIT_GROUP
@@ -215,8 +221,8 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, ou
             if on_top:
                 if EARLY:
                     # A few rows: the top combine's tile fits what it takes, a two-level tree's group partials (at
-                    # slots 0, G, 2G, ...) or at most SPLIT_GROUP splits (one tile for both made the latter ~0.5 µs
-                    # slower, probe 30; many rows keep one: a third combine in their kernel cost throughput 1.3%).
+                    # slots 0, G, 2G, ...) or a row's up to ONE_LEVEL splits (many rows keep one tile: a third
+                    # combine in their kernel cost throughput 1.3%).
                     if two_levels:
                         top_count = tl.cdiv(used, SPLIT_GROUP)
                         if last_to_arrive(counters, top_count):
@@ -224,9 +230,14 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, ou
                                             SPLIT_GROUP, top_count, num_splits, stride_ob, stride_oh, HEAD_DIM, D_PAD,
                                             GROUP_P2, TOP_PAD, TOP_CHUNK, False)
                     elif last_to_arrive(counters, used):
-                        _combine_splits(out_ptr, part_acc, part_max, part_sum, b, kv_head, group, num_q_heads, 0, 1,
-                                        used, num_splits, stride_ob, stride_oh, HEAD_DIM, D_PAD, GROUP_P2, LEAF_PAD,
-                                        LEAF_CHUNK, False)
+                        if used <= SPLIT_GROUP:  # the smaller tile: ~0.5 µs less at a few splits (probe 30)
+                            _combine_splits(out_ptr, part_acc, part_max, part_sum, b, kv_head, group, num_q_heads, 0, 1,
+                                            used, num_splits, stride_ob, stride_oh, HEAD_DIM, D_PAD, GROUP_P2, LEAF_PAD,
+                                            LEAF_CHUNK, False)
+                        else:
+                            _combine_splits(out_ptr, part_acc, part_max, part_sum, b, kv_head, group, num_q_heads, 0, 1,
+                                            used, num_splits, stride_ob, stride_oh, HEAD_DIM, D_PAD, GROUP_P2, ONE_LEVEL,
+                                            ONE_CHUNK, False)
                 else:
                     step = tl.where(two_levels, SPLIT_GROUP, 1)  # the group partials sit at slots 0, G, 2G, ...
                     top_count = tl.cdiv(used, step)
@@ -350,10 +361,11 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     leaf_pad = _SPLIT_GROUP if few_rows else top_pad  # any other combine's (the kernel says why)
     # Splits a combine step takes: from static shapes only, so the kernel compiles once per launch shape.
     per_step = _COMBINE_TILE * 32 * launch["num_warps"] // (group_p2 * d_pad)
-    top_chunk, leaf_chunk = (max(1, min(pad, per_step)) for pad in (top_pad, leaf_pad))
+    one_level = _FEW_ROWS_ONE_LEVEL if few_rows else _SPLIT_GROUP
+    top_chunk, leaf_chunk, one_chunk = (max(1, min(pad, per_step)) for pad in (top_pad, leaf_pad, one_level))
     # Counters [rows, kv heads, counters]: a (row, kv head)'s top counter, then one for each group of its splits
-    # (only a row of more than _SPLIT_GROUP splits counts on those; its groups' last arrivers then count on the
-    # top one). A row of one used split touches none.
+    # (only a row of more than one_level splits counts on those; its groups' last arrivers then count on the top
+    # one). A row of one used split touches none.
     counters = 1 + _MAX_SPLITS // _SPLIT_GROUP
     new = new_kv or NewTokenKV(q, q, context_lens, q, context_lens)  # placeholders, never read without NEW_KV
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
@@ -363,7 +375,8 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         new.k.stride(0), new.k.stride(1), new.v.stride(0), new.v.stride(1), block_size, group, num_q_heads,
         HEAD_DIM=head_dim, D_PAD=d_pad, GROUP_PAD=max(16, group_p2), GROUP_P2=group_p2, TOP_PAD=top_pad,
-        TOP_CHUNK=top_chunk, LEAF_PAD=leaf_pad, LEAF_CHUNK=leaf_chunk, SPLIT_GROUP=_SPLIT_GROUP, COUNTERS=counters,
+        TOP_CHUNK=top_chunk, LEAF_PAD=leaf_pad, LEAF_CHUNK=leaf_chunk, ONE_LEVEL=one_level,
+        ONE_CHUNK=one_chunk, SPLIT_GROUP=_SPLIT_GROUP, COUNTERS=counters,
         BLOCK_N=block_n, NEW_KV=new_kv is not None, PDL=pdl_enabled(q.device), EARLY=few_rows, **launch,
         **(pdl_launch(q.device) if few_rows else {}))
     return out

@@ -80,8 +80,9 @@ def run_decode(lens: list[int], group: int, hkv: int, d: int, block_size: int, p
 def test_decode_rotates_and_stores_the_steps_own_kv_as_rope_store_kv_then_attention(monkeypatch, lens, group, hkv,
                                                                                     d, block_size, partition,
                                                                                     split_group):
-    if split_group:
+    if split_group:  # a tree past split_group splits, at a few rows too
         monkeypatch.setattr(decode_attention, "_SPLIT_GROUP", split_group)
+        monkeypatch.setattr(decode_attention, "_FEW_ROWS_ONE_LEVEL", split_group)
     k_cache, v_cache, tables = paged_cache(lens, hkv, d, block_size)
     batch, hq = len(lens), group * hkv
     qkv = torch.randn(batch, (hq + 2 * hkv) * d + 3)  # q, k, v are strided views of one row, as in the model
@@ -154,8 +155,20 @@ def test_decode_combine_takes_its_splits_in_steps_of_any_size(monkeypatch, tile)
 def test_decode_combines_each_group_of_splits_then_the_groups(monkeypatch, split_group):
     # Splits of 16 tokens: rows using 3, 0, 4, 1, 5, 7 and 8 of them. Groups of 4: one level at 3 and 4, a last
     # group of one at 5, of three at 7, two whole groups at 8; groups of 2: a last group of one at 3, 5 and 7.
+    # Seven rows x 2 KV heads: the many-rows launch, whose one level ends at split_group.
     monkeypatch.setattr(decode_attention, "_SPLIT_GROUP", split_group)
-    lens = [40, 0, 64, 9, 80, 100, 128]
+    run_decode_twice_in_splits_of_16([40, 0, 64, 9, 80, 100, 128], split_group)
+
+
+def test_decode_at_a_few_rows_combines_up_to_its_one_level_limit_at_once_then_as_a_tree(monkeypatch):
+    # Four rows x 2 KV heads (the few-rows launch), splits of 16 tokens, groups of 2, one level up to 4: rows
+    # using 2 splits (the small tile), 3 and 4 (one level, the wide tile), 7 (a tree: three groups of 2 and one).
+    monkeypatch.setattr(decode_attention, "_SPLIT_GROUP", 2)
+    monkeypatch.setattr(decode_attention, "_FEW_ROWS_ONE_LEVEL", 4)
+    run_decode_twice_in_splits_of_16([20, 40, 64, 100], 2)
+
+
+def run_decode_twice_in_splits_of_16(lens: list[int], split_group: int) -> None:
     first, second = run_decode(lens, 3, 2, 32, 16, 16, calls=2)
     assert torch.equal(first, second)  # the second call found every group's and row's counter back at zero
     counters = arrivals.arrival_counters(torch.device("cpu"), 1, "test")

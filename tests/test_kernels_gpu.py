@@ -143,9 +143,12 @@ def test_decode_attention_rotating_and_storing_the_steps_kv_bf16(lens):
     assert_close_rel(k_cache, k_ref) and torch.equal(v_cache.float(), v_ref)
 
 
-@pytest.mark.parametrize("split_group", [16, 4], ids=["one-level", "tree"])
-def test_decode_attention_replays_in_a_cuda_graph_with_new_lengths(split_group, monkeypatch):
-    monkeypatch.setattr(decode_attention, "_SPLIT_GROUP", split_group)  # 4: 4096 tokens in 4 groups of 4 splits
+@pytest.mark.parametrize("one_level", [32, 4], ids=["one-level", "tree"])
+def test_decode_attention_replays_in_a_cuda_graph_with_new_lengths(one_level, monkeypatch):
+    # 4 rows x 2 KV heads (the few-rows launch): 32 splits of 128 in the grid; 4096 tokens take all 32, 3000 24,
+    # 100 two. One level up to 32, or a tree of groups of 4 past 4 (4096: 8 groups, the top takes their 8).
+    monkeypatch.setattr(decode_attention, "_SPLIT_GROUP", 4)
+    monkeypatch.setattr(decode_attention, "_FEW_ROWS_ONE_LEVEL", one_level)
     k_cache, v_cache, tables = paged_cache([4096] * 4, width=4096 // BLOCK)
     q = torch.randn(4, HQ, D, device="cuda", dtype=BF16)
     ctx = torch.tensor([4096, 1, 100, 0], dtype=torch.int32, device="cuda")
