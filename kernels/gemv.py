@@ -53,7 +53,6 @@ class GemvConfig:
     one_row: bool = False  # _gemv_row_kernel: x must have exactly one row; all of K in a program (split_k 1)
     per_sm: int = 0  # one_row: programs an SM, each walking output blocks in turn; 0: a program a block
     max_regs: int = 0  # the register cap ptxas compiles the kernel with (maxnreg); 0: ptxas's own choice
-    ahead: int = 1  # one_row, K in one tile: the blocks a program has in flight beyond the one it sums (1 or 2)
 
 
 # Candidate tiles: (block_n, block_k, num_warps, programs per SM), and a one-row tile's register cap (0: none).
@@ -187,7 +186,7 @@ def _gemv_kernel(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, w_ptr, bias_ptr, out_p
 def _gemv_row_kernel(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, w_ptr, bias_ptr, out_ptr, N, K, k_tiles, eps,
                      stride_xk, stride_wn, stride_wk, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                      HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, WHOLE_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, PDL: tl.constexpr, AHEAD: tl.constexpr):
+                     BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     # x[0] times W, all of K a block of BLOCK_N output rows. Program p takes blocks p, p + G, ... (G programs: one
     # a block, or a few an SM) and walks their K tiles as one loop, loading the next tile, the next block's
     # first one included, while it multiplies this one. Over several K tiles the products are summed per
@@ -198,8 +197,6 @@ def _gemv_row_kernel(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, w_ptr, bias_ptr, o
         tl.extra.cuda.gdc_launch_dependents()
     total = tl.cdiv(tl.cdiv(N, BLOCK_N) - pid, num_programs) * k_tiles
     w, w_up = _load_w_tiles(w_ptr, pid, 0, N, K, stride_wn, stride_wk, SWIGLU, BLOCK_N, BLOCK_K)
-    if WHOLE_K and AHEAD == 2:
-        w1, w_up1 = _load_w_tiles(w_ptr, pid + num_programs, 0, N, K, stride_wn, stride_wk, SWIGLU, BLOCK_N, BLOCK_K)
     if PDL:
         tl.extra.cuda.gdc_wait()
     if WHOLE_K:  # x's one tile serves every block; a block's sums are whole at once, nothing carried over
@@ -209,15 +206,11 @@ def _gemv_row_kernel(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, w_ptr, bias_ptr, o
         x = x.to(tl.float32)[None, :]
         sumsq = tl.zeros([1], dtype=tl.float32) + tl.sum(sq, axis=0)
         for i in range(total):
-            w_next, w_up_next = _load_w_tiles(w_ptr, pid + (i + AHEAD) * num_programs, 0, N, K, stride_wn,
-                                              stride_wk, SWIGLU, BLOCK_N, BLOCK_K)
+            w_next, w_up_next = _load_w_tiles(w_ptr, pid + (i + 1) * num_programs, 0, N, K, stride_wn, stride_wk,
+                                              SWIGLU, BLOCK_N, BLOCK_K)
             _store_block(tl.sum(w.to(tl.float32) * x, axis=1), tl.sum(w_up.to(tl.float32) * x, axis=1), sumsq,
                          out_ptr, bias_ptr, pid + i * num_programs, N, K, eps, NORM, HAS_BIAS, SWIGLU, BLOCK_N)
-            if AHEAD == 2:
-                w, w_up = w1, w_up1
-                w1, w_up1 = w_next, w_up_next
-            else:
-                w, w_up = w_next, w_up_next
+            w, w_up = w_next, w_up_next
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -337,7 +330,7 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, config: G
         blocks, k_tiles = triton.cdiv(n_out, cfg.block_n), triton.cdiv(k, cfg.block_k)
         grid = min(blocks, cfg.per_sm * num_sms(x.device)) if cfg.per_sm else blocks
         _gemv_row_kernel[(grid,)](*pointers, n_out, k, k_tiles, eps, x.stride(1), w.stride(0), w.stride(1),
-                                  WHOLE_K=k_tiles == 1, AHEAD=cfg.ahead, **meta, **pdl_launch(x.device))
+                                  WHOLE_K=k_tiles == 1, **meta, **pdl_launch(x.device))
     else:
         grid = (triton.cdiv(n_out, cfg.block_n), cfg.split_k, triton.cdiv(m, BLOCK_M))
         k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
