@@ -208,9 +208,8 @@ def _gemv_row_kernel(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, w_ptr, bias_ptr, o
         for i in range(total):
             w_next, w_up_next = _load_w_tiles(w_ptr, pid + (i + 1) * num_programs, 0, N, K, stride_wn, stride_wk,
                                               SWIGLU, BLOCK_N, BLOCK_K)
-            sums, sums_up = _row_sums(w.to(tl.float32) * x, w_up.to(tl.float32) * x, SWIGLU)
-            _store_block(sums, sums_up, sumsq, out_ptr, bias_ptr, pid + i * num_programs, N, K, eps, NORM, HAS_BIAS,
-                         SWIGLU, BLOCK_N)
+            _store_block(tl.sum(w.to(tl.float32) * x, axis=1), tl.sum(w_up.to(tl.float32) * x, axis=1), sumsq,
+                         out_ptr, bias_ptr, pid + i * num_programs, N, K, eps, NORM, HAS_BIAS, SWIGLU, BLOCK_N)
             w, w_up = w_next, w_up_next
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -231,24 +230,12 @@ def _gemv_row_kernel(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, w_ptr, bias_ptr, o
                 sq_acc += sq
             w, w_up = w_next, w_up_next
             if k_tile == k_tiles - 1:  # the block's sums hold all of K
-                sums, sums_up = _row_sums(acc, acc_up, SWIGLU)
-                _store_block(sums, sums_up, tl.zeros([1], dtype=tl.float32) + tl.sum(sq_acc, axis=0), out_ptr,
-                             bias_ptr, pid + i // k_tiles * num_programs, N, K, eps, NORM, HAS_BIAS, SWIGLU, BLOCK_N)
+                _store_block(tl.sum(acc, axis=1), tl.sum(acc_up, axis=1),
+                             tl.zeros([1], dtype=tl.float32) + tl.sum(sq_acc, axis=0), out_ptr, bias_ptr,
+                             pid + i // k_tiles * num_programs, N, K, eps, NORM, HAS_BIAS, SWIGLU, BLOCK_N)
                 acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
                 acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
                 sq_acc = tl.zeros([BLOCK_K], dtype=tl.float32)
-
-
-@triton.jit
-def _row_sums(prod, prod_up, SWIGLU: tl.constexpr):
-    # Sums over K of a block's products [BLOCK_N, BLOCK_K]; under SWIGLU the up rows' too, in the same reduction:
-    # half the barriers of two (the reduction's latency, not DRAM, bounds the loop: probe 34).
-    if SWIGLU:
-        sums, sums_up = tl.split(tl.sum(tl.join(prod, prod_up), axis=1))
-    else:
-        sums = tl.sum(prod, axis=1)
-        sums_up = sums
-    return sums, sums_up
 
 
 @triton.jit
