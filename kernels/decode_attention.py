@@ -127,7 +127,7 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, ou
     # A row of one used split writes its output here; otherwise the last of its used splits to arrive combines
     # them (no second kernel: at batch 1 its launch cost more than its work), or past ONE_LEVEL splits the last
     # of each group of SPLIT_GROUP combines the group and the last group combines the groups.
-    if PDL:  # o_proj's GEMV may start loading its weights (kernels/pdl.py)
+    if PDL and not EARLY:  # o_proj's GEMV may start loading its weights (kernels/pdl.py)
         tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -162,6 +162,11 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, ou
             slot = tl.load(slot_mapping + b).to(tl.int64)
         if PDL:
             tl.extra.cuda.gdc_wait()
+            if EARLY:
+                # Only now may o_proj start: launched at this kernel's start, o_proj's and gate_up's weight loads
+                # ran beside this step's short attention and slowed it (a 32-token one took ~6 µs in the step, 2.5
+                # alone; probe 36). Idle splits never get here: exiting lets o_proj start too.
+                tl.extra.cuda.gdc_launch_dependents()
         q = tl.load(q_rows + offs_d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
         if NEW_KV:
             # The step's own token: q is rotated here, and the split holding position ctx - 1 rotates and stores
