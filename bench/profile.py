@@ -6,7 +6,10 @@ On the CPU (tests) it lists torch ops by their own CPU time instead.
 
 Each batch size gets its own rows: prompts of --context random tokens, prefilled in chunks of
 max_num_batched_tokens, then --steps decode steps profiled after --warmup unprofiled ones. A kernel's
-microseconds are its total over the profiled steps divided by the step count.
+microseconds are its total over the profiled steps divided by the step count. On the GPU each decode batch also
+gets its critical path: each kernel's share of the step, end(k) - end(k - 1) in launch order, which counts what
+the kernel does to the ones beside it (under PDL a kernel starts before the one before it ends, and its
+duration is no longer its cost).
 """
 from __future__ import annotations
 
@@ -97,6 +100,41 @@ def kernel_table(prof, steps: int, top: int) -> tuple[list[dict], float]:
     return rows, total
 
 
+def critical_path(kernels: list[tuple[str, float, float]], steps: int, layers: int) -> list[dict]:
+    """The kernels of `steps` identical steps, (name, start µs, end µs) in launch order, by their share of a
+    step's critical path: end(k) - end(k - 1), the step's first kernel its duration. A name met c x `layers`
+    times a step (c > 1) is told apart by its place in a layer, "name #1" to "name #c". Largest share first."""
+    per_step = len(kernels) // steps
+    if per_step == 0 or per_step * steps != len(kernels):
+        raise ValueError(f"{len(kernels)} kernels are not {steps} steps of the same kernels: profile graph "
+                         "replays of one batch size only")
+    counts: dict[str, int] = defaultdict(int)
+    for name, _, _ in kernels[:per_step]:
+        counts[name] += 1
+    rows: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])  # share, duration, calls
+    for first in range(0, len(kernels), per_step):
+        seen: dict[str, int] = defaultdict(int)
+        prev_end = kernels[first][1]
+        for name, start, end in kernels[first:first + per_step]:
+            per_layer = counts[name] // layers if counts[name] % layers == 0 else 1
+            label = f"{name} #{seen[name] % per_layer + 1}" if per_layer > 1 else name
+            seen[name] += 1
+            row = rows[label]
+            row[0] += end - prev_end
+            row[1] += end - start
+            row[2] += 1
+            prev_end = end
+    ranked = sorted(rows.items(), key=lambda kv: -kv[1][0])
+    return [{"kernel": label[:80], "calls_per_step": calls / steps, "share_us_per_step": share / steps,
+             "us_per_step": duration / steps} for label, (share, duration, calls) in ranked]
+
+
+def device_kernels(prof) -> list[tuple[str, float, float]]:
+    """The profiled device kernels and copies as (name, start µs, end µs), in launch order."""
+    return sorted(((e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type.name == "CUDA"), key=lambda k: k[1])
+
+
 def profiled(fn, steps: int, cuda: bool):
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -110,20 +148,32 @@ def profiled(fn, steps: int, cuda: bool):
     return prof
 
 
-def decode_table(driver: Driver, args: argparse.Namespace, cuda: bool) -> tuple[list[dict], float, str]:
-    """The kernels of --steps decode steps as served; run eagerly when the profiler cannot see inside graphs."""
-    def table() -> tuple[list[dict], float]:
-        return kernel_table(profiled(driver.decode, args.steps, cuda), args.steps, args.top)
+def decode_table(driver: Driver, args: argparse.Namespace,
+                 cuda: bool) -> tuple[list[dict], float, str, list[dict] | str | None]:
+    """The kernels of --steps decode steps as served, and on the GPU their critical path (or why there is none);
+    run eagerly when the profiler cannot see inside graphs."""
+    def tables() -> tuple[list[dict], float, list[dict] | str | None]:
+        prof = profiled(driver.decode, args.steps, cuda)
+        kernels, total = kernel_table(prof, args.steps, args.top)
+        if not cuda:
+            return kernels, total, None
+        try:
+            path = critical_path(device_kernels(prof), args.steps, driver.runner.model_config.num_hidden_layers)
+        except ValueError as e:  # steps that differ: the kernel table still stands
+            path = str(e)
+        return kernels, total, path
 
     runner = driver.runner
     try:
-        return (*table(), "graphs" if runner.graphs is not None else "eager")
+        kernels, total, path = tables()
+        return kernels, total, "graphs" if runner.graphs is not None else "eager", path
     except RuntimeError:
         if runner.graphs is None:
             raise
     graphs, runner.graphs = runner.graphs, None
     try:
-        return (*table(), "eager: graph replays were invisible to the profiler")
+        kernels, total, path = tables()
+        return kernels, total, "eager: graph replays were invisible to the profiler", path
     finally:
         runner.graphs = graphs
 
@@ -160,11 +210,14 @@ def main(argv: list[str] | None = None) -> int:
         driver.start_rows(prompts, params, args.warmup + args.steps, config.max_num_batched_tokens)
         for _ in range(args.warmup):
             driver.decode()
-        kernels, total, mode = decode_table(driver, args, cuda)
+        kernels, total, mode, path = decode_table(driver, args, cuda)
         print_table(f"decode ({mode}), batch {batch}, temperature {temperature}: {total:.0f} us of kernels a step",
                     kernels)
+        if isinstance(path, list):
+            print_table(f"critical path, batch {batch}: {sum(r['share_us_per_step'] for r in path):.0f} us a step",
+                        path)
         numbers["decode"].append({"batch": batch, "temperature": temperature, "mode": mode,
-                                  "kernel_us_per_step": total, "kernels": kernels})
+                                  "kernel_us_per_step": total, "kernels": kernels, "critical_path": path})
     # One step's worth of whole prompts (at least one), as a throughput run's prefill steps are.
     rows = max(1, min(config.max_num_seqs, config.max_num_batched_tokens // args.context))
     prompts = [random_ids(rng, args.context, vocab) for _ in range(rows)]

@@ -13,6 +13,7 @@ from transformers import Qwen2ForCausalLM
 
 from bench import common
 from bench.common import param_count, roofline
+from bench.profile import critical_path
 from bench.hf import hf_config
 from protocol.model_config import config_from_dir, short_model
 
@@ -72,6 +73,25 @@ def test_profile_lists_the_kernels_of_decode_steps_per_batch_and_of_a_prefill_st
     assert set(numbers["startup"]) == {"weights_s", "kv_cache_s", "graph_capture_s", "prefill_capture_s",
                                        "graph_warmup_s", "recapture_s"}
     assert numbers["startup"]["recapture_s"] is None  # no graphs on the CPU
+
+
+def test_critical_path_gives_each_kernel_its_end_less_the_one_befores_and_names_a_layers_repeats():
+    # Two steps of two layers, each layer G, D, G (a GEMV twice, attention once): the second G starts before D
+    # ends (PDL), so its share is less than its duration.
+    def step(t0: float) -> list[tuple[str, float, float]]:
+        kernels, t = [("embed", t0, t0 + 2)], t0 + 2
+        for _ in range(2):
+            kernels += [("G", t, t + 3), ("D", t + 3, t + 8), ("G", t + 6, t + 10)]
+            t += 10
+        return kernels
+    rows = {r["kernel"]: r for r in critical_path(step(0) + step(100), steps=2, layers=2)}
+    assert set(rows) == {"embed", "G #1", "G #2", "D"}
+    assert rows["G #2"]["share_us_per_step"] == 2 * 2 and rows["G #2"]["us_per_step"] == 2 * 4
+    assert rows["D"]["share_us_per_step"] == 2 * 5 and rows["G #1"]["share_us_per_step"] == 2 * 3
+    assert rows["embed"]["share_us_per_step"] == 2 and rows["D"]["calls_per_step"] == 2
+    assert sum(r["share_us_per_step"] for r in rows.values()) == 22  # the step's span, end to end
+    with pytest.raises(ValueError, match="9 kernels are not 2 steps of the same kernels"):
+        critical_path(step(0) + step(100)[:2], steps=2, layers=2)
 
 
 def test_startup_places_the_workers_marks_on_the_launchs_timeline(tiny_ckpt, tmp_path):
