@@ -12,6 +12,7 @@ from kernels.arrivals import arrival_counters, last_to_arrive
 from kernels.attention_tile import attend_range, attend_tile, load_kv_tile
 from kernels.kv_store import check_cache_layout, check_new_kv, rope_store_kv_ref
 from kernels.pdl import pdl_enabled, pdl_launch
+from kernels.split_combine import combine_splits
 
 # Split-K sizing, measured on an H200 at Qwen2.5-1.5B shapes (bench/NOTES.md, the 987288b probe): a program
 # walks its split one tile at a time, latency-bound, so short splits (many programs) win at small batch. The
@@ -220,9 +221,9 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, ou
                 count = tl.minimum(used - first, SPLIT_GROUP)  # the last group may be short
                 on_top = last_to_arrive(counters + 1 + split // SPLIT_GROUP, count)
                 if on_top:
-                    _combine_splits(out_ptr, part_acc, part_max, part_sum, b, kv_head, group, num_q_heads, first, 1,
-                                    count, num_splits, stride_ob, stride_oh, HEAD_DIM, D_PAD, GROUP_P2, LEAF_PAD,
-                                    LEAF_CHUNK, True)
+                    combine_splits(out_ptr, part_acc, part_max, part_sum, b, kv_head, group, num_q_heads, first, 1,
+                                   count, num_splits, stride_ob, stride_oh, HEAD_DIM, D_PAD, GROUP_P2, LEAF_PAD,
+                                   LEAF_CHUNK, True)
             if on_top:
                 if EARLY:
                     # A few rows: the top combine's tile fits what it takes, a two-level tree's group partials (at
@@ -231,25 +232,25 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, ou
                     if two_levels:
                         top_count = tl.cdiv(used, SPLIT_GROUP)
                         if last_to_arrive(counters, top_count):
-                            _combine_splits(out_ptr, part_acc, part_max, part_sum, b, kv_head, group, num_q_heads, 0,
-                                            SPLIT_GROUP, top_count, num_splits, stride_ob, stride_oh, HEAD_DIM, D_PAD,
-                                            GROUP_P2, TOP_PAD, TOP_CHUNK, False)
+                            combine_splits(out_ptr, part_acc, part_max, part_sum, b, kv_head, group, num_q_heads, 0,
+                                           SPLIT_GROUP, top_count, num_splits, stride_ob, stride_oh, HEAD_DIM, D_PAD,
+                                           GROUP_P2, TOP_PAD, TOP_CHUNK, False)
                     elif last_to_arrive(counters, used):
                         if used <= SPLIT_GROUP:  # the smaller tile: ~0.5 µs less at a few splits (probe 30)
-                            _combine_splits(out_ptr, part_acc, part_max, part_sum, b, kv_head, group, num_q_heads, 0, 1,
-                                            used, num_splits, stride_ob, stride_oh, HEAD_DIM, D_PAD, GROUP_P2, LEAF_PAD,
-                                            LEAF_CHUNK, False)
+                            combine_splits(out_ptr, part_acc, part_max, part_sum, b, kv_head, group, num_q_heads, 0, 1,
+                                           used, num_splits, stride_ob, stride_oh, HEAD_DIM, D_PAD, GROUP_P2, LEAF_PAD,
+                                           LEAF_CHUNK, False)
                         else:
-                            _combine_splits(out_ptr, part_acc, part_max, part_sum, b, kv_head, group, num_q_heads, 0, 1,
-                                            used, num_splits, stride_ob, stride_oh, HEAD_DIM, D_PAD, GROUP_P2, ONE_LEVEL,
-                                            ONE_CHUNK, False)
+                            combine_splits(out_ptr, part_acc, part_max, part_sum, b, kv_head, group, num_q_heads, 0, 1,
+                                           used, num_splits, stride_ob, stride_oh, HEAD_DIM, D_PAD, GROUP_P2, ONE_LEVEL,
+                                           ONE_CHUNK, False)
                 else:
                     step = tl.where(two_levels, SPLIT_GROUP, 1)  # the group partials sit at slots 0, G, 2G, ...
                     top_count = tl.cdiv(used, step)
                     if last_to_arrive(counters, top_count):
-                        _combine_splits(out_ptr, part_acc, part_max, part_sum, b, kv_head, group, num_q_heads, 0, step,
-                                        top_count, num_splits, stride_ob, stride_oh, HEAD_DIM, D_PAD, GROUP_P2,
-                                        TOP_PAD, TOP_CHUNK, False)
+                        combine_splits(out_ptr, part_acc, part_max, part_sum, b, kv_head, group, num_q_heads, 0, step,
+                                       top_count, num_splits, stride_ob, stride_oh, HEAD_DIM, D_PAD, GROUP_P2,
+                                       TOP_PAD, TOP_CHUNK, False)
 
 
 @triton.jit
@@ -265,53 +266,6 @@ def _attend_ahead(q, k, v, n_mask, m_i, l_i, acc, k_cache, v_cache, block_table_
         m_i, l_i, acc = attend_tile(q, k, v, n_mask[None, :], m_i, l_i, acc, qk_scale, True)
         k, v, n_mask = k_next, v_next, next_mask
     return m_i, l_i, acc
-
-
-@triton.jit
-def _combine_splits(out_ptr, part_acc, part_max, part_sum, b, kv_head, group, num_q_heads, first, step, count,
-                    num_splits, stride_ob, stride_oh, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                    GROUP_P2: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr, TO_PARTIAL: tl.constexpr):
-    # The count partials at slots first, first + step, ... of the KV head's query heads, by log-sum-exp (base 2,
-    # as the partials), always in slot order whoever runs it, so a result does not depend on which program came
-    # last. Normalised into out_ptr, or (TO_PARTIAL) left as a partial of the same form in slot first. Loads are
-    # .cg (L2, not L1): other SMs wrote these partials during this launch, and an L1 line filled earlier here
-    # could hold a stale copy.
-    offs_g = tl.arange(0, GROUP_P2)
-    offs_s = tl.arange(0, SPLITS_PAD)
-    offs_d = tl.arange(0, D_PAD)
-    heads = kv_head * group + offs_g
-    g_mask = offs_g < group
-    d_mask = offs_d < HEAD_DIM
-    rows = (b * num_q_heads + heads).to(tl.int64) * num_splits + first  # [GROUP_P2]: a head's slot first
-    gs_mask = g_mask[:, None] & (offs_s < count)[None, :]
-    m = tl.load(part_max + rows[:, None] + offs_s[None, :] * step, mask=gs_mask, other=float("-inf"),
-                cache_modifier=".cg")
-    m_all = tl.max(m, axis=1)
-    m_all = tl.where(m_all == float("-inf"), 0.0, m_all)  # padded heads: avoid -inf - -inf
-    weight = tl.where(gs_mask, tl.exp2(m - m_all[:, None]), 0.0)
-    l = tl.load(part_sum + rows[:, None] + offs_s[None, :] * step, mask=gs_mask, other=0.0, cache_modifier=".cg")
-    total = tl.sum(l * weight, axis=1)
-    acc = tl.zeros([GROUP_P2, D_PAD], tl.float32)
-    for s0 in range(0, count, CHUNK):  # [heads, CHUNK, head_dim] of the accumulators a step
-        offs_c = s0 + tl.arange(0, CHUNK)
-        gc_mask = g_mask[:, None] & (offs_c < count)[None, :]
-        part = rows[:, None] + offs_c[None, :] * step
-        w = tl.where(gc_mask, tl.exp2(tl.load(part_max + part, mask=gc_mask, other=float("-inf"),
-                                              cache_modifier=".cg") - m_all[:, None]), 0.0)
-        a = tl.load(part_acc + part[:, :, None] * HEAD_DIM + offs_d[None, None, :],
-                    mask=gc_mask[:, :, None] & d_mask[None, None, :], other=0.0, cache_modifier=".cg")
-        acc += tl.sum(a * w[:, :, None], axis=1)
-    if TO_PARTIAL:
-        # Slot first is read above and overwritten here: a load replicated in another warp must not see the
-        # new value, so every thread finishes its loads first.
-        tl.debug_barrier()
-        tl.store(part_max + rows, m_all, mask=g_mask)
-        tl.store(part_sum + rows, total, mask=g_mask)
-        tl.store(part_acc + rows[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None] & d_mask[None, :])
-    else:
-        out = acc / tl.where(total > 0, total, 1.0)[:, None]
-        tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
 
 
 def _partition_size(batch: int, num_kv_heads: int, max_context: int) -> int:
