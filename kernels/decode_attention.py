@@ -28,12 +28,13 @@ from kernels.split_combine import combine_splits
 # sum (the 903dcd1 probe, bench/NOTES.md).
 # _MAX_SPLITS bounds the splits of a long context; a short max_model_len gets splits down to one tile
 # (_MIN_PARTITION: at 256, four tiles, a 1,024-token row at batch 1 on a 1,153-token grid ran in five splits of
-# four serial tiles, 757 tok/s against 826 on the 32K grid; probe 28). A row of more than _SPLIT_GROUP splits
-# combines them as a tree: the last of each group of _SPLIT_GROUP consecutive splits combines the group into
-# one partial, and the last group combines those. One program combining all 128 partials of a 32K row (393 KB
-# of float32 through one SM) took the kernel to 19.1 µs a layer; groups of 16 17.7, of 8 16.9 (4096 tokens:
-# 9.35 one level, 10.3 and 9.3; the 629609d probe). The top of a tree takes at most _MAX_SPLITS // _SPLIT_GROUP
-# partials, any other combine _SPLIT_GROUP: the size of its tile of maxima and sums (powers of two).
+# four serial tiles, 757 tok/s against 826 on the 32K grid; probe 28). A row of more splits than one level takes
+# (_SPLIT_GROUP at many rows, _FEW_ROWS_ONE_LEVEL at a few) combines them as a tree: the last of each group of
+# _SPLIT_GROUP consecutive splits combines the group into one partial, and the last group combines those. One
+# program combining all 128 partials of a 32K row (393 KB of float32 through one SM) took the kernel to 19.1 µs a
+# layer; groups of 16 17.7, of 8 16.9 (4096 tokens: 9.35 one level, 10.3 and 9.3; the 629609d probe). The top of a
+# tree takes at most _MAX_SPLITS // _SPLIT_GROUP partials: each combine's tile of maxima and sums is sized to
+# what it takes (powers of two).
 _MIN_PARTITION = 64
 _MAX_PROGRAMS = 512
 _MAX_SPLITS = 128
