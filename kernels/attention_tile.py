@@ -12,16 +12,8 @@ def load_kv_tile(k_cache, v_cache, block_table_row, offs_n, n_mask, kv_head, str
     """K and V of tokens offs_n[BLOCK_N] of one sequence and one KV head, each [BLOCK_N, D_PAD]."""
     # Tokens are gathered one by one through the table, so a tile may span several cache blocks and the
     # tile width does not depend on block_size. Masked-off tokens never read their (maybe padded) table entry.
-    block_ids = tl.load(block_table_row + offs_n // block_size, mask=n_mask, other=0)
-    return load_kv_blocks(k_cache, v_cache, block_ids, offs_n, n_mask, kv_head, stride_cb, stride_ch, stride_cs,
-                          block_size, offs_d, d_mask)
-
-
-@triton.jit
-def load_kv_blocks(k_cache, v_cache, block_ids, offs_n, n_mask, kv_head, stride_cb, stride_ch, stride_cs,
-                   block_size, offs_d, d_mask):
-    """load_kv_tile with the tokens' cache blocks already read from the block table (any value where masked)."""
-    rows = block_ids.to(tl.int64) * stride_cb + (offs_n % block_size) * stride_cs + kv_head * stride_ch
+    block_ids = tl.load(block_table_row + offs_n // block_size, mask=n_mask, other=0).to(tl.int64)
+    rows = block_ids * stride_cb + (offs_n % block_size) * stride_cs + kv_head * stride_ch
     offsets = rows[:, None] + offs_d[None, :]
     mask = n_mask[:, None] & d_mask[None, :]
     k = tl.load(k_cache + offsets, mask=mask, other=0.0)

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from kernels.arrivals import arrival_counters, last_to_arrive
-from kernels.attention_tile import attend_range, attend_tile, load_kv_blocks, load_kv_tile
+from kernels.attention_tile import attend_range, attend_tile, load_kv_tile
 from kernels.kv_store import check_cache_layout, check_new_kv, rope_store_kv_ref
 from kernels.pdl import pdl_enabled, pdl_launch
 from kernels.split_combine import combine_splits
@@ -136,23 +136,12 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, ou
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
     ctx = tl.load(context_lens + b)
-    if EARLY:
-        # The table entries of the split's first tile if the split is one tile long, as it is for any context
-        # up to num_splits tiles (8,192 tokens on the 32K grid at batch 1): read beside ctx, not after it, one
-        # dependent round trip less before the first K/V tile. A row is stride_bt entries (a contiguous table).
-        one_tile = split * BLOCK_N + tl.arange(0, BLOCK_N)
-        one_tile_ids = tl.load(block_tables + b.to(tl.int64) * stride_bt + one_tile // block_size,
-                               mask=one_tile // block_size < stride_bt, other=0)
     split_len = _split_len(ctx, num_splits, BLOCK_N)
     used = tl.cdiv(ctx, split_len)  # splits that start before ctx: 0 at context 0
     start = split * split_len
     # A split past the row's length does nothing: no store, no arrival (a graph sized for long contexts
     # launches mostly such programs at short ones). Split 0 also runs at context 0, to write its zeros.
-    active = (split < used) | (split == 0)
-    if EARLY:  # always true (no table entry is INT32_MIN), but the branch now waits on the entries: the compiler
-        # would otherwise move their loads past it, after ctx's round trip
-        active &= tl.max(one_tile_ids, axis=0) != -2147483648
-    if active:
+    if (split < used) | (split == 0):
         offs_g = tl.arange(0, GROUP_PAD)
         offs_d = tl.arange(0, D_PAD)
         g_mask = offs_g < group
@@ -167,10 +156,8 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, ou
         if EARLY:
             offs_n = start + tl.arange(0, BLOCK_N)
             n_mask = offs_n < end
-            guessed = split_len == BLOCK_N  # else the entries load now (no traffic when the guess holds)
-            ids = tl.load(block_table_row + offs_n // block_size, mask=tl.where(guessed, False, n_mask), other=0)
-            k_first, v_first = load_kv_blocks(k_cache, v_cache, tl.where(guessed, one_tile_ids, ids), offs_n, n_mask,
-                                              kv_head, stride_cb, stride_ch, stride_cs, block_size, offs_d, d_mask)
+            k_first, v_first = load_kv_tile(k_cache, v_cache, block_table_row, offs_n, n_mask, kv_head, stride_cb,
+                                            stride_ch, stride_cs, block_size, offs_d, d_mask)
         if NEW_KV:
             pos = tl.load(positions + b).to(tl.int64)
             cos, sin, partner = _rope_factors(cos_sin, pos, offs_d, d_mask, HEAD_DIM)
@@ -313,7 +300,6 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     else:
         check_new_kv(new_kv.k, new_kv.v, k_cache, v_cache, q, new_kv.cos_sin)
     batch, num_q_heads, head_dim = q.shape
-    block_tables = block_tables.contiguous()  # the kernel takes a row's stride for its width
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
     max_context = block_tables.shape[1] * block_size
