@@ -100,10 +100,15 @@ def kernel_table(prof, steps: int, top: int) -> tuple[list[dict], float]:
     return rows, total
 
 
+HOST_GAP = "(host: launching the step after its input copy)"
+
+
 def critical_path(kernels: list[tuple[str, float, float]], steps: int, layers: int) -> list[dict]:
     """The kernels of `steps` identical steps, (name, start µs, end µs) in launch order, by their share of a
     step's critical path: end(k) - end(k - 1), the step's first kernel its duration. A name met c x `layers`
-    times a step (c > 1) is told apart by its place in a layer, "name #1" to "name #c". Largest share first."""
+    times a step (c > 1) is told apart by its place in a layer, "name #1" to "name #c". Largest share first.
+    The GPU's wait between a host-to-device copy and the next kernel is the host's (this driver's Python and
+    the graph's launch, which a served step overlaps): it gets its own row, HOST_GAP, not the kernel's."""
     per_step = len(kernels) // steps
     if per_step == 0 or per_step * steps != len(kernels):
         raise ValueError(f"{len(kernels)} kernels are not {steps} steps of the same kernels: profile graph "
@@ -115,15 +120,20 @@ def critical_path(kernels: list[tuple[str, float, float]], steps: int, layers: i
     for first in range(0, len(kernels), per_step):
         seen: dict[str, int] = defaultdict(int)
         prev_end = kernels[first][1]
+        prev_name = ""
         for name, start, end in kernels[first:first + per_step]:
             per_layer = counts[name] // layers if counts[name] % layers == 0 else 1
             label = f"{name} #{seen[name] % per_layer + 1}" if per_layer > 1 else name
             seen[name] += 1
+            if prev_name.startswith("Memcpy HtoD") and start > prev_end:
+                rows[HOST_GAP][0] += start - prev_end
+                rows[HOST_GAP][2] += 1
+                prev_end = start
             row = rows[label]
             row[0] += end - prev_end
             row[1] += end - start
             row[2] += 1
-            prev_end = end
+            prev_end, prev_name = end, name
     ranked = sorted(rows.items(), key=lambda kv: -kv[1][0])
     return [{"kernel": label[:80], "calls_per_step": calls / steps, "share_us_per_step": share / steps,
              "us_per_step": duration / steps} for label, (share, duration, calls) in ranked]

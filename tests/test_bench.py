@@ -13,7 +13,7 @@ from transformers import Qwen2ForCausalLM
 
 from bench import common
 from bench.common import param_count, roofline
-from bench.profile import critical_path
+from bench.profile import HOST_GAP, critical_path
 from bench.hf import hf_config
 from protocol.model_config import config_from_dir, short_model
 
@@ -92,6 +92,17 @@ def test_critical_path_gives_each_kernel_its_end_less_the_one_befores_and_names_
     assert sum(r["share_us_per_step"] for r in rows.values()) == 22  # the step's span, end to end
     with pytest.raises(ValueError, match="9 kernels are not 2 steps of the same kernels"):
         critical_path(step(0) + step(100)[:2], steps=2, layers=2)
+
+
+def test_critical_path_charges_the_wait_after_an_input_copy_to_the_host_not_the_next_kernel():
+    # Each step: the inputs' copy (1 µs), 50 µs of host launch, then two kernels; the step's 56 µs split as
+    # copy 1 + host 50 + 2 + 3 (the second kernel's 1 µs gap after the first stays its own: a dependency).
+    def step(t0: float) -> list[tuple[str, float, float]]:
+        return [("Memcpy HtoD (Pinned -> Device)", t0, t0 + 1), ("embed", t0 + 51, t0 + 53), ("G", t0 + 54, t0 + 56)]
+    rows = {r["kernel"]: r for r in critical_path(step(0) + step(100), steps=2, layers=1)}
+    assert rows[HOST_GAP]["share_us_per_step"] == 50 and rows[HOST_GAP]["calls_per_step"] == 1
+    assert rows["embed"]["share_us_per_step"] == 2 and rows["G"]["share_us_per_step"] == 3
+    assert sum(r["share_us_per_step"] for r in rows.values()) == 56
 
 
 def test_startup_places_the_workers_marks_on_the_launchs_timeline(tiny_ckpt, tmp_path):
