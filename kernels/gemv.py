@@ -8,7 +8,7 @@ a second small kernel, so results are bit-reproducible (a graph replay equals th
 (batch-1 decode) a second kernel multiplies and sums without the 16-row tensor-core tile, all of K in a
 program, so a program can own a single output row and a small matrix spreads over every SM without splitting
 K; its programs may each walk several row blocks, streaming the next block's weights while they finish this
-one's (gate_up with SwiGLU, walked by 16 programs an SM, is ~20% faster than with a program a block; the
+one's (gate_up with SwiGLU, walked by 8 programs an SM, is ~20% faster than with a program a block; the
 smaller matrices keep a program a block: see _ONE_ROW_TILES).
 
 The norm prologue (norm_gemv_triton) computes linear(rms_norm(x + residual)) as
@@ -59,15 +59,17 @@ class GemvConfig:
 # A dot tile splits K until it has that many programs an SM; a one-row tile runs all of K in a program, and its
 # grid is that many programs an SM walking the output blocks in turn (0: one program a block). The one-row
 # tiles come from sweeps on an H200 at Qwen2.5-1.5B's shapes, each in a CUDA graph over cold weights, and from
-# the decode step itself (bench/NOTES.md, probes 20-25): 8 x 512 for lm_head (the dot kernel's 32 x 256 ties
+# the decode step itself (bench/NOTES.md, probes 20-25, 40): 8 x 512 for lm_head (the dot kernel's 32 x 256 ties
 # it); a program a block for qkv, o_proj and down (4 x 2048 with 4 warps: 8 warps cost down ~2 µs a layer in the
-# step); gate_up with SwiGLU 1 x 2048 at 16 programs an SM. Small matrices do not walk: alone a walking grid
-# times as fast, but in the step it loads less before it waits on the kernel before it (kernels/pdl.py), and
-# the step was ~25 µs slower. A register cap changes how ptxas schedules the loads: down_proj's 4 x 2048 tile
-# at a cap of 168 compiled to 159 registers, not its own 133, and ran 9.4 -> 8.0 µs, still 3 programs an SM
-# (over 168, 2 an SM: 11.3); o_proj's stopped spilling, 2.85 -> 2.4 (probes 24-25).
+# step); gate_up with SwiGLU 1 x 2048 at 8 programs an SM, as many as its 63 registers let an SM hold. Alone it
+# times as 16 an SM do, but in the step it is ~3% faster: all its programs start at once, so all pass
+# gdc_launch_dependents early and down's programs can start loading in gate_up's tail. Small matrices do not
+# walk: alone a walking grid times as fast, but in the step it loads less before it waits on the kernel before
+# it (kernels/pdl.py), and the step was ~25 µs slower. A register cap changes how ptxas schedules the loads:
+# down_proj's 4 x 2048 tile at a cap of 168 compiled to 159 registers, not its own 133, and ran 9.4 -> 8.0 µs,
+# still 3 programs an SM (over 168, 2 an SM: 11.3); o_proj's stopped spilling, 2.85 -> 2.4 (probes 24-25).
 _DOT_TILES = ((64, 128, 4, 2), (32, 256, 4, 2), (128, 128, 8, 2))
-_ONE_ROW_TILES = ((8, 512, 4, 0, 0), (4, 2048, 8, 0, 0), (8, 2048, 8, 0, 0), (1, 2048, 4, 16, 0),
+_ONE_ROW_TILES = ((8, 512, 4, 0, 0), (4, 2048, 8, 0, 0), (8, 2048, 8, 0, 0), (1, 2048, 4, 8, 0),
                   (4, 2048, 4, 8, 0), (4, 2048, 4, 8, 168))
 
 
