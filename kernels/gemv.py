@@ -62,12 +62,13 @@ class GemvConfig:
 # the decode step itself (bench/NOTES.md, probes 20-25, 40): 8 x 512 for lm_head (the dot kernel's 32 x 256 ties
 # it); a program a block for qkv, o_proj and down (4 x 2048 with 4 warps: 8 warps cost down ~2 µs a layer in the
 # step); gate_up with SwiGLU 1 x 2048 at 8 programs an SM, as many as its 63 registers let an SM hold. Alone it
-# times as 16 an SM do, but in the step it is ~3% faster: all its programs start at once, so all pass
-# gdc_launch_dependents early and down's programs can start loading in gate_up's tail. Small matrices do not
-# walk: alone a walking grid times as fast, but in the step it loads less before it waits on the kernel before
-# it (kernels/pdl.py), and the step was ~25 µs slower. A register cap changes how ptxas schedules the loads:
-# down_proj's 4 x 2048 tile at a cap of 168 compiled to 159 registers, not its own 133, and ran 9.4 -> 8.0 µs,
-# still 3 programs an SM (over 168, 2 an SM: 11.3); o_proj's stopped spilling, 2.85 -> 2.4 (probes 24-25).
+# times as 16 an SM do, but the step is faster (+0.4-0.7% at prompt 32-1024, +3% at 32K): all its programs start
+# at once, so all pass gdc_launch_dependents early and down's programs start loading in gate_up's tail (with 16,
+# down waited for gate_up's second wave to start). Small matrices do not walk: alone a walking grid times as
+# fast, but in the step it loads less before it waits on the kernel before it (kernels/pdl.py), and the step was
+# ~25 µs slower. A register cap changes how ptxas schedules the loads: down_proj's 4 x 2048 tile at a cap of 168
+# compiled to 159 registers, not its own 133, and ran 9.4 -> 8.0 µs, still 3 programs an SM (over 168, 2 an SM:
+# 11.3); o_proj's stopped spilling, 2.85 -> 2.4 (probes 24-25).
 _DOT_TILES = ((64, 128, 4, 2), (32, 256, 4, 2), (128, 128, 8, 2))
 _ONE_ROW_TILES = ((8, 512, 4, 0, 0), (4, 2048, 8, 0, 0), (8, 2048, 8, 0, 0), (1, 2048, 4, 8, 0),
                   (4, 2048, 4, 8, 0), (4, 2048, 4, 8, 168))
