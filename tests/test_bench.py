@@ -61,12 +61,13 @@ def test_throughput_records_output_tokens_per_second_beside_hf(tiny_ckpt, tmp_pa
 
 def test_profile_lists_the_kernels_of_decode_steps_per_batch_and_of_a_prefill_step(tiny_ckpt, tmp_path):
     result = run_bench("profile", tiny_ckpt, tmp_path, "--batches", "1", "3", "--temperatures", "0", "0.7",
-                       "--context", "20", "--steps", "2", "--warmup", "1", "--top", "4")
+                       "--context", "20", "--steps", "2", "--warmup", "1", "--top", "8")
     numbers = result["numbers"]
     assert [(d["batch"], d["temperature"], d["mode"]) for d in numbers["decode"]] == [(1, 0.0, "eager"),
                                                                                       (3, 0.7, "eager")]
     for table in [d["kernels"] for d in numbers["decode"]] + [numbers["prefill"]["kernels"]]:
-        assert len(table) == 5 and table[-1]["kernel"].endswith("others)")
+        # 8 rows and the rest: on a busy 2-core machine the matmuls ranked anywhere in the first ~6 by CPU time
+        assert len(table) == 9 and table[-1]["kernel"].endswith("others)")
         assert abs(sum(row["share"] for row in table) - 1) < 1e-6
         assert any("mm" in row["kernel"] for row in table)  # the linears are there
     assert numbers["prefill"]["tokens"] == 3 * 20  # three whole prompts: as many rows as the engine has
