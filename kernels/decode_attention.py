@@ -71,9 +71,12 @@ def gather_kv_ref(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: i
 
 
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               block_tables: torch.Tensor, context_lens: torch.Tensor,
-                               scale: float) -> torch.Tensor:
-    """Row b attends to its first context_lens[b] cached tokens (float32 math); rows of length 0 give 0."""
+                               block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                               table_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Row b attends to its first context_lens[b] cached tokens (float32 math); rows of length 0 give 0.
+    With table_rows, row b's block table is block_tables[table_rows[b]]."""
+    if table_rows is not None:
+        block_tables = block_tables[table_rows]
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
     # Gather only as many blocks as the longest row needs, not the whole (padded) table width.
@@ -114,14 +117,14 @@ def _rotate(x, x_partner, cos, signed_sin):
 
 
 @triton.jit
-def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, out_ptr, part_acc, part_max, part_sum,
-                         arrivals, k_new, v_new, positions, cos_sin, slot_mapping, qk_scale, stride_qb, stride_qh,
-                         stride_ob, stride_oh, stride_cb, stride_ch, stride_cs, stride_bt, stride_kb, stride_kh,
-                         stride_vb, stride_vh, block_size, group, num_q_heads, HEAD_DIM: tl.constexpr,
+def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, table_rows, context_lens, out_ptr, part_acc, part_max,
+                         part_sum, arrivals, k_new, v_new, positions, cos_sin, slot_mapping, qk_scale, stride_qb,
+                         stride_qh, stride_ob, stride_oh, stride_cb, stride_ch, stride_cs, stride_bt, stride_kb,
+                         stride_kh, stride_vb, stride_vh, block_size, group, num_q_heads, HEAD_DIM: tl.constexpr,
                          D_PAD: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr,
                          TOP_PAD: tl.constexpr, TOP_CHUNK: tl.constexpr, LEAF_PAD: tl.constexpr,
                          LEAF_CHUNK: tl.constexpr, ONE_LEVEL: tl.constexpr, ONE_CHUNK: tl.constexpr,
-                         SPLIT_GROUP: tl.constexpr,
+                         SPLIT_GROUP: tl.constexpr, TABLE_ROWS: tl.constexpr,
                          COUNTERS: tl.constexpr, BLOCK_N: tl.constexpr, NEW_KV: tl.constexpr, PDL: tl.constexpr,
                          EARLY: tl.constexpr):
     # Program (row, kv head, split): the group of query heads sharing this KV head attends to tokens
@@ -136,6 +139,7 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, ou
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
     ctx = tl.load(context_lens + b)
+    table_row = tl.load(table_rows + b) if TABLE_ROWS else b
     split_len = _split_len(ctx, num_splits, BLOCK_N)
     used = tl.cdiv(ctx, split_len)  # splits that start before ctx: 0 at context 0
     start = split * split_len
@@ -148,7 +152,7 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, ou
         d_mask = offs_d < HEAD_DIM
         heads = kv_head * group + offs_g
         q_rows = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
-        block_table_row = block_tables + b.to(tl.int64) * stride_bt
+        block_table_row = block_tables + table_row.to(tl.int64) * stride_bt
         end = tl.minimum(start + split_len, ctx)
         # EARLY (a few rows, launched with PDL): the split's first K/V tile loads before waiting on the kernel
         # that writes q. No kernel before this one writes this layer's cache, so only the step's own token,
@@ -296,11 +300,13 @@ class NewTokenKV:
 
 def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                                  partition_size: int | None = None, new_kv: NewTokenKV | None = None) -> torch.Tensor:
+                                  partition_size: int | None = None, new_kv: NewTokenKV | None = None,
+                                  table_rows: torch.Tensor | None = None) -> torch.Tensor:
     """Split-K flash decoding in one kernel, its splits combined by the last to arrive (a tree of groups of
     _SPLIT_GROUP past that many); partition_size (a power of two >= 16) overrides the static choice (tests): the
     grid then has cdiv(max_context, partition_size) splits and tiles of min(64, partition_size) keys.
-    With new_kv, q is rotated and the step's K/V stored here, as rope_store_kv would before (q unrotated)."""
+    With new_kv, q is rotated and the step's K/V stored here, as rope_store_kv would before (q unrotated); with
+    table_rows, row b's block table is block_tables[table_rows[b]]."""
     if new_kv is None:
         check_cache_layout(k_cache, v_cache, q)
     else:
@@ -335,27 +341,30 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     counters = 1 + _MAX_SPLITS // _SPLIT_GROUP
     new = new_kv or NewTokenKV(q, q, context_lens, q, context_lens)  # placeholders, never read without NEW_KV
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_max, part_sum,
+        q, k_cache, v_cache, block_tables, context_lens if table_rows is None else table_rows, context_lens, out,
+        part_acc, part_max, part_sum,
         arrival_counters(q.device, batch * num_kv_heads * counters, "decode attention"), new.k, new.v,
         new.positions, new.cos_sin, new.slot_mapping, scale * math.log2(math.e), q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         new.k.stride(0), new.k.stride(1), new.v.stride(0), new.v.stride(1), block_size, group, num_q_heads,
         HEAD_DIM=head_dim, D_PAD=d_pad, GROUP_PAD=max(16, group_p2), GROUP_P2=group_p2, TOP_PAD=top_pad,
         TOP_CHUNK=top_chunk, LEAF_PAD=leaf_pad, LEAF_CHUNK=leaf_chunk, ONE_LEVEL=one_level,
-        ONE_CHUNK=one_chunk, SPLIT_GROUP=_SPLIT_GROUP, COUNTERS=counters,
+        ONE_CHUNK=one_chunk, SPLIT_GROUP=_SPLIT_GROUP, TABLE_ROWS=table_rows is not None, COUNTERS=counters,
         BLOCK_N=block_n, NEW_KV=new_kv is not None, PDL=pdl_enabled(q.device), EARLY=few_rows, **launch,
         **(pdl_launch(q.device) if few_rows else {}))
     return out
 
 
 def rope_store_decode_attention(q: torch.Tensor, new_kv: NewTokenKV, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                                block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                                table_rows: torch.Tensor | None = None) -> torch.Tensor:
     """rope_store_kv of the step's q, k, v, then paged decode attention: one kernel on CUDA."""
     if q.is_cuda:
-        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, new_kv=new_kv)
+        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, new_kv=new_kv,
+                                             table_rows=table_rows)
     q = rope_store_kv_ref(q, new_kv.k, new_kv.v, new_kv.positions, new_kv.cos_sin, k_cache, v_cache,
                           new_kv.slot_mapping)
-    return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
+    return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, table_rows)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -11,6 +11,7 @@ import kernels
 from kernels import arrivals
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from kernels.decode_attention import paged_decode_attention_ref, paged_decode_attention_triton
+from kernels.embedding import embed_rows_ref, embed_rows_triton
 from kernels.kv_store import (make_cos_sin, rope_store_kv_ref, rope_store_kv_triton, store_kv_ref,
                               store_kv_triton)
 from kernels.norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
@@ -122,6 +123,28 @@ def test_decode_triton_matches_reference_across_splits(hq, hkv, d):
     out = paged_decode_attention_triton(q, k_cache, v_cache, tables, ctx, 0.125, partition_size=32)  # 3 splits
     torch.testing.assert_close(out, paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.125), **TOL)
     assert out[1].abs().max() == 0
+
+
+@pytest.mark.parametrize("lens,hkv", [([80, 0, 33], 2), ([5, 47, 16, 1, 9, 30, 2, 64, 3], 1)])  # few rows, many
+def test_decode_reads_each_rows_block_table_through_table_rows(lens, hkv):
+    k_cache, v_cache, tables = paged_cache(lens, hkv, 32, width=6)
+    q = qkv_views(len(lens), 2 * hkv, hkv, 32)[0]
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    rows = torch.randperm(len(lens) + 3)[:len(lens)]  # the runner's mirror rows: any order, some unused
+    whole = torch.full((len(lens) + 3, tables.shape[1]), -1, dtype=torch.int32)
+    whole[rows] = tables
+    want = paged_decode_attention_triton(q, k_cache, v_cache, tables, ctx, 0.125)
+    assert torch.equal(paged_decode_attention_triton(q, k_cache, v_cache, whole, ctx, 0.125, table_rows=rows), want)
+    assert torch.equal(paged_decode_attention_ref(q, k_cache, v_cache, whole, ctx, 0.125, rows),
+                       paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.125))
+
+
+def test_embed_rows_triton_looks_up_each_rows_token():
+    weight, tokens = torch.randn(50, 1100), torch.randint(0, 50, (9,))  # 1100: more than one 1024-wide block
+    rows = torch.tensor([4, 0, 4, 8])  # a row may repeat (padded graph lanes all read the dummy row)
+    out = embed_rows_triton(weight, tokens, rows)
+    assert torch.equal(out, embed_rows_ref(weight, tokens, rows))
+    assert torch.equal(out, weight[tokens[rows]])
 
 
 def test_decode_triton_with_default_partition_matches_reference():

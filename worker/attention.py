@@ -19,6 +19,14 @@ class AttentionMetadata:
     context_lens: torch.Tensor  # [B] int32: tokens cached for each sequence after this step
     cu_seqlens_q: torch.Tensor  # [B + 1] int32: sequence b's queries are tokens cu[b]:cu[b+1]
     work: torch.Tensor | None = None  # [2, W] int32 prefill work items; None: a decode step (T == B)
+    # A decode step's [B] mirror rows: block_tables is then the runner's whole table, row b's at table_rows[b]
+    # (read through in the attention kernel, not gathered before it).
+    table_rows: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.table_rows is not None and self.work is not None:
+            raise ValueError("AttentionMetadata.table_rows is for decode steps (work None): a prompt step's "
+                             "block_tables must be its sequences' own rows")
 
 
 class Attention(nn.Module):
@@ -35,7 +43,7 @@ class Attention(nn.Module):
         if meta.work is None:  # the decode kernel rotates and stores the step's K/V itself
             new_kv = NewTokenKV(k, v, positions, cos_sin, meta.slot_mapping)
             out = rope_store_decode_attention(q, new_kv, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                                              self.scale)
+                                              self.scale, meta.table_rows)
         else:
             q = rope_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
             out = paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,

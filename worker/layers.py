@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import add_rms_norm, rms_norm
+from kernels import add_rms_norm, embed_rows, rms_norm
 from kernels.linear import linear, norm_linear
 from worker.parallel import all_gather_last_dim, all_reduce, local_kv_heads
 
@@ -113,9 +113,12 @@ class VocabParallelEmbedding(nn.Module):
         param.data[n:].zero_()
         _load_slice(param, 0, loaded, self.start, n)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Embeddings of ids, or of ids[rows] (a decode step's last sampled tokens, gathered in the lookup)."""
         if self.tp_size == 1:
-            return F.embedding(ids, self.weight)
+            return F.embedding(ids, self.weight) if rows is None else embed_rows(self.weight, ids, rows)
+        if rows is not None:
+            ids = ids[rows]
         mine = (ids >= self.start) & (ids < self.start + self.rows)
         out = F.embedding((ids - self.start).masked_fill(~mine, 0), self.weight)
         return all_reduce(out.masked_fill(~mine.unsqueeze(-1), 0), self.tp_size)

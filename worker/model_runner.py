@@ -299,9 +299,10 @@ class ModelRunner:
         `layers` runs only the first few decoder layers (a graph's warm-up).
         """
         rows = views["rows"]
-        meta = AttentionMetadata(views["slot_mapping"], self.block_tables[rows], views["context_lens"],
-                                 self.decode_cu[:rows.shape[0] + 1])
-        hidden = self.model(self.last_token[rows], views["positions"], meta, self.kv_caches[:layers])
+        # The kernels read each row's last token and block table through rows: no gather kernels before them.
+        meta = AttentionMetadata(views["slot_mapping"], self.block_tables, views["context_lens"],
+                                 self.decode_cu[:rows.shape[0] + 1], table_rows=rows)
+        hidden = self.model(self.last_token, views["positions"], meta, self.kv_caches[:layers], rows)
         logits = self.model.compute_logits(hidden)
         drawn = self.sampler.draw(logits, rows, views["sample_pos"], self.last_token)
         return logits, drawn

@@ -92,8 +92,9 @@ class Qwen2Model(nn.Module):
         return self
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[KVCache]) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
+                kv_caches: list[KVCache], input_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """input_rows: the step's tokens are input_ids[input_rows] (a decode step's, by mirror row)."""
+        hidden, residual = self.embed_tokens(input_ids, input_rows), None
         # Fewer caches than layers run the first layers alone: a graph's warm-up (worker/cuda_graphs.py).
         for layer, kv_cache in zip(self.layers[:len(kv_caches)], kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, self.cos_sin, kv_cache, meta)
@@ -115,8 +116,8 @@ class Qwen2ForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[KVCache]) -> torch.Tensor:
-        return self.model(input_ids, positions, meta, kv_caches)
+                kv_caches: list[KVCache], input_rows: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, meta, kv_caches, input_rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
