@@ -166,10 +166,6 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, table_rows, cont
             pos = tl.load(positions + b).to(tl.int64)
             cos, sin, partner = _rope_factors(cos_sin, pos, offs_d, d_mask, HEAD_DIM)
             slot = tl.load(slot_mapping + b).to(tl.int64)
-            stores_kv = (split == used - 1) & (slot >= 0)
-            cache_off = (slot // block_size) * stride_cb + kv_head * stride_ch + (slot % block_size) * stride_cs
-            k_row = k_new + b.to(tl.int64) * stride_kb + kv_head * stride_kh
-            v_row = v_new + b.to(tl.int64) * stride_vb + kv_head * stride_vh
         if PDL:
             tl.extra.cuda.gdc_wait()
             if EARLY:
@@ -183,19 +179,17 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, table_rows, cont
             # the token's K and V (slot_mapping's slot is that position's), puts them into its first tile if
             # the token is there, and otherwise reads them back in its loop (a barrier makes the stores
             # visible to every thread of the program); no other program reads that position. Saves
-            # rope_store_kv's launch a layer. Every load of qkv's output is issued here, before any is used: the
-            # compiler keeps a load after a store that may alias it, so q, then K, then V were three round trips.
+            # rope_store_kv's launch a layer.
             q_partner = tl.load(q_rows + partner[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
-            # d_mask & stores_kv would do, but the interpreter's & of a tensor and a scalar is an int32 that it
-            # refuses as a mask.
-            kv_mask = offs_d < tl.where(stores_kv, HEAD_DIM, 0)
-            k = tl.load(k_row + offs_d, mask=kv_mask, other=0.0)
-            k_partner = tl.load(k_row + partner, mask=kv_mask, other=0.0)
-            v = tl.load(v_row + offs_d, mask=kv_mask, other=0.0).to(v_cache.dtype.element_ty)
             q = _rotate(q, q_partner, cos[None, :], sin[None, :]).to(q_ptr.dtype.element_ty)
-            if stores_kv:
-                k = _rotate(k, k_partner, cos, sin).to(k_cache.dtype.element_ty)
+            if (split == used - 1) & (slot >= 0):
+                cache_off = (slot // block_size) * stride_cb + kv_head * stride_ch + (slot % block_size) * stride_cs
+                k_row = k_new + b.to(tl.int64) * stride_kb + kv_head * stride_kh
+                k = _rotate(tl.load(k_row + offs_d, mask=d_mask, other=0.0),
+                            tl.load(k_row + partner, mask=d_mask, other=0.0), cos, sin).to(k_cache.dtype.element_ty)
                 tl.store(k_cache + cache_off + offs_d, k, mask=d_mask)
+                v = tl.load(v_new + b.to(tl.int64) * stride_vb + kv_head * stride_vh + offs_d, mask=d_mask, other=0.0)
+                v = v.to(v_cache.dtype.element_ty)
                 tl.store(v_cache + cache_off + offs_d, v, mask=d_mask)
                 tl.debug_barrier()
                 if EARLY:
@@ -330,8 +324,8 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     few_rows = batch * num_kv_heads <= _FEW_ROWS_KV_HEADS
     launch = _FEW_ROWS_LAUNCH if few_rows else _MANY_ROWS_LAUNCH
     if table_rows is not None and not few_rows:
-        # Many rows gather their tables first: read through table_rows, their kernel compiled to 96 registers
-        # instead of 118 (Triton 3.6), and the throughput run was ~1% slower (34.2K against 34.5-34.7K tok/s).
+        # Many rows gather their tables first: read through table_rows, their kernel compiles to 96 registers,
+        # not 118 (Triton 3.6), a kernel the throughput run has not timed; gathered, it is the one it has.
         block_tables, table_rows = block_tables[table_rows], None
     top_pad = max(_SPLIT_GROUP, _MAX_SPLITS // _SPLIT_GROUP)  # the most partials the top of a tree takes
     leaf_pad = _SPLIT_GROUP if few_rows else top_pad  # any other combine's (the kernel says why)
