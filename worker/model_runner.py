@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kernels.decode_attention import reads_table_rows
 from kernels.prefill_attention import prefill_work
 from protocol.config import EngineConfig, ModelConfig
 from protocol.messages import StepPlan, StepResult
@@ -299,9 +300,13 @@ class ModelRunner:
         `layers` runs only the first few decoder layers (a graph's warm-up).
         """
         rows = views["rows"]
-        # The kernels read each row's last token and block table through rows: no gather kernels before them.
-        meta = AttentionMetadata(views["slot_mapping"], self.block_tables, views["context_lens"],
-                                 self.decode_cu[:rows.shape[0] + 1], table_rows=rows)
+        # The embedding reads each row's last token through rows, and so does a few rows' attention each row's
+        # block table: no gather kernels before them.
+        through = reads_table_rows(rows.shape[0], local_kv_heads(self.model_config.num_key_value_heads,
+                                                                 self.tp_size))
+        meta = AttentionMetadata(views["slot_mapping"], self.block_tables if through else self.block_tables[rows],
+                                 views["context_lens"], self.decode_cu[:rows.shape[0] + 1],
+                                 table_rows=rows if through else None)
         hidden = self.model(self.last_token, views["positions"], meta, self.kv_caches[:layers], rows)
         logits = self.model.compute_logits(hidden)
         drawn = self.sampler.draw(logits, rows, views["sample_pos"], self.last_token)
