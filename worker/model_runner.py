@@ -301,7 +301,7 @@ class ModelRunner:
         """
         rows = views["rows"]
         # The embedding reads each row's last token through rows, and so does a few rows' attention each row's
-        # block table: no gather kernels before them.
+        # block table: no gather kernels before them. Many rows gather their tables once here (reads_table_rows).
         through = reads_table_rows(rows.shape[0], local_kv_heads(self.model_config.num_key_value_heads,
                                                                  self.tp_size))
         meta = AttentionMetadata(views["slot_mapping"], self.block_tables if through else self.block_tables[rows],
