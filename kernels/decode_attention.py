@@ -279,10 +279,9 @@ def _attend_ahead(q, k, v, n_mask, m_i, l_i, acc, k_cache, v_cache, block_table_
 
 
 def reads_table_rows(batch: int, num_kv_heads: int) -> bool:
-    """Whether a decode batch of this size reads block tables through table_rows in the kernel (the few-rows
-    launch). Many rows want a table their caller gathered once a step: read through table_rows, their kernel
-    compiled to 96 registers, not 118 (Triton 3.6), so paged_decode_attention_triton gathers it first, which run
-    every layer cost the throughput run 1.4%."""
+    """Whether a decode batch of this size should pass table_rows (the few-rows launch) rather than tables its
+    caller gathered once a step: many rows' kernel compiles to 96 registers through table_rows, not 118 (Triton
+    3.6), a kernel the throughput run has not timed (a gather here, run every layer, cost it 1.4%)."""
     return batch * num_kv_heads <= _FEW_ROWS_KV_HEADS
 
 
@@ -336,8 +335,6 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     group_p2 = triton.next_power_of_2(group)  # the combine's heads: no tl.dot there, so no padding to 16
     few_rows = reads_table_rows(batch, num_kv_heads)
     launch = _FEW_ROWS_LAUNCH if few_rows else _MANY_ROWS_LAUNCH
-    if table_rows is not None and not few_rows:
-        block_tables, table_rows = block_tables[table_rows], None
     top_pad = max(_SPLIT_GROUP, _MAX_SPLITS // _SPLIT_GROUP)  # the most partials the top of a tree takes
     leaf_pad = _SPLIT_GROUP if few_rows else top_pad  # any other combine's (the kernel says why)
     # Splits a combine step takes: from static shapes only, so the kernel compiles once per launch shape.
