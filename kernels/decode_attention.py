@@ -278,16 +278,16 @@ def _attend_ahead(q, k, v, n_mask, m_i, l_i, acc, k_cache, v_cache, block_table_
     return m_i, l_i, acc
 
 
-def reads_table_rows(batch: int, num_kv_heads: int) -> bool:
-    """Whether a decode batch of this size should pass table_rows (the few-rows launch) rather than tables its
-    caller gathered once a step: many rows' kernel compiles to 96 registers through table_rows, not 118 (Triton
-    3.6), a kernel the throughput run has not timed (a gather here, run every layer, cost it 1.4%)."""
+def few_rows_launch(batch: int, num_kv_heads: int) -> bool:
+    """Whether a decode batch of this size runs the few-rows launch. Its callers pass table_rows; many rows'
+    callers pass tables gathered once a step: through table_rows their kernel compiles to 96 registers, not 118
+    (Triton 3.6), a kernel the throughput run has not timed (a gather here, run every layer, cost it 1.4%)."""
     return batch * num_kv_heads <= _FEW_ROWS_KV_HEADS
 
 
 def _partition_size(batch: int, num_kv_heads: int, max_context: int) -> int:
     """Tokens per split at the longest context, from static shapes only: it sets the grid's split count."""
-    programs = _FEW_ROWS_MAX_PROGRAMS if reads_table_rows(batch, num_kv_heads) else _MAX_PROGRAMS
+    programs = _FEW_ROWS_MAX_PROGRAMS if few_rows_launch(batch, num_kv_heads) else _MAX_PROGRAMS
     splits = max(1, min(_MAX_SPLITS, programs // max(1, batch * num_kv_heads)))
     return max(_MIN_PARTITION, triton.next_power_of_2(triton.cdiv(max_context, splits)))
 
@@ -333,7 +333,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     out = torch.empty((batch, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     d_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot wants every dim >= 16
     group_p2 = triton.next_power_of_2(group)  # the combine's heads: no tl.dot there, so no padding to 16
-    few_rows = reads_table_rows(batch, num_kv_heads)
+    few_rows = few_rows_launch(batch, num_kv_heads)
     launch = _FEW_ROWS_LAUNCH if few_rows else _MANY_ROWS_LAUNCH
     top_pad = max(_SPLIT_GROUP, _MAX_SPLITS // _SPLIT_GROUP)  # the most partials the top of a tree takes
     leaf_pad = _SPLIT_GROUP if few_rows else top_pad  # any other combine's (the kernel says why)

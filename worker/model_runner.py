@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.decode_attention import reads_table_rows
+from kernels.decode_attention import few_rows_launch
 from kernels.prefill_attention import prefill_work
 from protocol.config import EngineConfig, ModelConfig
 from protocol.messages import StepPlan, StepResult
@@ -301,9 +301,8 @@ class ModelRunner:
         """
         rows = views["rows"]
         # The embedding reads each row's last token through rows, and so does a few rows' attention each row's
-        # block table: no gather kernels before them. Many rows gather their tables once here (reads_table_rows).
-        through = reads_table_rows(rows.shape[0], local_kv_heads(self.model_config.num_key_value_heads,
-                                                                 self.tp_size))
+        # block table: no gather kernels before them. Many rows gather their tables once here (few_rows_launch).
+        through = few_rows_launch(rows.shape[0], local_kv_heads(self.model_config.num_key_value_heads, self.tp_size))
         meta = AttentionMetadata(views["slot_mapping"], self.block_tables if through else self.block_tables[rows],
                                  views["context_lens"], self.decode_cu[:rows.shape[0] + 1],
                                  table_rows=rows if through else None)
