@@ -346,9 +346,9 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     # one). A row of one used split touches none.
     counters = 1 + _MAX_SPLITS // _SPLIT_GROUP
     new = new_kv or NewTokenKV(q, q, context_lens, q, context_lens)  # placeholders, never read without NEW_KV
+    rows = context_lens if table_rows is None else table_rows  # a placeholder is never read without TABLE_ROWS
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens if table_rows is None else table_rows, context_lens, out,
-        part_acc, part_max, part_sum,
+        q, k_cache, v_cache, block_tables, rows, context_lens, out, part_acc, part_max, part_sum,
         arrival_counters(q.device, batch * num_kv_heads * counters, "decode attention"), new.k, new.v,
         new.positions, new.cos_sin, new.slot_mapping, scale * math.log2(math.e), q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
