@@ -70,10 +70,12 @@ def test_sampling_after_a_graph_equals_eager(tiny_ckpt):
     _graphs_vs_eager(kw, prompts, 16, params)
 
 
-@pytest.mark.parametrize("batch", [1, 32])
-def test_qwen25_1_5b_dummy_graphs_equal_eager_over_256_steps(batch):
+# The last case crosses batch 1's short-context graph's 8,192 tokens 92 steps in (ModelRunner.short_context).
+@pytest.mark.parametrize("batch,prompt_len,max_model_len", [(1, 32, 4096), (32, 32, 4096), (1, 8100, 16384)])
+def test_qwen25_1_5b_dummy_graphs_equal_eager_over_256_steps(batch, prompt_len, max_model_len):
     kw = dict(model="qwen2.5-1.5b", load_format="dummy", device="cuda", dtype="bfloat16", block_size=16,
-              num_kv_blocks=batch * 20 + 16, max_num_seqs=batch, max_num_batched_tokens=2048, max_model_len=4096)
+              num_kv_blocks=batch * (prompt_len + 256) // 16 + 16, max_num_seqs=batch, max_num_batched_tokens=2048,
+              max_model_len=max_model_len)
     rng = np.random.default_rng(batch)
-    prompts = [rng.integers(0, 151000, 32).tolist() for _ in range(batch)]
+    prompts = [rng.integers(0, 151000, prompt_len).tolist() for _ in range(batch)]
     _graphs_vs_eager(kw, prompts, 256)

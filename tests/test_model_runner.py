@@ -322,3 +322,38 @@ def test_prompt_steps_through_the_prefill_graphs_flow_equal_hf_greedy(tiny_ckpt,
     assert steps == [32, 32, 8], steps
     for row, prompt in prompts.items():
         assert out[row] == hf_greedy(prompt, 6)
+
+
+def test_short_context_decode_graphs_serve_steps_up_to_their_context(tiny_ckpt, hf_greedy):
+    # Both decode graph sets' flow without CUDA graphs: the short-context graphs (attention over tables cut to
+    # short_context, here 32 tokens) serve steps whose rows all fit; a step past it goes to the full graphs.
+    # A short graph given a longer row would read past its cut table and the tokens would differ from HF's.
+    import functools
+
+    from worker.cuda_graphs import StepGraphs
+
+    runner = _runner(tiny_ckpt)
+    # The rule (2 KV heads, max_model_len 4096): batch 1's and 2's one-tile grids cover every length already, so
+    # only batch 4's grid (32 splits of one 64-token tile) gets a short graph; 8 rows are many rows.
+    assert runner._short_contexts([1, 2, 4, 8]) == {4: 2048}
+    runner.short_context = {1: 2 * BLOCK, 2: 2 * BLOCK}
+    views = {s: runner.buffers.decode_views(s) for s in (1, 2)}
+    used = []
+    for name, forward in (("full", runner._decode_forward),
+                          ("short", functools.partial(runner._decode_forward, short=True))):
+        graphs = StepGraphs(name, views, forward, runner.dummy_row)
+        with torch.inference_mode():
+            graphs.capture(graphs=False)
+        graphs.replay = functools.partial(lambda g, replay, size: used.append((g, size)) or replay(size), name,
+                                          graphs.replay)
+        setattr(runner, "graphs" if name == "full" else "short_graphs", graphs)
+    prompts = {0: _prompt(2 * BLOCK - 4, seed=3), 1: _prompt(5, seed=4)}
+    sched = MiniScheduler(runner, chunk=64)
+    for row, prompt in prompts.items():
+        sched.add(row, prompt)
+    out = sched.generate(8)
+    # Row 0's contexts grow from 2 * BLOCK - 3 by one a step: the short graph up to 2 * BLOCK, then the full one.
+    assert [g for g, _ in used] == ["short"] * 4 + ["full"] * 3, used
+    assert all(size == 2 for _, size in used)
+    for row, prompt in prompts.items():
+        assert out[row] == hf_greedy(prompt, 8)

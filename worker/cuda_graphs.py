@@ -2,7 +2,8 @@
 holds it.
 
 Decode graphs: one per batch size, 1, 2, 4, 8, then every 8, up to the first size >= max_num_seqs (at most
-512). Prefill graphs: the whole model's forward for a prompt step, one per token bucket (prefill_buckets):
+512); a few rows get a second set for short contexts, whose attention needs no tile loop (the runner's
+short_context). Prefill graphs: the whole model's forward for a prompt step, one per token bucket (prefill_buckets):
 launched eagerly, a prompt step costs ~12 ms of host time whatever its size (~250 Triton and cuBLAS
 launches; bench/NOTES.md, probe17), so every step under ~3,000 tokens would wait on the host. The prefill
 attention's grid is its list of work items, sized for the bucket (kernels/prefill_attention.py), so it does

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.decode_attention import few_rows_launch
+from kernels.decode_attention import one_tile_context, few_rows_launch
 from kernels.prefill_attention import prefill_work
 from protocol.config import EngineConfig, ModelConfig
 from protocol.messages import StepPlan, StepResult
@@ -98,6 +98,12 @@ class ModelRunner:
             kv_done = time.perf_counter()
             self.graphs = self._graphs("decode", {s: self.buffers.decode_views(s) for s in sizes},
                                        self._decode_forward)
+            # A few rows at contexts short enough that every attention split is one tile get graphs of their own,
+            # whose attention kernel has no tile loop (kernels/decode_attention.py, one_tile_context).
+            self.short_context = self._short_contexts(sizes)
+            self.short_graphs = self._graphs("short-context decode",
+                                             {s: self.buffers.decode_views(s) for s in self.short_context},
+                                             functools.partial(self._decode_forward, short=True))
             decode_done = time.perf_counter()
             buckets = self.prefill_buckets if use_graphs else []
             self.prefill_graphs = self._graphs("prefill", {b: self.buffers.prefill_views(b) for b in buckets},
@@ -106,7 +112,8 @@ class ModelRunner:
         self.startup = {"weights_s": weights_done - started, "kv_cache_s": kv_done - weights_done,
                         "graph_capture_s": time.perf_counter() - kv_done,
                         "prefill_capture_s": time.perf_counter() - decode_done,
-                        "graph_warmup_s": sum(g.warmup_s for g in (self.graphs, self.prefill_graphs) if g)}
+                        "graph_warmup_s": sum(g.warmup_s for g in (self.graphs, self.short_graphs,
+                                                                   self.prefill_graphs) if g)}
 
     # ---- set-up -------------------------------------------------------------------------------------
 
@@ -128,6 +135,18 @@ class ModelRunner:
         qkv = self.model.model.layers[0].self_attn.qkv_proj
         return qkv.num_heads // qkv.num_kv_heads
 
+    def _local_kv_heads(self) -> int:
+        return local_kv_heads(self.model_config.num_key_value_heads, self.tp_size)
+
+    def _short_contexts(self, sizes: list[int]) -> dict[int, int]:
+        """Decode graph size -> the longest context its short-context graph serves (block tables that wide)."""
+        out = {}
+        for size in sizes:
+            blocks = one_tile_context(size, self._local_kv_heads()) // self.config.block_size
+            if 0 < blocks * self.config.block_size < self.max_model_len:
+                out[size] = blocks * self.config.block_size
+        return out
+
     def _graphs(self, name: str, views: dict, forward) -> StepGraphs | None:
         """forward captured per size over `views` (none: no graphs); warm-ups run WARMUP_LAYERS layers."""
         if not views:
@@ -138,8 +157,8 @@ class ModelRunner:
 
     def _kv_block_bytes(self) -> int:
         mc = self.model_config
-        heads = local_kv_heads(mc.num_key_value_heads, self.tp_size)
-        return 2 * mc.num_hidden_layers * heads * self.config.block_size * mc.head_dim * self.dtype.itemsize
+        return 2 * mc.num_hidden_layers * self._local_kv_heads() * self.config.block_size * mc.head_dim \
+            * self.dtype.itemsize
 
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -176,7 +195,7 @@ class ModelRunner:
         cu = torch.tensor(cu_host, dtype=torch.int32, device=self.device)
         lens = cu[1:] - cu[:-1]
         positions = torch.arange(tokens, device=self.device) - cu[:-1].repeat_interleave(lens).long()
-        heads = local_kv_heads(mc.num_key_value_heads, self.tp_size)
+        heads = self._local_kv_heads()
         cache = [(torch.zeros(1, heads, bs, mc.head_dim, dtype=self.dtype, device=self.device),) * 2
                  for _ in range(mc.num_hidden_layers)]
         work = torch.from_numpy(prefill_work(np.diff(cu_host), self._gqa_group())).to(self.device)
@@ -188,10 +207,9 @@ class ModelRunner:
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         mc = self.model_config
-        heads = local_kv_heads(mc.num_key_value_heads, self.tp_size)
         # Zeros, not empty: attention multiplies masked-out slots by 0, and 0 * NaN garbage is NaN.
-        cache = torch.zeros(2, mc.num_hidden_layers, num_blocks, heads, self.config.block_size, mc.head_dim,
-                            dtype=self.dtype, device=self.device)
+        cache = torch.zeros(2, mc.num_hidden_layers, num_blocks, self._local_kv_heads(), self.config.block_size,
+                            mc.head_dim, dtype=self.dtype, device=self.device)
         return [(cache[0, i], cache[1, i]) for i in range(mc.num_hidden_layers)]
 
     # ---- one step -----------------------------------------------------------------------------------
@@ -291,19 +309,23 @@ class ModelRunner:
         for row in np.asarray(rows).tolist():
             self.sampler.remove_row(row)
 
-    def _decode_forward(self, views: dict[str, torch.Tensor],
-                        layers: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode_forward(self, views: dict[str, torch.Tensor], layers: int | None = None,
+                        short: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """One token per row, the row's last sampled token; the tokens drawn (argmax, or Gumbel-max for rows with
         a temperature) become the new last tokens.
 
         This is the body a decode graph captures: it reads only static views, allocates from the graph pool.
-        `layers` runs only the first few decoder layers (a graph's warm-up).
+        `layers` runs only the first few decoder layers (a graph's warm-up); `short` sizes the attention's grid for
+        the short contexts of short_context (its block tables cut to that width).
         """
         rows = views["rows"]
         # The embedding reads each row's last token through rows, and so does a few rows' attention each row's
         # block table: no gather kernels before them. Many rows gather their tables once here (few_rows_launch).
-        through = few_rows_launch(rows.shape[0], local_kv_heads(self.model_config.num_key_value_heads, self.tp_size))
-        meta = AttentionMetadata(views["slot_mapping"], self.block_tables if through else self.block_tables[rows],
+        through = few_rows_launch(rows.shape[0], self._local_kv_heads())
+        tables = self.block_tables
+        if short:
+            tables = tables[:, :self.short_context[rows.shape[0]] // self.config.block_size]
+        meta = AttentionMetadata(views["slot_mapping"], tables if through else tables[rows],
                                  views["context_lens"], self.decode_cu[:rows.shape[0] + 1],
                                  table_rows=rows if through else None)
         hidden = self.model(self.last_token, views["positions"], meta, self.kv_caches[:layers], rows)
@@ -319,9 +341,12 @@ class ModelRunner:
         return self.model(views["input_ids"], views["positions"], meta, self.kv_caches[:layers])
 
     def _run_decode(self, step: HostStep, size: int | None) -> SamplerOutput:
-        views = self.graphs.views[size] if size else self.buffers.decode_views(len(step.rows))
+        graphs = self.graphs
+        if size in self.short_context and step.context_lens.max() <= self.short_context[size]:
+            graphs = self.short_graphs
+        views = graphs.views[size] if size else self.buffers.decode_views(len(step.rows))
         self.sampler.sync_params()  # before the graph: its draw reads the rows' temperatures and seeds
-        logits, drawn = self.graphs.replay(size) if size else self._decode_forward(views)
+        logits, drawn = graphs.replay(size) if size else self._decode_forward(views)
         b = len(step.rows)
         if self.sampler.drawn_in_graph:
             return SamplerOutput(drawn[:b])
