@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.decode_attention import one_tile_context, few_rows_launch
+from kernels.decode_attention import few_rows_launch, one_tile_context
 from kernels.prefill_attention import prefill_work
 from protocol.config import EngineConfig, ModelConfig
 from protocol.messages import StepPlan, StepResult
