@@ -20,6 +20,7 @@ class MiniScheduler:
 
     def __init__(self, runner: ModelRunner, chunk: int = 1000) -> None:
         self.runner, self.chunk = runner, chunk
+        self.block = runner.config.block_size
         self.step, self.next_block = 0, 0
         self.rows: dict[int, dict] = {}
         self.pending_new: list[NewRow] = []
@@ -38,7 +39,7 @@ class MiniScheduler:
         return self.rows.pop(row)["out"]
 
     def _blocks(self, n_tokens: int) -> list[int]:
-        n = max(0, -(-n_tokens // BLOCK))
+        n = max(0, -(-n_tokens // self.block))
         self.next_block += n
         return list(range(self.next_block - n, self.next_block))
 
@@ -50,7 +51,7 @@ class MiniScheduler:
         for r in decode + prefill:
             s = self.rows[r]
             n = 1 if r in decode else min(self.chunk, s["sent"] - s["computed"])
-            extra = self._blocks(s["computed"] + n - len(s["blocks"]) * BLOCK)
+            extra = self._blocks(s["computed"] + n - len(s["blocks"]) * self.block)
             if extra:
                 s["blocks"] += extra
                 appends.append((r, i32(extra)))
