@@ -208,6 +208,18 @@ def test_plan_beyond_known_tokens_is_rejected(runner):
         runner.execute(plan)
 
 
+def test_block_ids_outside_the_kv_cache_are_rejected_and_the_row_keeps_its_table(runner):
+    sched = _fresh(runner)
+    sched.add(2, _prompt(4, seed=11))
+    sched.run_step()
+    for bad in (runner.num_kv_blocks, -1):
+        plan = StepPlan(runner.step + 1, i32([2]), i32([1]), [], [(2, i32([bad]))], i32([]))
+        with pytest.raises(ValueError, match=f"block id {bad} appended to row 2 is outside the KV cache's "
+                                             f"{runner.num_kv_blocks} blocks"):
+            runner.execute(plan)
+    assert runner.mirror.num_blocks[2] == 1 and not runner.mirror.take_deltas()[0].size
+
+
 # ---- the worker process ------------------------------------------------------------------------------
 
 @pytest.fixture

@@ -188,8 +188,9 @@ class RowMirror:
     device as the row's last sampled token, so at most one of them is ever waiting to be computed.
     """
 
-    def __init__(self, max_rows: int, max_blocks_per_seq: int, block_size: int) -> None:
+    def __init__(self, max_rows: int, max_blocks_per_seq: int, block_size: int, num_kv_blocks: int) -> None:
         self.max_rows, self.block_size, self.max_blocks = max_rows, block_size, max_blocks_per_seq
+        self.num_kv_blocks = num_kv_blocks
         self.tokens: list[np.ndarray | None] = [None] * max_rows
         self.num_host = np.zeros(max_rows, np.int64)
         self.computed = np.zeros(max_rows, np.int64)
@@ -224,6 +225,11 @@ class RowMirror:
         if start + len(ids) > self.max_blocks:
             raise ValueError(f"row {row} would hold {start + len(ids)} blocks, over max_model_len's "
                              f"{self.max_blocks}: the scheduler must not grow a row past max_model_len")
+        if len(ids) and (ids.min() < 0 or ids.max() >= self.num_kv_blocks):
+            # The kernels do not check: a stray id would read or write another block's (or layer's) KV.
+            bad = int(ids[(ids < 0) | (ids >= self.num_kv_blocks)][0])
+            raise ValueError(f"block id {bad} appended to row {row} is outside the KV cache's {self.num_kv_blocks} "
+                             f"blocks: the scheduler must hand out ids in [0, {self.num_kv_blocks})")
         self.block_table[row, start:start + len(ids)] = ids
         self.num_blocks[row] = start + len(ids)
         cols = np.arange(start, start + len(ids), dtype=np.int64)

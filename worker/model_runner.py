@@ -70,7 +70,6 @@ class ModelRunner:
         self.max_rows = config.max_num_seqs
         self.dummy_row = self.max_rows  # padded lanes of a graph read and write this spare row
         max_blocks = -(-self.max_model_len // config.block_size)
-        self.mirror = RowMirror(self.max_rows, max_blocks, config.block_size)
         self.step = 0
         use_graphs = self.device.type == "cuda" and not config.enforce_eager
         sizes = graph_batch_sizes(self.max_rows) if use_graphs else []
@@ -94,6 +93,7 @@ class ModelRunner:
             self._done_events = [torch.cuda.Event() for _ in range(2)] if pin else []
             self._out_turn = 0
             self.num_kv_blocks = self._num_kv_blocks()
+            self.mirror = RowMirror(self.max_rows, max_blocks, config.block_size, self.num_kv_blocks)
             self.kv_caches = self._allocate_kv_cache(self.num_kv_blocks)
             kv_done = time.perf_counter()
             self.graphs = self._graphs("decode", {s: self.buffers.decode_views(s) for s in sizes},
