@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import socket
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -48,6 +49,40 @@ def test_latency_records_decode_speed_ttft_and_hf_ratio(tiny_ckpt, tmp_path):
         for key in ("ttft_ms", "ms_per_step", "tok_s", "hf_ttft_ms", "hf_tok_s", "vs_hf", "roofline_tok_s"):
             assert row[key] > 0, (key, row)
         assert row["roofline_kv_tok_s"] < row["roofline_tok_s"]  # reading the context's KV costs time
+
+
+def test_ab_runs_each_tree_in_turn_and_records_every_run_and_each_trees_medians(tiny_ckpt, tmp_path):
+    # Two trees (this one twice; b's results named by the commit after its colon), two rounds: a, b, a, b.
+    cmd = [sys.executable, "-m", "bench.ab", "--tree", f"a={REPO}", "--tree", f"b={REPO}:{'0' * 40}", "--rounds", "2",
+           "--out", str(tmp_path), "latency", "--", "--model", str(tiny_ckpt), "--device", "cpu", "--prompt-lens", "8",
+           "--max-tokens", "16", "--repeats", "1"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (path,) = tmp_path.glob("*-ab-latency.json")
+    numbers = json.loads(path.read_text())["numbers"]
+    assert [(run["tree"], run["round"]) for run in numbers["runs"]] == [("a", 1), ("b", 1), ("a", 2), ("b", 2)]
+    assert numbers["trees"]["b"]["commit"] == "0" * 40 and numbers["trees"]["a"]["commit"] != "0" * 40
+    for name in "ab":
+        (row,) = numbers["medians"][name]
+        steps = [run["rows"][0]["ms_per_step"] for run in numbers["runs"] if run["tree"] == name]
+        assert row["prompt_len"] == 8 and row["ms_per_step"] == statistics.median(steps)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--tree", "a=.", "latency"], "give two or more"),
+    (["--tree", "a=.", "--tree", "a=.", "latency"], "each name once"),
+    (["--tree", "a", "--tree", "b=.", "latency"], "use NAME=DIR or NAME=DIR:COMMIT"),
+    (["--tree", "a=.", "--tree", "b=/nonexistent", "latency"], "/nonexistent holds no bench/"),
+    (["--tree", "a=.", "--tree", "b=.", "--rounds", "0", "latency"], "--rounds 0: use at least 1"),
+    (["--tree", "a=.", "--tree", "b=.", "latency", "--", "--out", "x"], "--out after '--'"),
+])
+def test_ab_refuses_bad_trees_and_options(argv, message, capsys, monkeypatch):
+    from bench.ab import parse_args
+
+    monkeypatch.chdir(REPO)
+    with pytest.raises(SystemExit) as err:
+        parse_args(argv)
+    assert err.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_throughput_records_output_tokens_per_second_beside_hf(tiny_ckpt, tmp_path):
