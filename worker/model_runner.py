@@ -21,6 +21,7 @@ from protocol.sampling import SamplingParams
 from worker.attention import AttentionMetadata
 from worker.cuda_graphs import StepGraphs, graph_batch_sizes, prefill_buckets, smallest_at_least
 from worker.input_buffers import HostStep, RowMirror, StepBuffers
+from worker.kv_cache import allocate_kv_cache, cpu_num_kv_blocks, kv_block_bytes, profile_num_kv_blocks
 from worker.loader import init_dummy_weights, load_weights
 from worker.models.qwen2 import Qwen2ForCausalLM
 from worker.parallel import local_kv_heads
@@ -29,7 +30,6 @@ from worker.sampler import Sampler, SamplerOutput
 # A graph's warm-up runs this many layers: the first (no residual yet) and one as every later layer runs,
 # which compiles every kernel variant the full model launches at that batch size, at a fraction of its time.
 WARMUP_LAYERS = 2
-_CPU_KV_CACHE_CAP = 1 << 30  # bytes: a CPU run sizes its cache to the workload, up to this
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -94,7 +94,8 @@ class ModelRunner:
             self._out_turn = 0
             self.num_kv_blocks = self._num_kv_blocks()
             self.mirror = RowMirror(self.max_rows, max_blocks, config.block_size, self.num_kv_blocks)
-            self.kv_caches = self._allocate_kv_cache(self.num_kv_blocks)
+            self.kv_caches = allocate_kv_cache(self.model_config, self.num_kv_blocks, self._local_kv_heads(),
+                                               self.config.block_size, self.dtype, self.device)
             kv_done = time.perf_counter()
             self.graphs = self._graphs("decode", {s: self.buffers.decode_views(s) for s in sizes},
                                        self._decode_forward)
@@ -155,36 +156,13 @@ class ModelRunner:
         graphs.capture()
         return graphs
 
-    def _kv_block_bytes(self) -> int:
-        mc = self.model_config
-        return 2 * mc.num_hidden_layers * self._local_kv_heads() * self.config.block_size * mc.head_dim \
-            * self.dtype.itemsize
-
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
+        block_bytes = kv_block_bytes(self.model_config, self._local_kv_heads(), self.config.block_size, self.dtype)
         if self.device.type == "cpu":
-            wanted = -(-self.max_model_len * self.max_rows // self.config.block_size)
-            return max(2, min(wanted, _CPU_KV_CACHE_CAP // self._kv_block_bytes()))
-        return self._profile_num_kv_blocks()
-
-    def _profile_num_kv_blocks(self) -> int:
-        """Blocks that fit in gpu_memory_utilization of the card after the peak of a full-budget step."""
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        self._profile_forward()
-        torch.cuda.synchronize()
-        transient = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info()
-        available = total * self.config.gpu_memory_utilization - (total - free) - transient
-        blocks = int(available // self._kv_block_bytes())
-        if blocks < 2:
-            raise ValueError(f"gpu_memory_utilization={self.config.gpu_memory_utilization} leaves "
-                             f"{available / 2**30:.2f} GiB for the KV cache, under two blocks: raise it, or "
-                             f"lower max_num_batched_tokens / max_num_seqs")
-        return blocks
+            return cpu_num_kv_blocks(-(-self.max_model_len * self.max_rows // self.config.block_size), block_bytes)
+        return profile_num_kv_blocks(self.config.gpu_memory_utilization, block_bytes, self._profile_forward)
 
     def _profile_forward(self) -> None:
         """A step of max_num_batched_tokens prompt tokens plus full sampling, against a one-block cache."""
@@ -204,13 +182,6 @@ class ModelRunner:
                                  lens, cu, work)
         hidden = self.model(torch.zeros(tokens, dtype=torch.int64, device=self.device), positions, meta, cache)
         self.sampler.profile(self.model.compute_logits(hidden[:min(self.max_rows, tokens)]))
-
-    def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        mc = self.model_config
-        # Zeros, not empty: attention multiplies masked-out slots by 0, and 0 * NaN garbage is NaN.
-        cache = torch.zeros(2, mc.num_hidden_layers, num_blocks, self._local_kv_heads(), self.config.block_size,
-                            mc.head_dim, dtype=self.dtype, device=self.device)
-        return [(cache[0, i], cache[1, i]) for i in range(mc.num_hidden_layers)]
 
     # ---- one step -----------------------------------------------------------------------------------
 

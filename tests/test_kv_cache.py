@@ -1,0 +1,48 @@
+"""KV cache sizing: blocks from the card's memory after the peak step, or from the workload on the CPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from protocol.model_config import config_from_dir
+from worker import kv_cache
+
+GIB = 1 << 30
+
+
+def fake_card(monkeypatch, free_gib: float, transient_gib: float, total_gib: float = 100) -> None:
+    for name in ("synchronize", "empty_cache", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 4 * GIB)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 4 * GIB + int(transient_gib * GIB))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (int(free_gib * GIB), int(total_gib * GIB)))
+
+
+def test_the_card_gives_the_cache_its_share_less_what_is_used_and_the_peak_steps_transient(monkeypatch):
+    fake_card(monkeypatch, free_gib=50, transient_gib=2)
+    steps = []
+    # 0.9 x 100 GiB, less 50 in use, less the step's 2 GiB transient: 38 blocks of 1 GiB.
+    assert kv_cache.profile_num_kv_blocks(0.9, GIB, lambda: steps.append("peak")) == 38
+    assert steps == ["peak"]
+
+
+def test_a_card_too_full_for_two_blocks_is_a_value_error_naming_the_setting(monkeypatch):
+    fake_card(monkeypatch, free_gib=10, transient_gib=1)
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.9 leaves -1.00 GiB .* raise it"):
+        kv_cache.profile_num_kv_blocks(0.9, GIB, lambda: None)
+
+
+def test_a_cpu_cache_fits_the_workload_up_to_its_cap_and_holds_two_blocks_at_least():
+    assert kv_cache.cpu_num_kv_blocks(100, 1 << 20) == 100
+    assert kv_cache.cpu_num_kv_blocks(10**6, 1 << 20) == kv_cache._CPU_KV_CACHE_CAP // (1 << 20)
+    assert kv_cache.cpu_num_kv_blocks(1, 1 << 20) == 2
+
+
+def test_the_cache_holds_k_and_v_of_every_layer_zeroed(tiny_ckpt):
+    mc = config_from_dir(tiny_ckpt)
+    caches = kv_cache.allocate_kv_cache(mc, 5, 2, 8, torch.float16, torch.device("cpu"))
+    assert len(caches) == mc.num_hidden_layers
+    k, v = caches[-1]
+    assert k.shape == v.shape == (5, 2, 8, mc.head_dim) and not k.any() and not v.any()
+    block = sum(t[0].numel() * t[0].element_size() for pair in caches for t in pair)
+    assert kv_cache.kv_block_bytes(mc, 2, 8, torch.float16) == block
