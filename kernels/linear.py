@@ -1,6 +1,6 @@
 """Which path runs a linear of a few rows: the Triton GEMV of kernels/gemv.py, with the ops around the linear
 folded in, or the unfused path (those ops' own kernels around cuBLAS or the plain GEMV, as linear() picked),
-chosen per shape by timing both. gate_up with SwiGLU of up to GEMM_MAX_M rows also times kernels/gemm.py's GEMM.
+chosen per shape by timing both.
 
 linear() and norm_linear() pick per (fold, rows bucket, N, K, dtype, bias), where the fold names what the GEMV
 takes in: "" (the plain linear), "norm" (the residual add + RMSNorm before it), "swiglu" (SwiGLU after it) or
@@ -8,8 +8,7 @@ takes in: "" (the plain linear), "norm" (the residual add + RMSNorm before it), 
 graph over weights not in L2 (as a decode graph runs them), and caches the fastest, so the Triton path is
 never the slower one; kernels/tuning_cache.py keeps the picks on disk for the next start. A shape first met
 during CUDA-graph capture (no sync possible) runs the unfused path and is chosen at its next eager call; so
-does every call off the GPU, in float32 (float16 too for the norm), or of more than GEMV_MAX_M rows (GEMM_MAX_M
-for the "swiglu" fold).
+does every call off the GPU, in float32 (float16 too for the norm), or of more than GEMV_MAX_M rows.
 """
 from __future__ import annotations
 
@@ -23,8 +22,7 @@ import torch
 import triton
 from triton.runtime.errors import OutOfResources
 
-from kernels import gemm, gemv, tuning_cache
-from kernels.gemm import GEMM_MAX_M, GemmConfig, swiglu_gemm_triton
+from kernels import gemv, tuning_cache
 from kernels.gemv import (GEMV_MAX_M, GemvConfig, candidate_configs, gemv_triton, linear_ref, norm_gemv_triton,
                           norm_linear_ref, num_sms, swiglu_linear_ref)
 
@@ -57,37 +55,27 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
     return run_path(fold, inputs, w, bias, choice(fold, inputs, w, bias))
 
 
-def swiglu_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
-                  config: GemvConfig | GemmConfig) -> torch.Tensor:
-    """gate_up then SwiGLU by the many-rows GEMM (a GemmConfig) or the GEMV (a GemvConfig)."""
-    if isinstance(config, GemmConfig):
-        return swiglu_gemm_triton(x, w, bias, config)
-    return gemv_triton(x, w, bias, config, swiglu=True)
-
-
-# fold -> (unfused path, fused Triton kernel): both take (*inputs, w, bias), the Triton one a config after.
+# fold -> (unfused path, fused Triton GEMV): both take (*inputs, w, bias), the Triton one a config after.
 # An unfused path runs the folded ops' own kernels around linear(): cuBLAS or the GEMV, whichever was faster,
 # so "norm+swiglu" unfused is the norm, then linear(..., swiglu=True)'s own pick.
 PATHS = {"": (linear_ref, gemv_triton),
          "norm": (functools.partial(norm_linear_ref, linear=linear), norm_gemv_triton),
-         "swiglu": (functools.partial(swiglu_linear_ref, linear=linear), swiglu_triton),
+         "swiglu": (functools.partial(swiglu_linear_ref, linear=linear), functools.partial(gemv_triton, swiglu=True)),
          "norm+swiglu": (functools.partial(norm_linear_ref, linear=functools.partial(linear, swiglu=True)),
                          functools.partial(norm_gemv_triton, swiglu=True))}
 
 
-def run_path(fold: str, inputs: Inputs, w: torch.Tensor, bias: torch.Tensor | None,
-             config: GemvConfig | GemmConfig | None):
+def run_path(fold: str, inputs: Inputs, w: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig | None):
     """The op by the Triton GEMV with this config, or by its unfused path for None."""
     unfused, fused = PATHS[fold]
     return unfused(*inputs, w, bias) if config is None else fused(*inputs, w, bias, config)
 
 
-def choice(fold: str, inputs: Inputs, w: torch.Tensor, bias: torch.Tensor | None) -> GemvConfig | GemmConfig | None:
+def choice(fold: str, inputs: Inputs, w: torch.Tensor, bias: torch.Tensor | None) -> GemvConfig | None:
     """The Triton config this call runs, or None for the unfused path (off CUDA, too many rows, a dtype the
     Triton path does not take, mixed dtypes)."""
     x = inputs[0]
-    max_rows = GEMM_MAX_M if fold == "swiglu" else GEMV_MAX_M
-    if not (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= max_rows and x.dtype in DTYPES[fold]):
+    if not (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_M and x.dtype in DTYPES[fold]):
         return None  # first, and cheap: a prefill step asks ~200 times (probe17)
     if all(t.dtype == x.dtype for t in (*inputs, w, bias) if isinstance(t, torch.Tensor)):
         return cached_choice(fold, inputs, w, bias)
@@ -98,21 +86,14 @@ def choice(fold: str, inputs: Inputs, w: torch.Tensor, bias: torch.Tensor | None
 # (fold, rows bucket, N, K, dtype, has bias, device) -> the config that beat the unfused path, or None.
 # norm_linear's first layer (no residual) shares its key with the others: one more load and store of a
 # [rows, K] vector, noise beside the weight.
-_CHOICES: dict[tuple, GemvConfig | GemmConfig | None] = {}
+_CHOICES: dict[tuple, GemvConfig | None] = {}
 
 
-def rows_bucket(rows: int) -> int:
-    """Rows that share a pick: powers of two up to 64, then multiples of 64 (the GEMM wins at 192 rows of gate_up
-    and loses at 256, so those two must not share one)."""
-    return triton.next_power_of_2(rows) if rows <= 64 else triton.cdiv(rows, 64) * 64
-
-
-def cached_choice(fold: str, inputs: Inputs, w: torch.Tensor,
-                  bias: torch.Tensor | None) -> GemvConfig | GemmConfig | None:
+def cached_choice(fold: str, inputs: Inputs, w: torch.Tensor, bias: torch.Tensor | None) -> GemvConfig | None:
     """The cached pick for this shape, from memory, then the disk cache, else timed (and kept on disk); the
     unfused path (None) while capturing."""
     x = inputs[0]
-    key = (fold, rows_bucket(x.shape[0]), *w.shape, x.dtype, bias is not None, x.device)
+    key = (fold, triton.next_power_of_2(x.shape[0]), *w.shape, x.dtype, bias is not None, x.device)
     if key not in _CHOICES:
         if torch.cuda.is_current_stream_capturing():
             return None  # timing needs a sync, which capture forbids: unfused now, timed at the next eager call
@@ -122,7 +103,7 @@ def cached_choice(fold: str, inputs: Inputs, w: torch.Tensor,
             kept = fastest_config(fold, inputs, w, bias)
             tuning_cache.save_choice(disk_key, None if kept is None else dataclasses.asdict(kept))
         elif kept is not None:
-            kept = GemmConfig(**kept) if "block_m" in kept else GemvConfig(**kept)
+            kept = GemvConfig(**kept)
         _CHOICES[key] = kept
     return _CHOICES[key]
 
@@ -136,13 +117,12 @@ def _disk_key(key: tuple) -> str:
     """The in-memory key plus what makes a timing stale: the GPU, torch, Triton and the GEMV sources."""
     fold, rows, n, k, dtype, has_bias, device = key
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    sources = "".join(tuning_cache.source_hash(path) for path in (__file__, gemv.__file__, gemm.__file__))
+    sources = "".join(tuning_cache.source_hash(path) for path in (__file__, gemv.__file__))
     return (f"gemv {gpu} torch {torch.__version__} triton {triton.__version__} src {sources} "
             f"fold {fold!r} rows {rows} w {n}x{k} {dtype} bias {has_bias}")
 
 
-def fastest_config(fold: str, inputs: Inputs, w: torch.Tensor,
-                   bias: torch.Tensor | None) -> GemvConfig | GemmConfig | None:
+def fastest_config(fold: str, inputs: Inputs, w: torch.Tensor, bias: torch.Tensor | None) -> GemvConfig | None:
     """Times the unfused path and each candidate as a decode graph runs them; None unless a candidate is faster."""
     try:
         copies = cold_copies(w, bias)
@@ -151,7 +131,8 @@ def fastest_config(fold: str, inputs: Inputs, w: torch.Tensor,
         log.warning("no memory to time the GEMV candidates for %s: cuBLAS", tuple(w.shape))
         return None
     best, best_us = None, unfused_us * 0.97  # a 3% margin: timing noise must not flip a shape to Triton
-    for config in _candidates(fold, inputs[0], w, bias):
+    swiglu = fold.endswith("swiglu")
+    for config in candidate_configs(w.shape[0], w.shape[1], num_sms(w.device), inputs[0].shape[0], swiglu):
         try:
             us = path_us(fold, inputs, copies, config)
         except OutOfResources:  # a tile too big for this GPU's shared memory: not a candidate here
@@ -164,22 +145,14 @@ def fastest_config(fold: str, inputs: Inputs, w: torch.Tensor,
     return best
 
 
-def _candidates(fold: str, x: torch.Tensor, w: torch.Tensor,
-                bias: torch.Tensor | None) -> list[GemvConfig | GemmConfig]:
-    """The GEMV's tiles up to GEMV_MAX_M rows; past that (the "swiglu" fold only) the GEMM's, which takes no bias."""
-    if x.shape[0] > GEMV_MAX_M:
-        return gemm.candidate_configs(x, w) if bias is None else []
-    return candidate_configs(w.shape[0], w.shape[1], num_sms(w.device), x.shape[0], fold.endswith("swiglu"))
-
-
 def path_us(fold: str, inputs: Inputs, copies: list[tuple[torch.Tensor, torch.Tensor | None]],
-            config: GemvConfig | GemmConfig | None) -> float:
+            config: GemvConfig | None) -> float:
     """µs a call of run_path over the weight copies in turn, in a CUDA graph."""
     return graph_us([functools.partial(run_path, fold, inputs, w, bias, config) for w, bias in copies])
 
 
 def timed_choice(fold: str, inputs: Inputs, w: torch.Tensor,
-                 bias: torch.Tensor | None = None) -> tuple[GemvConfig | GemmConfig | None, float, float]:
+                 bias: torch.Tensor | None = None) -> tuple[GemvConfig | None, float, float]:
     """(the choice, µs of the unfused path, µs of the chosen one), each over cold weights in a CUDA graph:
     what bench.kernels and the GPU tests report."""
     config = choice(fold, inputs, w, bias)
