@@ -212,6 +212,20 @@ def test_decode_rows_come_first_then_prompt_chunks_fill_the_budget():
     h.run()
 
 
+def test_decode_rows_are_planned_longest_context_first():
+    h = Harness(max_num_batched_tokens=64)
+    lens = [5, 40, 12, 27]
+    rows = {}
+    for n in lens:
+        h.add(list(range(n)), max_tokens=20)
+        rows[h.step().rows[-1]] = n  # each prompt prefilled in its own step, so the rows' arrival order is lens'
+    plan = h.step()
+    assert plan.num_tokens.tolist() == [1, 1, 1, 1]
+    assert [rows[r] for r in plan.rows.tolist()] == sorted(lens, reverse=True)
+    outs = h.run()
+    assert all(len(o.tokens) == 20 for o in outs.values())
+
+
 def test_preempted_request_resumes_with_same_tokens():
     h = Harness(num_blocks=12, block_size=8)  # 96 slots for four requests of up to 60 tokens
     cases = [(p, 40) for p in prompts(4, seed=2, lo=10, hi=20)]
