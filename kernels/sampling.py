@@ -1,8 +1,11 @@
 """Gumbel-max sampling with hashed noise: argmax(logits / temperature + Gumbel(seed, position, token)).
 
-argmax(logits + Gumbel noise) is an exact draw from softmax(logits). The noise is a counter-based hash
-(splitmix64) of (row seed, position of the sampled token, vocab index), so a request draws the same tokens
-alone or in any batch, and again after a preemption. A row with temperature <= 0 takes the plain argmax.
+argmax(logits + Gumbel noise) is an exact draw from softmax(logits). The noise is a counter-based hash of
+(row seed, position of the sampled token, vocab index), so a request draws the same tokens alone or in any
+batch, and again after a preemption. A row with temperature <= 0 takes the plain argmax. The row's key is
+splitmix64 of (seed, position), once a row; each token's bits are a 32-bit hash (lowbias32) of that key and
+the vocab index: the per-token hash is most of the kernel's work, and 64-bit multiplies cost the GPU several
+32-bit ones each.
 
 The torch reference builds about ten [rows, vocab] int64 temporaries; the Triton kernel reads the logits
 once and keeps the hash in registers.
@@ -19,10 +22,14 @@ from triton.language.extra.cuda.libdevice import fast_logf
 from kernels.arrivals import arrival_counters, last_to_arrive
 from kernels.gemv import num_sms
 
-# splitmix64's constants; tl.constexpr so that the Triton kernel may read them as globals.
+# splitmix64's and lowbias32's constants; tl.constexpr so that the Triton kernel may read them as globals.
 GOLDEN = tl.constexpr(0x9E3779B97F4A7C15)
 MIX1 = tl.constexpr(0xBF58476D1CE4E5B9)
 MIX2 = tl.constexpr(0x94D049BB133111EB)
+GOLDEN32 = tl.constexpr(0x9E3779B9)
+MIX32_1 = tl.constexpr(0x7FEB352D)
+MIX32_2 = tl.constexpr(0x846CA68B)
+_LOW32 = 0xFFFFFFFF
 _FAST_LOG = os.environ.get("TRITON_INTERPRET") != "1"  # read at import, as triton.jit reads it
 # The chunks of a row one program combines, a constexpr so that every batch size runs one compiled kernel
 # (at 151,936 tokens and 512-wide blocks there are at most 75).
@@ -47,6 +54,19 @@ def _mix64_ref(z: torch.Tensor) -> torch.Tensor:
     return z ^ _srl(z, 31)
 
 
+def _row_key32_ref(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The row's 32-bit key: splitmix64 of (seed, position), its halves folded together."""
+    key = _mix64_ref(seeds * _i64(GOLDEN) + positions)
+    return (key ^ _srl(key, 32)) & _LOW32
+
+
+def _mix32_ref(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 on values in [0, 2**32) held in int64; the masks keep each product's low 32 bits."""
+    x = ((x ^ (x >> 16)) * int(MIX32_1.value)) & _LOW32
+    x = ((x ^ (x >> 15)) * int(MIX32_2.value)) & _LOW32
+    return x ^ (x >> 16)
+
+
 def uniform_from_bits(top_bits: torch.Tensor) -> torch.Tensor:
     """23 random bits -> (j + 0.5) / 2**23, exact in float32, so never 0 or 1: a 24th bit would make
     (2**24 - 1 + 0.5) round to 2**24, u = 1.0, and that token's Gumbel noise +inf (a draw ignoring the logits)."""
@@ -55,10 +75,9 @@ def uniform_from_bits(top_bits: torch.Tensor) -> torch.Tensor:
 
 def hashed_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
     """u[n, v] in (0, 1), a pure function of (seeds[n], positions[n], v) for v < vocab."""
-    row_key = _mix64_ref(seeds * _i64(GOLDEN) + positions)
-    vocab_keys = torch.arange(vocab, dtype=torch.int64, device=seeds.device) * _i64(GOLDEN)
-    z = _mix64_ref(row_key[:, None] + vocab_keys[None, :])
-    return uniform_from_bits(_srl(z, 41))
+    vocab_keys = torch.arange(vocab, dtype=torch.int64, device=seeds.device) * int(GOLDEN32.value)
+    z = _mix32_ref((_row_key32_ref(seeds, positions)[:, None] + vocab_keys[None, :]) & _LOW32)
+    return uniform_from_bits(z >> 9)
 
 
 def gumbel_argmax_ref(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor,
@@ -77,6 +96,13 @@ def _mix64(z):
     z = (z ^ (z >> 30)) * MIX1
     z = (z ^ (z >> 27)) * MIX2
     return z ^ (z >> 31)
+
+
+@triton.jit
+def _mix32(x):
+    x = (x ^ (x >> 16)) * MIX32_1
+    x = (x ^ (x >> 15)) * MIX32_2
+    return x ^ (x >> 16)
 
 
 @triton.jit
@@ -119,6 +145,7 @@ def _gumbel_argmax_kernel(logits_ptr, stride, rows_ptr, temps_ptr, stride_temp, 
     seed = tl.load(seeds_ptr + row * stride_seed).to(tl.uint64, bitcast=True)
     pos = tl.load(pos_ptr + n).to(tl.uint64, bitcast=True)
     row_key = _mix64(seed * GOLDEN + pos)
+    row_key = (row_key ^ (row_key >> 32)).to(tl.uint32)
     best_val = tl.full((BLOCK,), float("-inf"), tl.float32)
     best_idx = tl.zeros((BLOCK,), tl.int32)
     for start in range(chunk * chunk_len, chunk * chunk_len + chunk_len, BLOCK):
@@ -126,8 +153,8 @@ def _gumbel_argmax_kernel(logits_ptr, stride, rows_ptr, temps_ptr, stride_temp, 
         mask = cols < vocab
         score = tl.load(logits_ptr + n * stride + cols, mask=mask, other=float("-inf")).to(tl.float32)
         if temp > 0:  # a greedy row (a decode graph draws every row here) skips the hash: a plain argmax
-            z = _mix64(row_key + cols.to(tl.uint64) * GOLDEN)
-            u = ((z >> 41).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # as uniform_from_bits
+            z = _mix32(row_key + cols.to(tl.uint32) * GOLDEN32)
+            u = ((z >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # as uniform_from_bits
             score = score * inv_temp - _log(_neg_log(u, FAST_LOG), FAST_LOG)
         better = score > best_val  # strict: of equal scores the earlier column stays
         best_val = tl.where(better, score, best_val)
@@ -155,7 +182,7 @@ def gumbel_argmax_triton(logits: torch.Tensor, temps: torch.Tensor, seeds: torch
         raise ValueError(f"gumbel_argmax needs a unit stride on the vocab dim, got {logits.stride()}")
     n, vocab = logits.shape
     if chunks is None:
-        # The 64-bit hash makes this compute-bound: programs enough to fill the card at batch 1, and at least
+        # The hash makes this compute-bound: programs enough to fill the card at batch 1, and at least
         # 8 chunks a row at any batch (H200, 151,936 tokens: batch 256 from 181 µs with 2 chunks of 1,024-wide
         # blocks and 4 warps to 153 µs with 8 of 512 and 8 warps; batch 1 11.7 -> 8.6 µs).
         chunks = max(1, min(triton.cdiv(vocab, 4 * block), max(8, triton.cdiv(2 * num_sms(logits.device), n))))
