@@ -87,14 +87,16 @@ def swiglu_linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | Non
 
 
 def norm_linear_ref(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                    w: torch.Tensor, bias: torch.Tensor | None = None,
-                    linear: Callable = linear_ref) -> tuple[torch.Tensor, torch.Tensor]:
+                    w: torch.Tensor, bias: torch.Tensor | None = None, linear: Callable = linear_ref,
+                    rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(rms_norm(s, norm_weight, eps), w, bias), s) for s = x + residual (s = x when residual is None),
-    unfused: the norm's own kernel on the GPU (plain torch on the CPU), then `linear`."""
+    unfused: the norm's own kernel on the GPU (plain torch on the CPU), then `linear`. rows: `linear` runs on
+    that many rows (the norm's output padded with unset rows, sliced off after), where cuBLAS is faster so."""
+    m = x.shape[0]
     if residual is None:
-        return linear(rms_norm(x, norm_weight, eps), w, bias), x
-    normed, new_residual = add_rms_norm(x, residual, norm_weight, eps)
-    return linear(normed, w, bias), new_residual
+        return linear(rms_norm(x, norm_weight, eps, rows), w, bias)[:m], x
+    normed, new_residual = add_rms_norm(x, residual, norm_weight, eps, rows)
+    return linear(normed, w, bias)[:m], new_residual
 
 
 @triton.jit

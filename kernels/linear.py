@@ -9,6 +9,11 @@ graph over weights not in L2 (as a decode graph runs them), and caches the faste
 never the slower one; kernels/tuning_cache.py keeps the picks on disk for the next start. A shape first met
 during CUDA-graph capture (no sync possible) runs the unfused path and is chosen at its next eager call; so
 does every call off the GPU, in float32 (float16 too for the norm), or of more than GEMV_MAX_M rows.
+
+Past GEMV_MAX_M rows a linear with the norm folded before it may run cuBLAS on more rows than it has
+(padded_rows): cuBLAS picks its kernel by shape, and its time is not monotone in the rows (on an H200, Qwen's
+gate_up took 38.8 µs at 216 rows and 22.0 at 224). The norm then writes into a buffer of the faster row count,
+and the rows past the step's are sliced off the GEMM's output.
 """
 from __future__ import annotations
 
@@ -55,13 +60,20 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
     return run_path(fold, inputs, w, bias, choice(fold, inputs, w, bias))
 
 
+def _padded_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                        w: torch.Tensor, bias: torch.Tensor | None,
+                        linear: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+    return norm_linear_ref(x, residual, norm_weight, eps, w, bias, linear, padded_rows(x, w, bias))
+
+
 # fold -> (unfused path, fused Triton GEMV): both take (*inputs, w, bias), the Triton one a config after.
 # An unfused path runs the folded ops' own kernels around linear(): cuBLAS or the GEMV, whichever was faster,
-# so "norm+swiglu" unfused is the norm, then linear(..., swiglu=True)'s own pick.
+# so "norm+swiglu" unfused is the norm, then linear(..., swiglu=True)'s own pick (on padded rows past
+# GEMV_MAX_M where cuBLAS was timed faster so).
 PATHS = {"": (linear_ref, gemv_triton),
-         "norm": (functools.partial(norm_linear_ref, linear=linear), norm_gemv_triton),
+         "norm": (functools.partial(_padded_norm_linear, linear=linear), norm_gemv_triton),
          "swiglu": (functools.partial(swiglu_linear_ref, linear=linear), functools.partial(gemv_triton, swiglu=True)),
-         "norm+swiglu": (functools.partial(norm_linear_ref, linear=functools.partial(linear, swiglu=True)),
+         "norm+swiglu": (functools.partial(_padded_norm_linear, linear=functools.partial(linear, swiglu=True)),
                          functools.partial(norm_gemv_triton, swiglu=True))}
 
 
@@ -108,6 +120,60 @@ def cached_choice(fold: str, inputs: Inputs, w: torch.Tensor, bias: torch.Tensor
     return _CHOICES[key]
 
 
+PAD_STEP = 8  # decode graphs hold multiples of 8 rows past 8 (worker/cuda_graphs.py)
+PAD_MAX_ROWS = 256  # max_num_seqs' default: the largest decode graph, hence the rows worth timing
+PAD_MARGIN = 0.97  # as for the GEMVs: timing noise must not pad a step for nothing
+
+# (N, K, dtype, has bias, device) -> {rows: µs of torch's linear}, every multiple of PAD_STEP in
+# (GEMV_MAX_M, PAD_MAX_ROWS]; empty where the timing could not run.
+_GEMM_TIMES: dict[tuple, dict[int, float]] = {}
+
+
+def padded_rows(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> int:
+    """The rows to run x @ w^T (+ bias) on with cuBLAS: x's own, or more where that was timed faster."""
+    m = x.shape[0]
+    if not (x.is_cuda and GEMV_MAX_M < m <= PAD_MAX_ROWS and m % PAD_STEP == 0):
+        return m  # first, and cheap: a prefill step asks ~60 times
+    times = gemm_times(w, bias, x.dtype)
+    return fastest_rows(times, m) if times else m
+
+
+def fastest_rows(times: dict[int, float], m: int) -> int:
+    """The row count >= m of the least time in `times`, unless it saves under PAD_MARGIN against m's own."""
+    best = min((rows for rows in times if rows >= m), key=times.get, default=m)
+    return best if m in times and times[best] < PAD_MARGIN * times[m] else m
+
+
+def gemm_times(w: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> dict[int, float] | None:
+    """µs of torch's linear at each padded row count for this weight, timed once (then kept on disk); None while
+    capturing a graph with nothing timed (no padding then: a sync is not allowed)."""
+    key = (*w.shape, dtype, bias is not None, w.device)
+    if key not in _GEMM_TIMES:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        n, k, _, has_bias, device = key
+        disk_key = f"gemm rows {_stale_when(device)} w {n}x{k} {dtype} bias {has_bias}"
+        kept = _kept_choices().get(disk_key)
+        if kept is None:
+            kept = _time_rows(w, bias, dtype)
+            tuning_cache.save_choice(disk_key, kept)
+        _GEMM_TIMES[key] = {int(rows): us for rows, us in kept.items()}
+    return _GEMM_TIMES[key]
+
+
+def _time_rows(w: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> dict[str, float]:
+    try:
+        copies = cold_copies(w, bias)
+    except torch.OutOfMemoryError:
+        log.warning("no memory to time cuBLAS's row counts for %s: no padding", tuple(w.shape))
+        return {}
+    times = {}
+    for rows in range((GEMV_MAX_M // PAD_STEP + 1) * PAD_STEP, PAD_MAX_ROWS + 1, PAD_STEP):
+        x = torch.randn(rows, w.shape[1], dtype=dtype, device=w.device)
+        times[str(rows)] = graph_us([functools.partial(linear_ref, x, c, b) for c, b in copies])
+    return times
+
+
 @functools.lru_cache(maxsize=1)
 def _kept_choices() -> dict[str, object]:
     return tuning_cache.load_choices()  # read once a process: later saves go to the file, _CHOICES keeps them
@@ -116,10 +182,13 @@ def _kept_choices() -> dict[str, object]:
 def _disk_key(key: tuple) -> str:
     """The in-memory key plus what makes a timing stale: the GPU, torch, Triton and the GEMV sources."""
     fold, rows, n, k, dtype, has_bias, device = key
+    return f"gemv {_stale_when(device)} fold {fold!r} rows {rows} w {n}x{k} {dtype} bias {has_bias}"
+
+
+def _stale_when(device: torch.device) -> str:
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     sources = "".join(tuning_cache.source_hash(path) for path in (__file__, gemv.__file__))
-    return (f"gemv {gpu} torch {torch.__version__} triton {triton.__version__} src {sources} "
-            f"fold {fold!r} rows {rows} w {n}x{k} {dtype} bias {has_bias}")
+    return f"{gpu} torch {torch.__version__} triton {triton.__version__} src {sources}"
 
 
 def fastest_config(fold: str, inputs: Inputs, w: torch.Tensor, bias: torch.Tensor | None) -> GemvConfig | None:

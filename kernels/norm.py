@@ -45,40 +45,59 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, stride_x, stri
     tl.store(out_ptr + row * stride_out + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                     rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     if x.stride(-1) != 1 or (residual is not None and residual.stride(-1) != 1):
         raise ValueError(f"rms_norm needs a unit stride on the hidden dim, got {x.stride()}; pass x.contiguous()")
-    rows, hidden = x.shape
-    out = torch.empty((rows, hidden), dtype=torch.result_type(x, weight), device=x.device)
+    n, hidden = x.shape
+    out = torch.empty((_out_rows(n, rows), hidden), dtype=torch.result_type(x, weight), device=x.device)
     if residual is None:
         res, new_res = x, out  # never touched: ADD_RESIDUAL is off
     else:
-        res, new_res = residual, torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
+        res, new_res = residual, torch.empty((n, hidden), dtype=x.dtype, device=x.device)
     block = triton.next_power_of_2(hidden)
-    _rms_norm_kernel[(rows,)](x, res, weight, out, new_res, x.stride(0), res.stride(0), out.stride(0),
-                              new_res.stride(0), hidden, eps, ADD_RESIDUAL=residual is not None, BLOCK=block,
-                              PDL=pdl_enabled(x.device), num_warps=min(16, max(1, block // 256)))
+    _rms_norm_kernel[(n,)](x, res, weight, out, new_res, x.stride(0), res.stride(0), out.stride(0),
+                           new_res.stride(0), hidden, eps, ADD_RESIDUAL=residual is not None, BLOCK=block,
+                           PDL=pdl_enabled(x.device), num_warps=min(16, max(1, block // 256)))
     return out, (new_res if residual is not None else None)
 
 
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return _launch_rms_norm(x, None, weight, eps)[0]
+def _out_rows(n: int, rows: int | None) -> int:
+    if rows is not None and rows < n:
+        raise ValueError(f"rows={rows} is under the input's {n}: pass None or at least {n}")
+    return n if rows is None else rows
 
 
-def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return _launch_rms_norm(x, residual, weight, eps)
+def _padded(out: torch.Tensor, rows: int | None) -> torch.Tensor:
+    # The reference's output in a buffer of `rows` rows, as the Triton launch allocates it.
+    if rows is None or rows == out.shape[0]:
+        return out
+    full = out.new_empty((_out_rows(out.shape[0], rows), *out.shape[1:]))
+    full[:out.shape[0]] = out
+    return full
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x[T, H] -> RMSNorm(x) * weight."""
-    return rms_norm_triton(x, weight, eps) if x.is_cuda else rms_norm_ref(x, weight, eps)
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, rows: int | None = None) -> torch.Tensor:
+    return _launch_rms_norm(x, None, weight, eps, rows)[0]
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x + residual), x + residual), fused in one pass on CUDA."""
+def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                        rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    return _launch_rms_norm(x, residual, weight, eps, rows)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, rows: int | None = None) -> torch.Tensor:
+    """x[T, H] -> RMSNorm(x) * weight. rows: the output has that many rows (>= T), those past T unset, so that a
+    GEMM after it may run on more rows than T (kernels/linear.py's padded_rows)."""
     if x.is_cuda:
-        return add_rms_norm_triton(x, residual, weight, eps)
-    return add_rms_norm_ref(x, residual, weight, eps)
+        return rms_norm_triton(x, weight, eps, rows)
+    return _padded(rms_norm_ref(x, weight, eps), rows)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual), fused in one pass on CUDA; rows pads the first as rms_norm does."""
+    if x.is_cuda:
+        return add_rms_norm_triton(x, residual, weight, eps, rows)
+    normed, new_residual = add_rms_norm_ref(x, residual, weight, eps)
+    return _padded(normed, rows), new_residual

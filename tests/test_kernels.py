@@ -61,6 +61,19 @@ def test_add_rms_norm_returns_normed_sum_and_new_residual():
     torch.testing.assert_close(ref_out, rms_norm_ref(x + res, w, 1e-6))
 
 
+def test_norms_write_into_a_buffer_of_the_rows_asked_and_refuse_fewer_than_the_input():
+    # kernels/linear.py's padded_rows: a GEMM after the norm may run on more rows than the step has.
+    x, res, w = torch.randn(5, 96), torch.randn(5, 96), torch.randn(96)
+    out, new_res = add_rms_norm_triton(x, res, w, 1e-6, rows=13)
+    assert out.shape == (13, 96) and new_res.shape == (5, 96)
+    torch.testing.assert_close(out[:5], add_rms_norm_ref(x, res, w, 1e-6)[0], **TOL)
+    assert rms_norm_triton(x, w, 1e-6, rows=8).shape == (8, 96)
+    assert kernels.rms_norm(x, w, 1e-6, rows=8).shape == (8, 96)  # the CPU reference pads the same way
+    torch.testing.assert_close(kernels.add_rms_norm(x, res, w, 1e-6, rows=9)[0][:5], out[:5], **TOL)
+    with pytest.raises(ValueError, match="rows=4 is under the input's 5"):
+        add_rms_norm_triton(x, res, w, 1e-6, rows=4)
+
+
 def test_silu_and_mul_triton_matches_reference():
     x = torch.randn(3, 2 * 1100)  # > one 1024-wide column block
     torch.testing.assert_close(silu_and_mul_triton(x), silu_and_mul_ref(x), **TOL)

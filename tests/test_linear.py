@@ -20,6 +20,7 @@ from kernels.norm import add_rms_norm_ref, rms_norm_ref
 
 def test_off_the_gpu_every_op_is_its_unfused_torch_reference_without_a_choice(monkeypatch):
     monkeypatch.setattr(lin, "cached_choice", lambda *a: pytest.fail("CPU tensors must not be timed"))
+    monkeypatch.setattr(lin, "gemm_times", lambda *a: pytest.fail("CPU tensors must not be timed"))
     x, residual, norm_w = torch.randn(2, 24), torch.randn(2, 24), torch.rand(24)
     w, bias = torch.randn(8, 24), torch.randn(8)
     assert torch.equal(linear(x, w, bias), F.linear(x, w, bias))
@@ -129,6 +130,45 @@ def test_the_unfused_norm_and_swiglu_run_their_linear_by_linears_own_pick(monkey
     assert ran == [plain, plain]
 
 
+def test_fastest_rows_pads_only_to_a_timed_row_count_faster_by_the_margin():
+    times = {24: 10.0, 32: 20.0, 40: 9.8, 48: 30.0}
+    assert lin.fastest_rows(times, 24) == 24  # 40 rows are faster, but by less than 3%
+    assert lin.fastest_rows(times, 32) == 40
+    assert lin.fastest_rows(times, 40) == 40 and lin.fastest_rows(times, 48) == 48
+    assert lin.fastest_rows(times, 36) == 36 and lin.fastest_rows(times, 64) == 64  # rows never timed: as they are
+
+
+def test_a_padded_norm_linear_runs_its_gemm_on_the_padded_rows_and_returns_the_steps(monkeypatch):
+    gemm_rows = []
+    monkeypatch.setitem(lin.PATHS, "", (lambda x, w, b=None: gemm_rows.append(x.shape[0]) or F.linear(x, w, b),
+                                        gemv_triton))
+    monkeypatch.setattr(lin, "padded_rows", lambda x, w, bias: x.shape[0] + 8)
+    x, residual, norm_w, w, bias = torch.randn(3, 24), torch.randn(3, 24), torch.rand(24), torch.randn(8, 24), None
+    for res in (residual, None):
+        out, new_residual = norm_linear(x, res, norm_w, 1e-6, w, bias)
+        ref, ref_residual = norm_linear_ref(x, res, norm_w, 1e-6, w, bias)
+        assert out.shape == (3, 8) and torch.equal(new_residual, ref_residual)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    out, _ = norm_linear(x, residual, norm_w, 1e-6, torch.randn(16, 24), swiglu=True)
+    assert out.shape == (3, 8) and gemm_rows == [11, 11, 11]
+
+
+def test_gemm_row_times_are_timed_once_kept_on_disk_and_never_while_capturing(monkeypatch, fresh_choices):
+    monkeypatch.setattr(lin, "_GEMM_TIMES", {})
+    timed, capturing = [], [True]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(lin, "_time_rows", lambda w, bias, dtype: timed.append(w.shape) or {"24": 2.0, "32": 1.0})
+    w = torch.randn(8, 24)
+    assert lin.gemm_times(w, None, torch.float32) is None and timed == []
+    capturing[0] = False
+    assert lin.gemm_times(w, None, torch.float32) == {24: 2.0, 32: 1.0}
+    assert lin.gemm_times(w, None, torch.float32) == {24: 2.0, 32: 1.0} and len(timed) == 1
+    lin._GEMM_TIMES.clear()
+    lin._kept_choices.cache_clear()  # a new process reads the disk cache
+    assert lin.gemm_times(w, None, torch.float32) == {24: 2.0, 32: 1.0} and len(timed) == 1
+    assert lin.gemm_times(w, torch.randn(8), torch.float32) and len(timed) == 2  # a bias is a shape of its own
+
+
 # ---- GPU (the LEAD runs these: python -m pytest -q -s -m gpu tests/test_linear.py) --------------------
 
 @pytest.mark.gpu
@@ -141,3 +181,23 @@ def test_chosen_path_is_not_slower_than_the_unfused_one_at_qwen_shapes():
         print(f"M={row['rows']} {row['linear']:8s} {row['fold']:11s} unfused {row['unfused_us']:7.2f} us | "
               f"chosen {row['chosen_us']:7.2f} us {row['chosen_tb_s']:5.2f} TB/s | {row['chosen']}")
         assert row["chosen_us"] <= 1.10 * row["unfused_us"], row
+
+
+@pytest.mark.gpu
+def test_padded_rows_are_timed_faster_and_give_the_unpadded_output_at_qwen_shapes():
+    # cuBLAS on more rows than the step's must be faster where chosen, and its step rows must equal an unpadded
+    # run's up to the accumulation order of another kernel.
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    norm_w = torch.rand(1536, device=dev, dtype=dt)
+    for n in (2048, 17920):  # qkv, gate_up
+        w = torch.randn(n, 1536, device=dev, dtype=dt) * 0.02
+        times = lin.gemm_times(w, None, dt)
+        assert sorted(times) == list(range(24, 257, 8))
+        for m in (40, 192, 216):
+            rows = lin.fastest_rows(times, m)
+            assert rows >= m and times[rows] <= times[m]
+            x, residual = torch.randn(m, 1536, device=dev, dtype=dt), torch.randn(m, 1536, device=dev, dtype=dt)
+            padded, _ = norm_linear_ref(x, residual, norm_w, 1e-6, w, None, rows=m + 8)
+            plain, _ = norm_linear_ref(x, residual, norm_w, 1e-6, w, None)
+            assert padded.shape == plain.shape == (m, n)
+            torch.testing.assert_close(padded, plain, atol=2e-2, rtol=2e-2)
