@@ -3,10 +3,10 @@ the residual add + RMSNorm before a linear folded into its loads and SwiGLU afte
 
 cuBLAS runs the small decode GEMVs far below memory bandwidth (too few thread blocks for 132 SMs). Here
 each program owns a BLOCK_N slice of output rows and a slice of K, reads its weight tile once for all
-M <= 32 rows (one tl.dot tile of 16 or 32), and accumulates in float32; split-K partials are summed in a
-fixed order by a second small kernel, so results are bit-reproducible (a graph replay equals the eager run).
-For one row (batch-1 decode) a second kernel multiplies and sums without the 16-row tensor-core tile, all of
-K in a program, so a program can own a single output row and a small matrix spreads over every SM without splitting
+M <= 16 rows (one tl.dot tile), and accumulates in float32; split-K partials are summed in a fixed order by
+a second small kernel, so results are bit-reproducible (a graph replay equals the eager run). For one row
+(batch-1 decode) a second kernel multiplies and sums without the 16-row tensor-core tile, all of K in a
+program, so a program can own a single output row and a small matrix spreads over every SM without splitting
 K; its programs may each walk several row blocks, streaming the next block's weights while they finish this
 one's (gate_up with SwiGLU, walked by 8 programs an SM, is ~20% faster than with a program a block; the
 smaller matrices keep a program a block: see _ONE_ROW_TILES).
@@ -38,8 +38,8 @@ from kernels.activation import silu_and_mul
 from kernels.norm import add_rms_norm, rms_norm
 from kernels.pdl import pdl_enabled, pdl_launch
 
-GEMV_MAX_M = 32  # rows the Triton path takes: one tl.dot tile of 16 or 32 rows (tl.dot's M is at least 16)
-MAX_BLOCK_M = 32
+GEMV_MAX_M = 16  # rows the Triton path takes: one tl.dot tile (its M is at least 16 anyway)
+BLOCK_M = 16
 REDUCE_BLOCK = 1024
 
 
@@ -337,11 +337,10 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, config: G
         _gemv_row_kernel[(grid,)](*pointers, n_out, k, k_tiles, eps, x.stride(1), w.stride(0), w.stride(1),
                                   WHOLE_K=k_tiles == 1, **meta, **pdl_launch(x.device))
     else:
-        block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(m)))  # all rows of a decode step in one tile
-        grid = (triton.cdiv(n_out, cfg.block_n), cfg.split_k, triton.cdiv(m, block_m))
+        grid = (triton.cdiv(n_out, cfg.block_n), cfg.split_k, triton.cdiv(m, BLOCK_M))
         k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
         _gemv_kernel[grid](*pointers, sumsq, m, n_out, k, k_per_split, eps, x.stride(0), x.stride(1), w.stride(0),
-                           w.stride(1), PARTIAL=partial, BLOCK_M=block_m, **meta)
+                           w.stride(1), PARTIAL=partial, BLOCK_M=BLOCK_M, **meta)
     if partial:
         _split_k_reduce_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](
             target, sumsq, _or_w(bias, w), out, m * n, n, k, cfg.split_k, eps, NORM=norm, HAS_BIAS=bias is not None,

@@ -55,7 +55,7 @@ def fold_weights(n: int, k: int, dtype: torch.dtype = torch.float32):
 def test_norm_gemv_equals_add_rms_norm_then_linear(config, with_residual, with_bias):
     n, k = 45, 100  # neither a multiple of the block sizes; the split-K configs leave a short last split
     w, bias, norm_w = fold_weights(n, k)
-    for m in [1] if config.one_row else [1, 3, 5, 20, 32]:  # 20 and 32: the 32-row tile
+    for m in [1] if config.one_row else [1, 3, 5]:
         x, residual = 3 * torch.randn(m, k), (torch.randn(m, k) if with_residual else None)
         out, new_residual = norm_gemv_triton(x, residual, norm_w, 1e-6, w, bias if with_bias else None, config)
         ref, ref_residual = norm_linear_ref(x, residual, norm_w, 1e-6, w, bias if with_bias else None)
@@ -86,7 +86,7 @@ def test_swiglu_gemv_equals_linear_then_silu_and_mul(config, dtype, with_bias):
     w, bias, _ = fold_weights(n, k, dtype)
     bias = bias if with_bias else None
     tol = TOL if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
-    for m in [1] if config.one_row else [1, 3, 5, 24]:
+    for m in [1] if config.one_row else [1, 3, 5]:
         x = strided_rows(m, k, dtype=dtype)
         out = gemv_triton(x, w, bias, config, swiglu=True)
         assert out.shape == (m, n // 2) and out.is_contiguous()
@@ -96,7 +96,7 @@ def test_swiglu_gemv_equals_linear_then_silu_and_mul(config, dtype, with_bias):
 @pytest.mark.parametrize("config", [c for c, _ in WHOLE_K], ids=[i for _, i in WHOLE_K])
 def test_norm_and_swiglu_in_one_gemv_equal_the_unfused_ops(config):
     w, bias, norm_w = fold_weights(90, 100)
-    for m in [1] if config.one_row else [1, 4, 32]:
+    for m in [1] if config.one_row else [1, 4]:
         x, residual = 3 * torch.randn(m, 100), torch.randn(m, 100)
         out, new_residual = norm_gemv_triton(x, residual, norm_w, 1e-6, w, bias, config, swiglu=True)
         ref, ref_residual = norm_linear_ref(x, residual, norm_w, 1e-6, w, bias, linear=swiglu_linear_ref)
@@ -132,7 +132,7 @@ def test_swiglu_gemv_refuses_split_k_and_an_odd_weight():
 
 def test_gemv_triton_default_config_takes_more_rows_than_one_tile():
     w, bias = torch.randn(70, 300), torch.randn(70)
-    x = strided_rows(gemv.MAX_BLOCK_M + 3, 300)
+    x = strided_rows(gemv.BLOCK_M + 3, 300)
     torch.testing.assert_close(gemv_triton(x, w, bias), linear_ref(x, w, bias), **TOL)
 
 
