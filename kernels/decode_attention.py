@@ -59,6 +59,12 @@ _FEW_ROWS_LAUNCH = dict(num_warps=8, num_stages=3)
 # _SPLIT_GROUP: their kernel compiles from the same code as before (a change there cost the throughput run).
 _FEW_ROWS_ONE_LEVEL = 32
 _MANY_ROWS_LAUNCH = dict(num_warps=4, num_stages=2)
+# Past half of _MAX_PROGRAMS and up to two thirds (rows x KV heads: 129-170 rows at 2 KV heads), one split a row
+# leaves a third or more of the 4-an-SM slots empty. There the grid takes up to _UNDERFILLED_PROGRAMS, capped at
+# 80 registers so six fit an SM (probe 52, alone: 153 rows 57.0 -> 51.5 µs a layer; at 101 rows, two splits
+# already, more programs did not pay, nor did the cap alone at 201-256 rows).
+_UNDERFILLED_PROGRAMS = 1024
+_UNDERFILLED_LAUNCH = dict(num_warps=4, num_stages=2, maxnreg=80)
 
 
 def gather_kv_ref(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
@@ -287,8 +293,15 @@ def few_rows_launch(batch: int, num_kv_heads: int) -> bool:
     return batch * num_kv_heads <= _FEW_ROWS_KV_HEADS
 
 
+def _underfilled(batch: int, num_kv_heads: int) -> bool:
+    return _MAX_PROGRAMS // 2 < batch * num_kv_heads <= _MAX_PROGRAMS * 2 // 3
+
+
 def _grid_splits(batch: int, num_kv_heads: int) -> int:
-    programs = _FEW_ROWS_MAX_PROGRAMS if few_rows_launch(batch, num_kv_heads) else _MAX_PROGRAMS
+    if few_rows_launch(batch, num_kv_heads):
+        programs = _FEW_ROWS_MAX_PROGRAMS
+    else:
+        programs = _UNDERFILLED_PROGRAMS if _underfilled(batch, num_kv_heads) else _MAX_PROGRAMS
     return max(1, min(_MAX_SPLITS, programs // max(1, batch * num_kv_heads)))
 
 
@@ -347,7 +360,10 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     d_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot wants every dim >= 16
     group_p2 = triton.next_power_of_2(group)  # the combine's heads: no tl.dot there, so no padding to 16
     few_rows = few_rows_launch(batch, num_kv_heads)
-    launch = _FEW_ROWS_LAUNCH if few_rows else _MANY_ROWS_LAUNCH
+    if few_rows:
+        launch = _FEW_ROWS_LAUNCH
+    else:
+        launch = _UNDERFILLED_LAUNCH if _underfilled(batch, num_kv_heads) else _MANY_ROWS_LAUNCH
     top_pad = max(_SPLIT_GROUP, _MAX_SPLITS // _SPLIT_GROUP)  # the most partials the top of a tree takes
     leaf_pad = _SPLIT_GROUP if few_rows else top_pad  # any other combine's (the kernel says why)
     # Splits a combine step takes: from static shapes only, so the kernel compiles once per launch shape.
