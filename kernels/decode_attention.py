@@ -293,15 +293,17 @@ def few_rows_launch(batch: int, num_kv_heads: int) -> bool:
     return batch * num_kv_heads <= _FEW_ROWS_KV_HEADS
 
 
-def _underfilled(batch: int, num_kv_heads: int) -> bool:
-    return _MAX_PROGRAMS // 2 < batch * num_kv_heads <= _MAX_PROGRAMS * 2 // 3
+def _launch_shape(batch: int, num_kv_heads: int) -> tuple[int, dict]:
+    """The most programs a decode batch of this size launches, and its launch options."""
+    if few_rows_launch(batch, num_kv_heads):
+        return _FEW_ROWS_MAX_PROGRAMS, _FEW_ROWS_LAUNCH
+    if _MAX_PROGRAMS // 2 < batch * num_kv_heads <= _MAX_PROGRAMS * 2 // 3:
+        return _UNDERFILLED_PROGRAMS, _UNDERFILLED_LAUNCH
+    return _MAX_PROGRAMS, _MANY_ROWS_LAUNCH
 
 
 def _grid_splits(batch: int, num_kv_heads: int) -> int:
-    if few_rows_launch(batch, num_kv_heads):
-        programs = _FEW_ROWS_MAX_PROGRAMS
-    else:
-        programs = _UNDERFILLED_PROGRAMS if _underfilled(batch, num_kv_heads) else _MAX_PROGRAMS
+    programs, _ = _launch_shape(batch, num_kv_heads)
     return max(1, min(_MAX_SPLITS, programs // max(1, batch * num_kv_heads)))
 
 
@@ -360,10 +362,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     d_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot wants every dim >= 16
     group_p2 = triton.next_power_of_2(group)  # the combine's heads: no tl.dot there, so no padding to 16
     few_rows = few_rows_launch(batch, num_kv_heads)
-    if few_rows:
-        launch = _FEW_ROWS_LAUNCH
-    else:
-        launch = _UNDERFILLED_LAUNCH if _underfilled(batch, num_kv_heads) else _MANY_ROWS_LAUNCH
+    _, launch = _launch_shape(batch, num_kv_heads)
     top_pad = max(_SPLIT_GROUP, _MAX_SPLITS // _SPLIT_GROUP)  # the most partials the top of a tree takes
     leaf_pad = _SPLIT_GROUP if few_rows else top_pad  # any other combine's (the kernel says why)
     # Splits a combine step takes: from static shapes only, so the kernel compiles once per launch shape.
