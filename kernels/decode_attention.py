@@ -10,7 +10,7 @@ import triton.language as tl
 
 from kernels.arrivals import arrival_counters, last_to_arrive
 from kernels.attention_tile import attend_range, attend_tile, load_kv_tile
-from kernels.kv_store import check_cache_layout, check_new_kv, rope_store_kv_ref
+from kernels.kv_store import check_cache_layout, check_new_kv, rope_factors, rope_store_kv_ref, rotate_half_row
 from kernels.pdl import pdl_enabled, pdl_launch
 from kernels.split_combine import combine_splits
 
@@ -106,23 +106,6 @@ def _split_len(ctx, num_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _rope_factors(cos_sin, pos, offs_d, d_mask, HEAD_DIM: tl.constexpr):
-    """Rotate-half RoPE over a whole [D] row at once: out = x * cos + sign * x[partner] * sin, where partner
-    is the other half's index and the sign is - for the first half (kv_store.apply_rope_ref's formula)."""
-    half = HEAD_DIM // 2
-    first = offs_d < half
-    idx = tl.where(first, offs_d, offs_d - half)
-    cos = tl.load(cos_sin + pos * HEAD_DIM + idx, mask=d_mask, other=0.0)
-    sin = tl.load(cos_sin + pos * HEAD_DIM + half + idx, mask=d_mask, other=0.0)
-    return cos, tl.where(first, -sin, sin), tl.where(first, offs_d + half, offs_d - half)
-
-
-@triton.jit
-def _rotate(x, x_partner, cos, signed_sin):
-    return x.to(tl.float32) * cos + x_partner.to(tl.float32) * signed_sin
-
-
-@triton.jit
 def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, table_rows, context_lens, out_ptr, part_acc, part_max,
                          part_sum, arrivals, k_new, v_new, positions, cos_sin, slot_mapping, qk_scale, stride_qb,
                          stride_qh, stride_ob, stride_oh, stride_cb, stride_ch, stride_cs, stride_bt, stride_kb,
@@ -170,7 +153,7 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, table_rows, cont
                                             stride_ch, stride_cs, block_size, offs_d, d_mask)
         if NEW_KV:
             pos = tl.load(positions + b).to(tl.int64)
-            cos, sin, partner = _rope_factors(cos_sin, pos, offs_d, d_mask, HEAD_DIM)
+            cos, sin, partner = rope_factors(cos_sin, pos, offs_d, d_mask, HEAD_DIM)
             slot = tl.load(slot_mapping + b).to(tl.int64)
         if PDL:
             tl.extra.cuda.gdc_wait()
@@ -187,11 +170,11 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, table_rows, cont
             # visible to every thread of the program); no other program reads that position. Saves
             # rope_store_kv's launch a layer.
             q_partner = tl.load(q_rows + partner[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
-            q = _rotate(q, q_partner, cos[None, :], sin[None, :]).to(q_ptr.dtype.element_ty)
+            q = rotate_half_row(q, q_partner, cos[None, :], sin[None, :]).to(q_ptr.dtype.element_ty)
             if (split == used - 1) & (slot >= 0):
                 cache_off = (slot // block_size) * stride_cb + kv_head * stride_ch + (slot % block_size) * stride_cs
                 k_row = k_new + b.to(tl.int64) * stride_kb + kv_head * stride_kh
-                k = _rotate(tl.load(k_row + offs_d, mask=d_mask, other=0.0),
+                k = rotate_half_row(tl.load(k_row + offs_d, mask=d_mask, other=0.0),
                             tl.load(k_row + partner, mask=d_mask, other=0.0), cos, sin).to(k_cache.dtype.element_ty)
                 tl.store(k_cache + cache_off + offs_d, k, mask=d_mask)
                 v = tl.load(v_new + b.to(tl.int64) * stride_vb + kv_head * stride_vh + offs_d, mask=d_mask, other=0.0)

@@ -47,6 +47,25 @@ def rope_store_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
 
 
 @triton.jit
+def rope_factors(cos_sin, pos, offs_d, d_mask, HEAD_DIM: tl.constexpr):
+    """Rotate-half RoPE over a whole [D] row at once: out = x * cos + sign * x[partner] * sin, where partner
+    is the other half's index and the sign is - for the first half (apply_rope_ref's formula). For kernels that
+    hold whole rows (decode attention); rope_store_kv's kernel rotates half rows."""
+    half = HEAD_DIM // 2
+    first = offs_d < half
+    idx = tl.where(first, offs_d, offs_d - half)
+    cos = tl.load(cos_sin + pos * HEAD_DIM + idx, mask=d_mask, other=0.0)
+    sin = tl.load(cos_sin + pos * HEAD_DIM + half + idx, mask=d_mask, other=0.0)
+    return cos, tl.where(first, -sin, sin), tl.where(first, offs_d + half, offs_d - half)
+
+
+@triton.jit
+def rotate_half_row(x, x_partner, cos, signed_sin):
+    """x rotated by rope_factors' cos, signed sin and partner values (float32)."""
+    return x.to(tl.float32) * cos + x_partner.to(tl.float32) * signed_sin
+
+
+@triton.jit
 def _rotate_store(src_ptr, dst_ptr, src_stride_h, dst_stride_h, cos, sin, heads,
                   HALF: tl.constexpr, HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr, ROPE: tl.constexpr):
     """Reads [heads, 2 * HALF] at src, rotates it (if ROPE) and writes it at dst; both strided per head.
