@@ -175,7 +175,8 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, table_rows, cont
                 cache_off = (slot // block_size) * stride_cb + kv_head * stride_ch + (slot % block_size) * stride_cs
                 k_row = k_new + b.to(tl.int64) * stride_kb + kv_head * stride_kh
                 k = rotate_half_row(tl.load(k_row + offs_d, mask=d_mask, other=0.0),
-                            tl.load(k_row + partner, mask=d_mask, other=0.0), cos, sin).to(k_cache.dtype.element_ty)
+                                    tl.load(k_row + partner, mask=d_mask, other=0.0), cos, sin)
+                k = k.to(k_cache.dtype.element_ty)
                 tl.store(k_cache + cache_off + offs_d, k, mask=d_mask)
                 v = tl.load(v_new + b.to(tl.int64) * stride_vb + kv_head * stride_vh + offs_d, mask=d_mask, other=0.0)
                 v = v.to(v_cache.dtype.element_ty)
