@@ -14,14 +14,20 @@ from bench.common import RESULTS_DIR, record
 
 
 class _Outcomes:
-    """pytest plugin: the outcome of each test (a failed setup counts as the test's outcome)."""
+    """pytest plugin: the outcome of each test (a failed setup counts as the test's outcome), and the error's
+    last line for each module that failed to collect (its GPU tests, if any, did not run)."""
 
     def __init__(self) -> None:
         self.outcomes: dict[str, str] = {}
+        self.collect_errors: dict[str, str] = {}
 
     def pytest_runtest_logreport(self, report) -> None:
         if report.when == "call" or report.outcome != "passed":
             self.outcomes[report.nodeid] = report.outcome
+
+    def pytest_collectreport(self, report) -> None:
+        if report.failed:
+            self.collect_errors[report.nodeid] = str(report.longrepr).strip().splitlines()[-1]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
                        plugins=[plugin])
     counts = {k: sum(v == k for v in plugin.outcomes.values()) for k in ("passed", "failed", "skipped")}
     record("gpu-tests", args, {"exit_code": int(code), "wall_s": time.perf_counter() - start, **counts,
-                               "tests": plugin.outcomes})
+                               "tests": plugin.outcomes, "collect_errors": plugin.collect_errors})
     return int(code)
 
 
