@@ -14,8 +14,9 @@ from bench.common import RESULTS_DIR, record
 
 
 class _Outcomes:
-    """pytest plugin: the outcome of each test (a failed setup counts as the test's outcome), and the error's
-    last line for each module that failed to collect (its GPU tests, if any, did not run)."""
+    """pytest plugin: the outcome of each test (a failed setup counts as the test's outcome; a module skipped
+    while collecting counts as one skipped, as pytest's summary counts it), and the error's last line for each
+    module that failed to collect (its GPU tests, if any, did not run)."""
 
     def __init__(self) -> None:
         self.outcomes: dict[str, str] = {}
@@ -28,6 +29,8 @@ class _Outcomes:
     def pytest_collectreport(self, report) -> None:
         if report.failed:
             self.collect_errors[report.nodeid] = str(report.longrepr).strip().splitlines()[-1]
+        elif report.skipped:
+            self.outcomes[report.nodeid] = "skipped"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -245,15 +245,17 @@ def test_kernel_bench_times_every_linear_and_each_attention_case(tmp_path):
     assert all(r["us"] > 0 for r in numbers["attention"])
 
 
-def test_gpu_tests_records_each_module_that_failed_to_collect(tmp_path):
+def test_gpu_tests_records_modules_that_failed_or_skipped_at_collection(tmp_path):
     # A GPU image may lack a CPU-side test's client package: its module's error must reach the result JSON.
     from bench.gpu_tests import _Outcomes
 
     (tmp_path / "test_broken.py").write_text("import not_a_package_here\n")
     (tmp_path / "test_fine.py").write_text("import pytest\n\n@pytest.mark.gpu\ndef test_one():\n    pass\n")
+    skip = "import pytest\n\npytest.skip('no second GPU', allow_module_level=True)\n"
+    (tmp_path / "test_skipped.py").write_text(skip)
     plugin = _Outcomes()
     code = pytest.main(["-q", "-p", "no:cacheprovider", "--continue-on-collection-errors", str(tmp_path)],
                        plugins=[plugin])
-    assert code != 0 and plugin.outcomes == {"test_fine.py::test_one": "passed"}
+    assert code != 0 and plugin.outcomes == {"test_fine.py::test_one": "passed", "test_skipped.py": "skipped"}
     (module, error), = plugin.collect_errors.items()
     assert module.endswith("test_broken.py") and "not_a_package_here" in error
