@@ -14,6 +14,7 @@ from transformers import Qwen2ForCausalLM
 
 from bench import common
 from bench.common import param_count, roofline
+from bench.gpu_tests import _Outcomes
 from bench.profile import HOST_GAP, critical_path
 from bench.hf import hf_config
 from protocol.model_config import config_from_dir, short_model
@@ -247,8 +248,6 @@ def test_kernel_bench_times_every_linear_and_each_attention_case(tmp_path):
 
 def test_gpu_tests_records_modules_that_failed_or_skipped_at_collection(tmp_path):
     # A GPU image may lack a CPU-side test's client package: its module's error must reach the result JSON.
-    from bench.gpu_tests import _Outcomes
-
     (tmp_path / "test_broken.py").write_text("import not_a_package_here\n")
     (tmp_path / "test_fine.py").write_text("import pytest\n\n@pytest.mark.gpu\ndef test_one():\n    pass\n")
     skip = "import pytest\n\npytest.skip('no second GPU', allow_module_level=True)\n"
