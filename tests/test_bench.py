@@ -253,8 +253,8 @@ def test_gpu_tests_records_modules_that_failed_or_skipped_at_collection(tmp_path
     skip = "import pytest\n\npytest.skip('no second GPU', allow_module_level=True)\n"
     (tmp_path / "test_skipped.py").write_text(skip)
     plugin = _Outcomes()
-    code = pytest.main(["-q", "-p", "no:cacheprovider", "--continue-on-collection-errors", str(tmp_path)],
-                       plugins=[plugin])
+    code = pytest.main(["-q", "-p", "no:cacheprovider", "--continue-on-collection-errors", "--rootdir", str(tmp_path),
+                        str(tmp_path)], plugins=[plugin])
     assert code != 0 and plugin.outcomes == {"test_fine.py::test_one": "passed", "test_skipped.py": "skipped"}
     (module, error), = plugin.collect_errors.items()
     assert module.endswith("test_broken.py") and "not_a_package_here" in error
