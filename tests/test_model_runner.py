@@ -309,64 +309,35 @@ def test_prefill_buckets_pad_at_most_one_and_a_half_times_and_end_at_the_step_bu
     assert prefill_buckets(128) == [128]
 
 
-def test_prompt_steps_through_the_prefill_graphs_flow_equal_hf_greedy(tiny_ckpt, hf_greedy):
-    # The prefill graphs' flow without CUDA graphs (capture(graphs=False)), buckets of 8 and 32 tokens:
-    # every prompt step below is staged padded to its bucket's static layout, one of them mixed (a decode
-    # row beside a chunk). The staging buffers start as garbage: a field left unpadded would carry it.
-    from worker.cuda_graphs import StepGraphs
+def test_steps_through_the_graph_registry_flow_equal_hf_greedy(tiny_ckpt, hf_greedy):
+    # The graphs' flow without CUDA (CudaGraphs(graphs=False)): decode steps padded to batch 2 or 4, prompt
+    # steps to buckets of 8 and 32 tokens, one of them mixed (a decode row beside a chunk). The staging buffers
+    # start as garbage: a field left unpadded would carry it into the tokens.
+    from worker.cuda_graphs import CudaGraphs
 
     runner = _runner(tiny_ckpt)
-    views = {b: runner.buffers.prefill_views(b) for b in (8, 32)}
-    graphs = StepGraphs("prefill", views, runner._prefill_forward, runner.dummy_row)
+    graphs = CudaGraphs(runner.dummy_row, graphs=False)
     with torch.inference_mode():
-        graphs.capture(graphs=False)
+        graphs.capture("decode", {s: runner.buffers.decode_views(s) for s in (2, 4)}, runner._decode_forward,
+                       runner._decode_forward)
+        graphs.capture("prefill", {b: runner.buffers.prefill_views(b) for b in (8, 32)}, runner._prefill_forward,
+                       runner._prefill_forward)
     for host in runner.buffers._host_np:
         host[:] = np.random.default_rng(0).integers(0, 256, host.shape, dtype=np.uint8)
-    runner.prefill_buckets, runner.prefill_graphs, steps = [8, 32], graphs, []
+    runner.graphs, steps = graphs, []
     replay = graphs.replay
-    graphs.replay = lambda size: steps.append(size) or replay(size)
-    prompts = {0: _prompt(37, seed=1), 1: _prompt(5, seed=2)}
+    graphs.replay = lambda kind, size: steps.append((kind, size)) or replay(kind, size)
+    prompts = {0: _prompt(37, seed=1), 1: _prompt(5, seed=2), 2: _prompt(3, seed=3)}
     sched = MiniScheduler(runner, chunk=16)
     sched.add(0, prompts[0])
     sched.run_step()
     sched.add(1, prompts[1])
     out = sched.generate(6)
-    # Row 0's first 16; its next 16 beside row 1's 5; its last 5 beside row 1's first decode token.
-    assert steps == [32, 32, 8], steps
-    for row, prompt in prompts.items():
-        assert out[row] == hf_greedy(prompt, 6)
-
-
-def test_short_context_decode_graphs_serve_steps_up_to_their_context(tiny_ckpt, hf_greedy):
-    # Both decode graph sets' flow without CUDA graphs: the short-context graphs (attention over tables cut to
-    # short_context, here 32 tokens) serve steps whose rows all fit; a step past it goes to the full graphs.
-    # A short graph given a longer row would read past its cut table and the tokens would differ from HF's.
-    import functools
-
-    from worker.cuda_graphs import StepGraphs
-
-    runner = _runner(tiny_ckpt)
-    # The rule (2 KV heads, max_model_len 4096): batch 1's and 2's one-tile grids cover every length already, so
-    # only batch 4's grid (32 splits of one 64-token tile) gets a short graph; 8 rows are many rows.
-    assert runner._short_contexts([1, 2, 4, 8]) == {4: 2048}
-    runner.short_context = {1: 2 * BLOCK, 2: 2 * BLOCK}
-    views = {s: runner.buffers.decode_views(s) for s in (1, 2)}
-    used = []
-    for name, forward in (("full", runner._decode_forward),
-                          ("short", functools.partial(runner._decode_forward, short=True))):
-        graphs = StepGraphs(name, views, forward, runner.dummy_row)
-        with torch.inference_mode():
-            graphs.capture(graphs=False)
-        graphs.replay = functools.partial(lambda g, replay, size: used.append((g, size)) or replay(size), name,
-                                          graphs.replay)
-        setattr(runner, "graphs" if name == "full" else "short_graphs", graphs)
-    prompts = {0: _prompt(2 * BLOCK - 4, seed=3), 1: _prompt(5, seed=4)}
-    sched = MiniScheduler(runner, chunk=64)
-    for row, prompt in prompts.items():
-        sched.add(row, prompt)
-    out = sched.generate(8)
-    # Row 0's contexts grow from 2 * BLOCK - 3 by one a step: the short graph up to 2 * BLOCK, then the full one.
-    assert [g for g, _ in used] == ["short"] * 4 + ["full"] * 3, used
-    assert all(size == 2 for _, size in used)
+    # Row 0's first 16; its next 16 beside row 1's 5; its last 5 beside row 1's first decode token; then two rows.
+    assert steps[:3] == [("prefill", 32), ("prefill", 32), ("prefill", 8)], steps
+    assert set(steps[3:]) == {("decode", 2)}, steps
+    sched.add(2, prompts[2])
+    out.update(sched.generate(8))  # three rows decode in the size-4 graph: one padded lane
+    assert ("decode", 4) in steps, steps
     for row, prompt in prompts.items():
         assert out[row] == hf_greedy(prompt, 8)

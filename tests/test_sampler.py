@@ -23,7 +23,8 @@ def _sampler(rows_params: list[SamplingParams], prompts=None, outputs=None, voca
 
 def _run(s: Sampler, logits: torch.Tensor, rows, positions):
     rows_np = np.asarray(rows, np.int64)
-    return s(logits, torch.from_numpy(rows_np), torch.as_tensor(positions, dtype=torch.int64), rows_np)
+    last = torch.zeros(8, dtype=torch.int64)
+    return s(logits, torch.from_numpy(rows_np), torch.as_tensor(positions, dtype=torch.int64), rows_np, last)
 
 
 def _logits(n: int, seed: int = 0, vocab: int = V) -> torch.Tensor:
@@ -66,7 +67,8 @@ def _draws(logits_row: torch.Tensor, params: SamplingParams, n: int) -> torch.Te
     s = Sampler(max_rows=1, vocab_size=logits_row.shape[-1], device=torch.device("cpu"))
     s.add_row(0, params, np.zeros(0, np.int32), np.zeros(0, np.int32))
     rows = np.zeros(n, np.int64)
-    return s(logits_row.expand(n, -1).contiguous(), torch.from_numpy(rows), torch.arange(n), rows).token_ids
+    return s(logits_row.expand(n, -1).contiguous(), torch.from_numpy(rows), torch.arange(n), rows,
+             torch.zeros(1, dtype=torch.int64)).token_ids
 
 
 def test_seeded_sampling_follows_softmax_distribution():
@@ -180,7 +182,7 @@ def test_any_valid_seed_is_accepted(seed):
 def test_profile_runs_every_stage_and_leaves_no_row_behind():
     s = Sampler(max_rows=4, vocab_size=V, device=torch.device("cpu"))
     s.profile(_logits(4))
-    assert s.drawn_in_graph
+    assert s.plain
     assert _run(s, _logits(1), [0], [0]).logprobs is None
 
 
@@ -191,7 +193,7 @@ def test_eos_and_stop_ids_are_banned_until_min_tokens_outputs():
     s.add_row(1, SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[5], ignore_eos=True), prompt, no_out)
     s.add_row(2, SamplingParams(temperature=0.0, stop_token_ids=[5]), prompt, no_out)
     s.add_row(3, SamplingParams(temperature=0.0, min_tokens=2), prompt, np.array([7, 8], np.int32))  # resumed
-    assert not s.drawn_in_graph  # the graph's draw would skip the ban
+    assert not s.plain  # the graph's draw would skip the ban
     logits = torch.zeros(4, V)
     logits[:, [3, 5, 1]] = torch.tensor([10.0, 9.0, 8.0])
     for position, expected in [(4, [1, 3, 3, 3]), (5, [1, 3, 3, 3]), (6, [3, 3, 3, 3])]:

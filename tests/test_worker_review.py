@@ -14,6 +14,7 @@ from protocol.messages import AddRequest, i32
 from protocol.model_config import resolve_model
 from protocol.sampling import SamplingParams
 from scheduler.scheduler import Scheduler
+from worker.attention import AttentionBackend
 from worker.input_buffers import StepBuffers
 from worker.model_runner import ModelRunner
 
@@ -83,7 +84,8 @@ def test_same_workload_on_cuda_with_decode_graphs_equals_hf_greedy(tiny_ckpt):
 def test_every_staged_field_starts_16_byte_aligned_whatever_the_step_sizes(sizes):
     # Triton compiles a kernel variant per alignment class of each pointer: fields that moved between
     # 8- and 16-byte alignment with the step's sizes made eager steps compile in the middle of serving.
-    buffers = StepBuffers(8192, 256, 64, 6, torch.device("cpu"))
+    backend = AttentionBackend(torch.zeros(257, 8, dtype=torch.int32), num_kv_heads=2, gqa_group=6, max_batch=256)
+    buffers = StepBuffers(8192, 256, 64, backend, torch.device("cpu"))
     buffers.stage(*sizes)
     for name in ("rows", "positions", "slot_mapping", "context_lens", "cu_seqlens_q", "input_ids", "work",
                  "sample_idx", "sample_rows", "sample_pos", "delta_idx", "delta_val"):

@@ -1,13 +1,21 @@
-"""Paged attention of one layer: RoPE + KV-cache store, then decode or varlen-prefill attention."""
+"""The attention backend: one layer's RoPE + KV-cache store + paged attention, and the metadata of a step.
+
+The backend is the only part of the worker that knows how the attention kernels want their inputs: the
+prefill kernel's work items and which decode launch reads block tables through the rows.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
 from kernels import paged_prefill_attention, rope_store_kv
-from kernels.decode_attention import NewTokenKV, rope_store_decode_attention
+from kernels.decode_attention import NewTokenKV, few_rows_launch, rope_store_decode_attention
+from kernels.prefill_attention import max_prefill_work, prefill_work
+
+Views = dict[str, torch.Tensor]
 
 
 @dataclass
@@ -19,8 +27,7 @@ class AttentionMetadata:
     context_lens: torch.Tensor  # [B] int32: tokens cached for each sequence after this step
     cu_seqlens_q: torch.Tensor  # [B + 1] int32: sequence b's queries are tokens cu[b]:cu[b+1]
     work: torch.Tensor | None = None  # [2, W] int32 prefill work items; None: a decode step (T == B)
-    # A decode step's [B] mirror rows: block_tables is then the runner's whole table, row b's at table_rows[b]
-    # (read through in the attention kernel, not gathered before it).
+    # A decode step's [B] mirror rows: block_tables is then the runner's whole table, row b's at table_rows[b].
     table_rows: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
@@ -29,8 +36,36 @@ class AttentionMetadata:
                              "block_tables must be its sequences' own rows")
 
 
+class AttentionBackend:
+    """Builds a step's AttentionMetadata from its staged views over the runner's device block tables."""
+
+    def __init__(self, block_tables: torch.Tensor, num_kv_heads: int, gqa_group: int, max_batch: int) -> None:
+        self.block_tables, self.num_kv_heads, self.gqa_group = block_tables, num_kv_heads, gqa_group
+        self._decode_cu = torch.arange(max_batch + 1, dtype=torch.int32, device=block_tables.device)
+
+    def work_items(self, num_tokens: np.ndarray) -> np.ndarray:
+        """[2, W] prefill work items of sequences of num_tokens[b] queries."""
+        return prefill_work(num_tokens, self.gqa_group)
+
+    def max_work_items(self, tokens: int, seqs: int) -> int:
+        return max_prefill_work(tokens, seqs, self.gqa_group)
+
+    def decode_metadata(self, views: Views) -> AttentionMetadata:
+        rows = views["rows"]
+        # A few rows read their tables through `rows` inside the kernel; many rows gather them once here, which
+        # keeps the many-rows kernel's registers low.
+        through = few_rows_launch(rows.shape[0], self.num_kv_heads)
+        tables = self.block_tables if through else self.block_tables[rows]
+        return AttentionMetadata(views["slot_mapping"], tables, views["context_lens"],
+                                 self._decode_cu[:rows.shape[0] + 1], table_rows=rows if through else None)
+
+    def prefill_metadata(self, views: Views) -> AttentionMetadata:
+        return AttentionMetadata(views["slot_mapping"], self.block_tables[views["rows"]], views["context_lens"],
+                                 views["cu_seqlens_q"], views["work"])
+
+
 class Attention(nn.Module):
-    """Takes q, k, v views of the fused qkv output; returns [T, Hq * D]."""
+    """Takes q, k, v views of the fused qkv output (before RoPE); returns [T, Hq * D]."""
 
     def __init__(self, head_dim: int) -> None:
         super().__init__()

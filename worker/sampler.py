@@ -140,18 +140,19 @@ class Sampler:
         for row in range(n):
             self.add_row(row, params, empty, empty)
         rows = np.arange(n, dtype=np.int64)
-        self(logits, torch.from_numpy(rows).to(self.device), torch.zeros(n, dtype=torch.int64, device=self.device),
-             rows)
+        zeros = torch.zeros(n, dtype=torch.int64, device=self.device)
+        self(logits, torch.from_numpy(rows).to(self.device), zeros, rows, zeros.clone())
         for row in range(n):
             self.remove_row(row)
 
     @property
-    def drawn_in_graph(self) -> bool:
-        """True when draw() gives every active row its token: none needs more than a temperature and a seed."""
+    def plain(self) -> bool:
+        """True when no active row needs more than a temperature and a seed: then sampling is the one draw
+        kernel, which a decode graph captures."""
         return not any(count for name, count in self._count.items() if name != "random")
 
     def sync_params(self) -> None:
-        """Refresh the device tables after rows were added: draw() and __call__ read them on the device."""
+        """Refresh the device tables after rows were added: sampling reads them on the device."""
         if self._dirty:
             self.floats.copy_(_upload(self._floats, self.device))
             self.ints.copy_(_upload(self._ints, self.device))
@@ -159,21 +160,20 @@ class Sampler:
 
     # ---- sampling -----------------------------------------------------------------------------------
 
-    def draw(self, logits: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
-             last_token: torch.Tensor) -> torch.Tensor:
-        """Each row's token from its temperature and seed alone (argmax at temperature 0), also stored at
-        last_token[row], in one kernel that reads only device tables: the part of sampling a decode graph
-        captures."""
-        return gumbel_argmax(logits, self.floats[:, _TEMP], self.ints[:, _SEED], positions, rows, last_token)
-
     def __call__(self, logits: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
-                 rows_host: np.ndarray) -> SamplerOutput:
-        """Sample logits[N, V] for rows[N]; positions[N] are the sampled tokens' indices in their sequences.
+                 rows_host: np.ndarray | None, last_token: torch.Tensor) -> SamplerOutput:
+        """Sample logits[N, V] for rows[N] and store each token at last_token[row]; positions[N] are the sampled
+        tokens' indices in their sequences (the seeds hash them).
 
-        rows_host is the host copy of rows; it is read only when some row needs top-k/top-p.
+        With every row plain this reads only device tables (a decode graph captures it); rows_host, the host
+        copy of rows, is read only when some row needs top-k/top-p.
         """
         self.sync_params()
         out = SamplerOutput(token_ids=None)
+        if self.plain:
+            out.token_ids = gumbel_argmax(logits, self.floats[:, _TEMP], self.ints[:, _SEED], positions, rows,
+                                          last_token)
+            return out
         if self._count["logprobs"]:
             self._raw_logprobs(logits, out)
         if self._count["min_tokens"]:
@@ -183,10 +183,7 @@ class Sampler:
             logits = logits + self.bias[rows]
         if self._count["penalties"]:
             logits = self._apply_penalties(logits, rows)
-        if self._count["random"]:
-            out.token_ids = self._sample(logits, rows, positions, rows_host)
-        else:
-            out.token_ids = logits.argmax(dim=-1)
+        out.token_ids = self._sample(logits, rows, positions, rows_host, last_token)
         if self._count["penalties"]:
             self.output_counts.index_put_((rows, out.token_ids), torch.ones_like(rows, dtype=torch.int32),
                                           accumulate=True)
@@ -214,18 +211,20 @@ class Sampler:
         return logits - params[:, _PRESENCE:_PRESENCE + 1] * seen
 
     def _sample(self, logits: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
-                rows_host: np.ndarray) -> torch.Tensor:
+                rows_host: np.ndarray, last_token: torch.Tensor) -> torch.Tensor:
         """Random rows draw, greedy rows (temperature 0) take the argmax, in one pass over the logits."""
+        if not (self._count["min_p"] or self._count["top_k_top_p"]):
+            return gumbel_argmax(logits, self.floats[:, _TEMP], self.ints[:, _SEED], positions, rows, last_token)
+        # The filters work on the tempered logits; the draw then only adds noise (temperature 1).
         temps = self.floats[rows, _TEMP]
-        if self._count["min_p"] or self._count["top_k_top_p"]:
-            # The filters work on the tempered logits; the draw then only adds noise (temperature 1).
-            logits = logits / torch.where(temps > 0, temps, torch.ones_like(temps))[:, None]
-            temps = (temps > 0).to(temps.dtype)
-            if self._count["min_p"]:
-                logits = _apply_min_p(logits, self.floats[rows, _MIN_P])
-            if self._count["top_k_top_p"]:
-                logits = self._apply_top_k_top_p(logits, rows, rows_host)
-        return gumbel_argmax(logits, temps, self.ints[rows, _SEED], positions)
+        logits = logits / torch.where(temps > 0, temps, torch.ones_like(temps))[:, None]
+        if self._count["min_p"]:
+            logits = _apply_min_p(logits, self.floats[rows, _MIN_P])
+        if self._count["top_k_top_p"]:
+            logits = self._apply_top_k_top_p(logits, rows, rows_host)
+        tokens = gumbel_argmax(logits, (temps > 0).to(temps.dtype), self.ints[rows, _SEED], positions)
+        last_token.index_copy_(0, rows, tokens)
+        return tokens
 
     def _apply_top_k_top_p(self, logits: torch.Tensor, rows: torch.Tensor,
                            rows_host: np.ndarray) -> torch.Tensor:

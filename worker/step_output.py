@@ -1,0 +1,59 @@
+"""What a launched step leaves behind: its host copies in flight, and the StepResult they become."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from protocol.messages import StepResult
+
+
+@dataclass(slots=True)
+class Launched:
+    """A step queued on the device; ModelRunner.collect turns it into its StepResult."""
+
+    step: int
+    samples: np.ndarray  # [B] bool: rows whose token is real
+    tokens: torch.Tensor | None = None  # pinned host [S] int64, filled by an asynchronous copy
+    logprobs: tuple | None = None  # host (sampled [S], top ids [S, k] | None, top logprobs | None)
+    done: torch.cuda.Event | None = None  # recorded after the copies (CUDA only)
+    trace: tuple | None = None  # (start_ns, launched_ns, GPU events, is decode) when the plan asks for timings
+
+
+def step_result(launched: Launched) -> StepResult:
+    """The StepResult of a launched step whose copies have finished: tokens aligned with plan.rows."""
+    token_ids = np.full(len(launched.samples), -1, np.int32)
+    if launched.tokens is not None:
+        token_ids[launched.samples] = launched.tokens.numpy()
+    result = StepResult(launched.step, token_ids, _logprobs(launched.logprobs, launched.samples))
+    if launched.trace is not None:
+        result.timings = _timings(*launched.trace)
+    return result
+
+
+def _timings(start_ns: int, launched_ns: int, events: tuple | None, decode: bool) -> dict:
+    """The host's launch span; with CUDA events, the GPU's time and when the host saw it finish."""
+    timings = {"start_ns": start_ns, "end_ns": launched_ns, "decode": bool(decode)}
+    if events is not None:
+        events[1].synchronize()
+        timings["synced_ns"] = time.perf_counter_ns()
+        timings["gpu_ns"] = int(events[0].elapsed_time(events[1]) * 1e6)
+    return timings
+
+
+def _logprobs(host: tuple | None, samples: np.ndarray) -> dict | None:
+    """StepResult.logprobs aligned with plan.rows (rows without a sample get 0 and id -1)."""
+    if host is None:
+        return None
+    logprobs, ids, top = host
+    k = 0 if ids is None else ids.shape[1]
+    sampled = np.zeros(len(samples), np.float32)
+    top_ids = np.full((len(samples), k), -1, np.int32)
+    top_lps = np.zeros((len(samples), k), np.float32)
+    sampled[samples] = logprobs.numpy()
+    if k:
+        top_ids[samples] = ids.numpy()
+        top_lps[samples] = top.numpy()
+    return {"sampled": sampled, "top_ids": top_ids.reshape(-1), "top_logprobs": top_lps.reshape(-1), "k": k}
