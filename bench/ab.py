@@ -1,8 +1,8 @@
 """Old and new code side by side: one benchmark run from each source tree in turn, several rounds on one machine,
 one result JSON with every run and each tree's medians.
 
-One code's engine processes spread ~1% in batch-1 decode speed on one H200 lease, and more between leases
-(bench/NOTES.md), so a change of that size is told apart only by runs of both codes alternating on one machine.
+One code's engine processes spread ~1% in batch-1 decode speed on one H200, and more between machines
+(bench/PERF.md), so a change of that size is told apart only by runs of both codes alternating on one machine.
 
     git archive 08ae508 | tar -x -C /tmp/old
     python -m bench.ab --tree new=. --tree old=/tmp/old:08ae508 --rounds 3 latency -- --prompt-lens 32 1024

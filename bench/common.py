@@ -19,7 +19,7 @@ from protocol.config import ModelConfig
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 REPO_DIR = RESULTS_DIR.parents[1]
-COPY_TBPS = 4.24  # the H200's device-to-device copy, bytes read + written (shared/anchors/README.md)
+COPY_TBPS = 4.24  # the H200's device-to-device copy, bytes read + written (bench/PERF.md)
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 # Engine options the benchmarks pass on, under LLM(...)'s keyword names (launch.py's flags in snake_case).
 ENGINE_KEYS = ("load_format", "device", "dtype", "enforce_eager", "tensor_parallel_size", "num_kv_blocks",

@@ -2,7 +2,7 @@
 at a few row counts, alone and with the norm or SwiGLU before it folded in: the unfused path (cuBLAS alone, or
 that op's kernel then linear()'s pick) beside what kernels.linear picks, and paged decode attention at
 (batch, context, max_model_len) cases, max_model_len setting the grid as in the engine's graphs. One device
-call checks a kernel change against what bench/NOTES.md expected of it.
+call checks a kernel change before the engine's A/B (bench/PERF.md).
 
     python -m bench.kernels --rows 1 8 --attention 1:32:32768 256:512:2048
 """
@@ -16,7 +16,7 @@ from protocol.config import ModelConfig
 from protocol.model_config import resolve_model
 
 # (batch, context, max_model_len): batch 1 in the latency engine's 32K grid; batches 2 and 4 there, the largest
-# the few-rows launch takes (the 23d3bda probe had 4 warps beat its 8 at 4 x 8192); the throughput recipe's.
+# the few-rows launch takes; the throughput recipe's.
 ATTENTION_CASES = [(1, 32, 32768), (1, 4096, 32768), (1, 32640, 32768), (2, 8192, 32768), (4, 640, 32768),
                    (4, 8192, 32768), (64, 640, 32768), (256, 512, 2048), (256, 1024, 2048)]
 

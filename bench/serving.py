@@ -5,8 +5,8 @@ Per level: output tokens/s over the level's wall time; time to first token and i
 gaps between streamed chunks) at p50 and p99; and the CPU each process used over the level's wall time, in
 cores (the frontend, scheduler and worker processes, and the client's): which one, if any, is the bottleneck.
 Each level sends --rounds x concurrency requests from client processes of --client-streams streams each: one
-asyncio client parsing 64 streams used a whole core and took chunks late, in bursts; at 16 streams a process
-concurrency 16 and 64 still gained 10% (bench/NOTES.md).
+asyncio client parsing 64 streams used a whole core and took chunks late, in bursts; at 16 streams per process
+concurrency 16 and 64 still gained 10% (bench/PERF.md).
 
     python -m bench.serving
 """
