@@ -94,7 +94,7 @@ def time_attention(c: ModelConfig, cases: list[tuple[int, int, int]], block_size
     import torch
 
     from kernels import paged_decode_attention
-    from kernels.linear import graph_us
+    from kernels.linear_plan import graph_us
 
     results = []
     for batch, context, max_len in cases:

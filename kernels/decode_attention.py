@@ -14,57 +14,27 @@ from kernels.kv_store import check_cache_layout, check_new_kv, rope_factors, rop
 from kernels.pdl import pdl_enabled, pdl_launch
 from kernels.split_combine import combine_splits
 
-# Split-K sizing, measured on an H200 at Qwen2.5-1.5B shapes (bench/NOTES.md, the 987288b probe): a program
-# walks its split one tile at a time, latency-bound, so short splits (many programs) win at small batch. The
-# grid's split count comes from static shapes only (a captured graph must fit every length); each row then
-# cuts its *actual* context into that many splits of whole tiles (_split_len), so a short context runs one
-# tile per program instead of a few programs walking a long fixed partition (a floor of 2-8 tiles a split at
-# a few rows was slower wherever it merged splits: at 160 tokens 5.3 -> 6.4-6.8 µs, batch 1 889 -> 877-881 tok/s
-# at prompt 32; probe 28: a serial tile costs more than the combine it saves). _MAX_PROGRAMS caps the grid at
-# about four programs an SM (the many-rows launch's 4-warp programs): at batch 256 one split a row beat eight
-# (37.7 vs 52.5 µs a layer at context 512, no partials to write and combine), at batch 128 two beat eight.
-# Rows of mixed length did not change that: on the throughput run's own batches (nano-vllm's recipe at steps
-# 10 to 950) caps of 1024 to 4096, with or without a floor of 256 or 512 tokens a split, were 1-3% slower in
-# sum (the 903dcd1 probe, bench/NOTES.md).
-# _MAX_SPLITS bounds the splits of a long context; a short max_model_len gets splits down to one tile
-# (_MIN_PARTITION: at 256, four tiles, a 1,024-token row at batch 1 on a 1,153-token grid ran in five splits of
-# four serial tiles, 757 tok/s against 826 on the 32K grid; probe 28). A row of more splits than one level takes
-# (_SPLIT_GROUP at many rows, _FEW_ROWS_ONE_LEVEL at a few) combines them as a tree: the last of each group of
-# _SPLIT_GROUP consecutive splits combines the group into one partial, and the last group combines those. One
-# program combining all 128 partials of a 32K row (393 KB of float32 through one SM) took the kernel to 19.1 µs a
-# layer; groups of 16 17.7, of 8 16.9 (4096 tokens: 9.35 one level, 10.3 and 9.3; the 629609d probe). The top of a
-# tree takes at most _MAX_SPLITS // _SPLIT_GROUP partials: each combine's tile of maxima and sums is sized to
-# what it takes (powers of two).
+# Split-K: the grid's split count comes from static shapes only (a captured graph must fit every length); each
+# row then cuts its actual context into that many splits of whole tiles (_split_len), so a short context runs one
+# tile a program. _MAX_PROGRAMS caps the grid at about four programs an SM. A row of more splits than one level
+# takes (_SPLIT_GROUP at many rows, _FEW_ROWS_ONE_LEVEL at a few) combines them as a tree: the last of each
+# group of _SPLIT_GROUP splits combines the group, and the last group combines the groups (one program combining
+# a long row's 128 partials was slower).
 _MIN_PARTITION = 64
 _MAX_PROGRAMS = 512
 _MAX_SPLITS = 128
 _SPLIT_GROUP = 8
 _BLOCK_N = 64
 _COMBINE_TILE = 64  # partial elements [heads, splits, head_dim] a combine step loads, per thread
-# A few rows run a few hundred long programs: 8 warps each keep more loads in flight (batch 1: 36.4 -> 19.6 µs
-# a layer at 32K, 6.96 -> 5.75 at 512). Many rows fill the SMs with programs: 4 warps, 2 stages (batch 64:
-# 8 warps 31.5 µs, 4 warps 3 stages 23.5, 2 stages 20.9).
-# The few-rows launch also goes with PDL and loads each split's first K/V tile before it waits on qkv (EARLY:
-# batch 1 +2.1%), then each next tile before this one's math (_attend_ahead: ~-50 µs a step at 32K, probe 27);
-# many rows do neither: the GEMM before them is cuBLAS, which never lets them start early, and the early tile
-# cost the throughput run 12% (34.5K -> 30.5K tok/s, bench/NOTES.md).
+# A few rows run a few long programs: 8 warps keep more loads in flight, at most one wave of them (two an SM).
+# They launch with PDL and load each split's first K/V tile before waiting on qkv (EARLY), then each next tile
+# before this one's math. Many rows follow cuBLAS, which never lets them start early: they do neither.
 _FEW_ROWS_KV_HEADS = 8  # rows x KV heads up to which the few-rows launch applies
-# Its 8-warp programs run two an SM: 512 of them are two waves. 256 (one wave): 2 x 8192 tokens 18.1 -> 12.9 µs,
-# 4 x 8192 22.9 -> 17.4; batch 1 is bound by _MAX_SPLITS first (probe 30).
 _FEW_ROWS_MAX_PROGRAMS = 256
 _FEW_ROWS_LAUNCH = dict(num_warps=8, num_stages=3)
-# A few rows combine up to 32 splits in one level, not a tree: a level costs its dependent round trips (partials
-# stored, the arrival, partials read back), not its bytes. Batch 1 at 1,024 tokens (16 splits) 7.35 -> 5.3 µs, at
-# 2,048 (32) 7.9 -> 6.7, 4 x 640 7.9 -> 5.9; prompt 1024 850 -> 878 tok/s (probe 32). Many rows keep
-# _SPLIT_GROUP: their kernel compiles from the same code as before (a change there cost the throughput run).
+# A few rows combine up to 32 splits in one level, not a tree: a level costs its dependent round trips, not bytes.
 _FEW_ROWS_ONE_LEVEL = 32
 _MANY_ROWS_LAUNCH = dict(num_warps=4, num_stages=2)
-# Past half of _MAX_PROGRAMS and up to two thirds (rows x KV heads: 129-170 rows at 2 KV heads), one split a row
-# leaves a third or more of the 4-an-SM slots empty. There the grid takes up to _UNDERFILLED_PROGRAMS, capped at
-# 80 registers so six fit an SM (probe 52, alone: 153 rows 57.0 -> 51.5 µs a layer; at 101 rows, two splits
-# already, more programs did not pay, nor did the cap alone at 201-256 rows).
-_UNDERFILLED_PROGRAMS = 1024
-_UNDERFILLED_LAUNCH = dict(num_warps=4, num_stages=2, maxnreg=80)
 
 
 def gather_kv_ref(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
@@ -119,8 +89,8 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, table_rows, cont
     # Program (row, kv head, split): the group of query heads sharing this KV head attends to tokens
     # [split * L, (split + 1) * L) of the row (L = _split_len), so each K/V tile is read once for the group.
     # A row of one used split writes its output here; otherwise the last of its used splits to arrive combines
-    # them (no second kernel: at batch 1 its launch cost more than its work), or past ONE_LEVEL splits the last
-    # of each group of SPLIT_GROUP combines the group and the last group combines the groups.
+    # them (no second kernel: at a few rows its launch costs more than its work), or past ONE_LEVEL splits the
+    # last of each group of SPLIT_GROUP combines the group and the last group combines the groups.
     if PDL and not EARLY:  # o_proj's GEMV may start loading its weights (kernels/pdl.py)
         tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
@@ -158,17 +128,15 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, table_rows, cont
         if PDL:
             tl.extra.cuda.gdc_wait()
             if EARLY:
-                # Only now may o_proj start: launched at this kernel's start, o_proj's and gate_up's weight loads
-                # ran beside this step's short attention and slowed it (a 32-token one took ~6 µs in the step, 2.5
-                # alone; probe 36). Idle splits never get here: exiting lets o_proj start too.
+                # Only now may o_proj start: its weight loads would slow a short attention's own. Idle splits
+                # never get here: exiting lets o_proj start too.
                 tl.extra.cuda.gdc_launch_dependents()
         q = tl.load(q_rows + offs_d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
         if NEW_KV:
             # The step's own token: q is rotated here, and the split holding position ctx - 1 rotates and stores
             # the token's K and V (slot_mapping's slot is that position's), puts them into its first tile if
             # the token is there, and otherwise reads them back in its loop (a barrier makes the stores
-            # visible to every thread of the program); no other program reads that position. Saves
-            # rope_store_kv's launch a layer.
+            # visible to every thread of the program); no other program reads that position.
             q_partner = tl.load(q_rows + partner[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
             q = rotate_half_row(q, q_partner, cos[None, :], sin[None, :]).to(q_ptr.dtype.element_ty)
             if (split == used - 1) & (slot >= 0):
@@ -224,8 +192,8 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, table_rows, cont
             if on_top:
                 if EARLY:
                     # A few rows: the top combine's tile fits what it takes, a two-level tree's group partials (at
-                    # slots 0, G, 2G, ...) or a row's up to ONE_LEVEL splits (many rows keep one tile: a third
-                    # combine in their kernel cost throughput 1.3%).
+                    # slots 0, G, 2G, ...) or a row's up to ONE_LEVEL splits (many rows keep one call site: more
+                    # cost their kernel registers).
                     if two_levels:
                         top_count = tl.cdiv(used, SPLIT_GROUP)
                         if last_to_arrive(counters, top_count):
@@ -233,7 +201,7 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, table_rows, cont
                                            SPLIT_GROUP, top_count, num_splits, stride_ob, stride_oh, HEAD_DIM, D_PAD,
                                            GROUP_P2, TOP_PAD, TOP_CHUNK, False)
                     elif last_to_arrive(counters, used):
-                        if used <= SPLIT_GROUP:  # the smaller tile: ~0.5 µs less at a few splits (probe 30)
+                        if used <= SPLIT_GROUP:  # a few splits: the smaller tile loads and sums less
                             combine_splits(out_ptr, part_acc, part_max, part_sum, b, kv_head, group, num_q_heads, 0, 1,
                                            used, num_splits, stride_ob, stride_oh, HEAD_DIM, D_PAD, GROUP_P2, LEAF_PAD,
                                            LEAF_CHUNK, False)
@@ -254,9 +222,8 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, table_rows, cont
 def _attend_ahead(q, k, v, n_mask, m_i, l_i, acc, k_cache, v_cache, block_table_row, kv_head, lo, hi, stride_cb,
                   stride_ch, stride_cs, block_size, offs_d, d_mask, qk_scale, BLOCK_N: tl.constexpr):
     # Tokens [lo, hi), tile lo's K/V already loaded (k, v under n_mask): each next tile's loads are issued
-    # before this tile's math, so a program always has a tile in flight. The last tile skips its look-ahead:
-    # masked, its address math still cost ~0.4 µs of a layer's attention at context 32, and a split is one
-    # tile up to 8,192 tokens at batch 1 (prompt 32 +0.7%, 1024 +0.6%, 32K unchanged; bench/NOTES.md).
+    # before this tile's math, so a program always has a tile in flight. The last tile skips the look-ahead, whose
+    # masked address math is not free (at batch 1 most splits are one tile).
     for n0 in range(lo, hi, BLOCK_N):
         offs_next = n0 + BLOCK_N + tl.arange(0, BLOCK_N)
         next_mask = offs_next < hi
@@ -272,8 +239,7 @@ def _attend_ahead(q, k, v, n_mask, m_i, l_i, acc, k_cache, v_cache, block_table_
 
 def few_rows_launch(batch: int, num_kv_heads: int) -> bool:
     """Whether a decode batch of this size runs the few-rows launch. Its callers pass table_rows; many rows'
-    callers pass tables gathered once a step: through table_rows their kernel compiles to 96 registers, not 118
-    (Triton 3.6), a kernel the throughput run has not timed (a gather here, run every layer, cost it 1.4%)."""
+    callers gather the tables once a step instead (a gather here would run every layer)."""
     return batch * num_kv_heads <= _FEW_ROWS_KV_HEADS
 
 
@@ -281,8 +247,6 @@ def _launch_shape(batch: int, num_kv_heads: int) -> tuple[int, dict]:
     """The most programs a decode batch of this size launches, and its launch options."""
     if few_rows_launch(batch, num_kv_heads):
         return _FEW_ROWS_MAX_PROGRAMS, _FEW_ROWS_LAUNCH
-    if _MAX_PROGRAMS // 2 < batch * num_kv_heads <= _MAX_PROGRAMS * 2 // 3:
-        return _UNDERFILLED_PROGRAMS, _UNDERFILLED_LAUNCH
     return _MAX_PROGRAMS, _MANY_ROWS_LAUNCH
 
 

@@ -1,27 +1,16 @@
-"""Linear layers of a few rows (batch-1 decode): a split-K Triton GEMV, used only where it beats cuBLAS, with
-the residual add + RMSNorm before a linear folded into its loads and SwiGLU after gate_up into its stores.
+"""Linear layers of a few rows (decode): a Triton GEMV, with the residual add + RMSNorm before a linear folded
+into its loads and SwiGLU after gate_up into its stores. kernels/linear.py runs it where it was timed faster
+than cuBLAS, which launches too few thread blocks for a few rows to fill the GPU.
 
-cuBLAS runs the small decode GEMVs far below memory bandwidth (too few thread blocks for 132 SMs). Here
-each program owns a BLOCK_N slice of output rows and a slice of K, reads its weight tile once for all
-M <= 16 rows (one tl.dot tile), and accumulates in float32; split-K partials are summed in a fixed order by
-a second small kernel, so results are bit-reproducible (a graph replay equals the eager run). For one row
-(batch-1 decode) a second kernel multiplies and sums without the 16-row tensor-core tile, all of K in a
-program, so a program can own a single output row and a small matrix spreads over every SM without splitting
-K; its programs may each walk several row blocks, streaming the next block's weights while they finish this
-one's (gate_up with SwiGLU, walked by 8 programs an SM, is ~20% faster than with a program a block; the
-smaller matrices keep a program a block: see _ONE_ROW_TILES).
+The dot kernel reads each weight tile once for up to 16 rows (one tl.dot tile), K split over programs; the
+partials are summed in a fixed order, so results are bit-reproducible (a graph replay equals the eager run).
+The one-row kernel holds all of K in a program, so a program may own a few output rows and a small matrix still
+spreads over every SM; its programs may walk several row blocks, loading the next block while finishing this one.
 
-The norm prologue (norm_gemv_triton) computes linear(rms_norm(x + residual)) as
-out[n] = rstd * sum_k W[n, k] * (norm_w[k] * s[k]) with s = x + residual, so one pass over K sums both the
-products and s[k]^2, and rstd = 1 / sqrt(mean(s^2) + eps) scales the sums at the end (in the split-K reduce
-when K is split: both sums are additive). The rounding differs from the unfused path's by about an ulp of
-the dtype: norm_w * s is rounded (for tl.dot), not the normed s and then its product with norm_w.
-The SwiGLU epilogue (swiglu=True, w = [gate | up]) has each program sum gate row n and up row n + N/2
-together and store silu(gate) * up, rounded as linear then silu_and_mul round: no [M, N] gate_up output, no
-SwiGLU launch. It needs all of K in one program (split_k = 1).
-
-Each Triton function here sits beside its unfused reference; kernels/linear.py picks between the two per
-shape by timing them.
+The norm prologue computes out[n] = rstd * sum_k W[n, k] * (norm_w[k] * s[k]) for s = x + residual: one pass
+over K sums the products and s^2, and rstd scales the sums at the end (in the split-K reduce when K is split).
+Its rounding differs from the unfused path's by about an ulp. The SwiGLU epilogue (w = [gate | up]) sums gate
+row n and up row n + N/2 in one program and stores silu(gate) * up: it needs all of K in one program.
 """
 from __future__ import annotations
 
@@ -55,20 +44,10 @@ class GemvConfig:
     max_regs: int = 0  # the register cap ptxas compiles the kernel with (maxnreg); 0: ptxas's own choice
 
 
-# Candidate tiles: (block_n, block_k, num_warps, programs per SM), and a one-row tile's register cap (0: none).
-# A dot tile splits K until it has that many programs an SM; a one-row tile runs all of K in a program, and its
-# grid is that many programs an SM walking the output blocks in turn (0: one program a block). The one-row
-# tiles come from sweeps on an H200 at Qwen2.5-1.5B's shapes, each in a CUDA graph over cold weights, and from
-# the decode step itself (bench/NOTES.md, probes 20-25, 40): 8 x 512 for lm_head (the dot kernel's 32 x 256 ties
-# it); a program a block for qkv, o_proj and down (4 x 2048 with 4 warps: 8 warps cost down ~2 µs a layer in the
-# step); gate_up with SwiGLU 1 x 2048 at 8 programs an SM, as many as its 63 registers let an SM hold. Alone it
-# times as 16 an SM do, but the step is faster (+0.4-0.7% at prompt 32-1024, +3% at 32K): all its programs start
-# at once, so all pass gdc_launch_dependents early and down's programs start loading in gate_up's tail (with 16,
-# down waited for gate_up's second wave to start). Small matrices do not walk: alone a walking grid times as
-# fast, but in the step it loads less before it waits on the kernel before it (kernels/pdl.py), and the step was
-# ~25 µs slower. A register cap changes how ptxas schedules the loads: down_proj's 4 x 2048 tile at a cap of 168
-# compiled to 159 registers, not its own 133, and ran 9.4 -> 8.0 µs, still 3 programs an SM (over 168, 2 an SM:
-# 11.3); o_proj's stopped spilling, 2.85 -> 2.4 (probes 24-25).
+# Candidate tiles, each timed per shape (kernels/linear_plan.py). Dot tiles: (block_n, block_k, num_warps, programs
+# per SM, which sets split-K). One-row tiles: (block_n, block_k, num_warps, programs per SM walking the blocks (0: a
+# program a block), register cap (0: ptxas's own)). Walking pays for gate_up only: a small matrix's walking
+# programs load less before their PDL wait. A register cap changes how ptxas schedules the loads.
 _DOT_TILES = ((64, 128, 4, 2), (32, 256, 4, 2), (128, 128, 8, 2))
 _ONE_ROW_TILES = ((8, 512, 4, 0, 0), (4, 2048, 8, 0, 0), (8, 2048, 8, 0, 0), (1, 2048, 4, 8, 0),
                   (4, 2048, 4, 8, 0), (4, 2048, 4, 8, 168))
@@ -88,14 +67,15 @@ def swiglu_linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | Non
 
 def norm_linear_ref(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                     w: torch.Tensor, bias: torch.Tensor | None = None, linear: Callable = linear_ref,
-                    rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(linear(rms_norm(s, norm_weight, eps), w, bias), s) for s = x + residual (s = x when residual is None),
-    unfused: the norm's own kernel on the GPU (plain torch on the CPU), then `linear`. rows: `linear` runs on
-    that many rows (the norm's output padded with unset rows, sliced off after), where cuBLAS is faster so."""
+                    rows: int | None = None,
+                    residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(rms_norm(s, norm_weight, eps), w, bias), s) for s = x + residual (s = x when residual is None;
+    else written into residual_out if given), unfused: the norm's own kernel, then `linear`. rows: `linear` runs
+    on that many rows (the norm's output padded with unset rows, sliced off after), where cuBLAS is faster so."""
     m = x.shape[0]
     if residual is None:
         return linear(rms_norm(x, norm_weight, eps, rows), w, bias)[:m], x
-    normed, new_residual = add_rms_norm(x, residual, norm_weight, eps, rows)
+    normed, new_residual = add_rms_norm(x, residual, norm_weight, eps, rows, residual_out)
     return linear(normed, w, bias)[:m], new_residual
 
 
@@ -296,18 +276,18 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
 
 def norm_gemv_triton(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                      w: torch.Tensor, bias: torch.Tensor | None = None, config: GemvConfig | None = None,
-                     swiglu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                     swiglu: bool = False, residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """norm_linear_ref(...) in one GEMV (and its split-K reduce), SwiGLU after it with swiglu; x and residual
     are made contiguous."""
     x = x.contiguous()
     residual = None if residual is None else residual.contiguous()
-    out, new_residual = _gemv(x, w, bias, config, residual, norm_weight, eps, swiglu)
+    out, new_residual = _gemv(x, w, bias, config, residual, norm_weight, eps, swiglu, residual_out)
     return out, (x if residual is None else new_residual)
 
 
 def _gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig | None,
           residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-          swiglu: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+          swiglu: bool = False, residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     # (out, new residual or None). Tensors a variant does not read are passed as w: never dereferenced.
     (n, k), m = w.shape, x.shape[0]
     if x.shape[1] != k:
@@ -321,7 +301,7 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, config: G
                          f"{cfg.split_k}); use a config with one_row=False")
     n_out = n // 2 if swiglu else n
     out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
-    new_res = None if residual is None else torch.empty_like(x)
+    new_res = None if residual is None else torch.empty_like(x) if residual_out is None else residual_out
     partial, norm = cfg.split_k > 1, norm_weight is not None
     target = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device) if partial else out
     sumsq = torch.empty((cfg.split_k, m), dtype=torch.float32, device=x.device) if partial and norm else w
@@ -333,7 +313,7 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, config: G
         meta["maxnreg"] = cfg.max_regs
     if cfg.one_row:
         blocks, k_tiles = triton.cdiv(n_out, cfg.block_n), triton.cdiv(k, cfg.block_k)
-        grid = _walking_grid(blocks, cfg.per_sm * num_sms(x.device)) if cfg.per_sm else blocks
+        grid = min(blocks, cfg.per_sm * num_sms(x.device)) if cfg.per_sm else blocks
         _gemv_row_kernel[(grid,)](*pointers, n_out, k, k_tiles, eps, x.stride(1), w.stride(0), w.stride(1),
                                   WHOLE_K=k_tiles == 1, **meta, **pdl_launch(x.device))
     else:
@@ -346,13 +326,6 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, config: G
             target, sumsq, _or_w(bias, w), out, m * n, n, k, cfg.split_k, eps, NORM=norm, HAS_BIAS=bias is not None,
             BLOCK=REDUCE_BLOCK)
     return out, new_res
-
-
-def _walking_grid(blocks: int, slots: int) -> int:
-    # As many rounds of blocks as the SMs' program slots need, each program walking as many blocks as every
-    # other (one fewer at most): 8,960 gate_up blocks on 1,056 slots run 996 programs of 9, not 1,056 of 8-9,
-    # whose last round, half of them, would hold half the loads in flight.
-    return triton.cdiv(blocks, triton.cdiv(blocks, slots))
 
 
 def _or_w(t: torch.Tensor | None, w: torch.Tensor) -> torch.Tensor:

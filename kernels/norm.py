@@ -15,10 +15,11 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return weight * normed.to(x.dtype)
 
 
-def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """new_residual = x + residual (in the input dtype); returns (rms_norm(new_residual), new_residual)."""
-    new_residual = x + residual
+def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                     residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """new_residual = x + residual (in the input dtype, into residual_out if given); returns
+    (rms_norm(new_residual), new_residual)."""
+    new_residual = torch.add(x, residual, out=residual_out)
     return rms_norm_ref(new_residual, weight, eps), new_residual
 
 
@@ -46,7 +47,8 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, stride_x, stri
 
 
 def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                     rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     rows: int | None = None,
+                     residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     if x.stride(-1) != 1 or (residual is not None and residual.stride(-1) != 1):
         raise ValueError(f"rms_norm needs a unit stride on the hidden dim, got {x.stride()}; pass x.contiguous()")
     n, hidden = x.shape
@@ -54,7 +56,8 @@ def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
     if residual is None:
         res, new_res = x, out  # never touched: ADD_RESIDUAL is off
     else:
-        res, new_res = residual, torch.empty((n, hidden), dtype=x.dtype, device=x.device)
+        res = residual
+        new_res = torch.empty((n, hidden), dtype=x.dtype, device=x.device) if residual_out is None else residual_out
     block = triton.next_power_of_2(hidden)
     _rms_norm_kernel[(n,)](x, res, weight, out, new_res, x.stride(0), res.stride(0), out.stride(0),
                            new_res.stride(0), hidden, eps, ADD_RESIDUAL=residual is not None, BLOCK=block,
@@ -82,8 +85,9 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, rows: int
 
 
 def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                        rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    return _launch_rms_norm(x, residual, weight, eps, rows)
+                        rows: int | None = None,
+                        residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    return _launch_rms_norm(x, residual, weight, eps, rows, residual_out)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, rows: int | None = None) -> torch.Tensor:
@@ -95,9 +99,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, rows: int | None
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                 rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x + residual), x + residual), fused in one pass on CUDA; rows pads the first as rms_norm does."""
+                 rows: int | None = None,
+                 residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual), fused in one pass on CUDA; rows pads the first as rms_norm does;
+    the second is written into residual_out if given (contiguous, x's shape)."""
     if x.is_cuda:
-        return add_rms_norm_triton(x, residual, weight, eps, rows)
-    normed, new_residual = add_rms_norm_ref(x, residual, weight, eps)
+        return add_rms_norm_triton(x, residual, weight, eps, rows, residual_out)
+    normed, new_residual = add_rms_norm_ref(x, residual, weight, eps, residual_out)
     return _padded(normed, rows), new_residual

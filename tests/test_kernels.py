@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import kernels
 from kernels import arrivals
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
-from kernels.decode_attention import _grid_splits, paged_decode_attention_ref, paged_decode_attention_triton
+from kernels.decode_attention import paged_decode_attention_ref, paged_decode_attention_triton
 from kernels.embedding import embed_rows_ref, embed_rows_triton
 from kernels.kv_store import (make_cos_sin, rope_store_kv_ref, rope_store_kv_triton, store_kv_ref,
                               store_kv_triton)
@@ -166,18 +166,6 @@ def test_decode_triton_with_default_partition_matches_reference():
     ctx = torch.tensor([5, 47], dtype=torch.int32)
     torch.testing.assert_close(paged_decode_attention_triton(q, k_cache, v_cache, tables, ctx, 0.1),
                                paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.1), **TOL)
-
-
-def test_decode_triton_underfilled_rows_take_three_splits_and_match_reference():
-    # 130 rows x 2 KV heads: one split a row would fill half the slots, so the grid runs three (with a register
-    # cap on the GPU); 192-token tables cut into three 64-token splits, rows of 0-192 tokens use 0-3 of them.
-    lens = torch.randint(0, 12 * BLOCK + 1, (130,)).tolist()
-    k_cache, v_cache, tables = paged_cache(lens, 2, 32, width=12)
-    q = qkv_views(len(lens), 4, 2, 32)[0]
-    ctx = torch.tensor(lens, dtype=torch.int32)
-    assert _grid_splits(130, 2) == 3 and _grid_splits(128, 2) == 2 and _grid_splits(171, 2) == 1
-    torch.testing.assert_close(paged_decode_attention_triton(q, k_cache, v_cache, tables, ctx, 0.125),
-                               paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.125), **TOL)
 
 
 def prefill_batch(lens: list[int], qlens: list[int], hq: int, d: int) -> tuple[torch.Tensor, ...]:

@@ -135,8 +135,8 @@ def test_decode_with_norm_and_swiglu_folded_into_the_gemvs_equals_hf(tiny_ckpt, 
     # SwiGLU's epilogue (gate_up) takes split_k 1 only.
     split = {False: GemvConfig(32, 32, split_k=2), True: GemvConfig(32, 32, one_row=True)}
     whole = {False: GemvConfig(32, 32), True: GemvConfig(8, 32, one_row=True, per_sm=2)}
-    monkeypatch.setattr(linear_module, "choice", lambda fold, inputs, w, bias: (
-        whole if fold.endswith("swiglu") else split)[inputs[0].shape[0] == 1] if fold else None)
+    monkeypatch.setattr(linear_module, "choice", lambda fold, x, w, bias: (
+        whole if fold.endswith("swiglu") else split)[x.x.shape[0] == 1] if fold else None)
     prompt = tokens_for(2, 2 * block_size + 1)
     run = PagedRun(ours, block_size)
     got = run.step({0: prompt[:3]})

@@ -1,11 +1,10 @@
 """Tensor-parallel building blocks of a decoder: packed linears, vocab-parallel embedding and lm_head, RMSNorm.
 
 Every parameter carries weight_loader(param, loaded, shard_id=None): it checks the full checkpoint tensor's
-shape and copies this rank's TP shard of it into place, so the loader knows nothing of parallelism.
-Parameters are created in torch's default dtype and device (build the model under them); math runs in
-that dtype, logits too (as Hugging Face's: the sampler widens them only where its math needs float32).
-Linears go through kernels.linear: for a few rows on the GPU, a Triton GEMV wherever it was timed faster than
-cuBLAS, with the RMSNorm before it (RMSNorm.then_linear) and SwiGLU after gate_up (then_linear's swiglu) folded in.
+shape and copies this rank's TP shard of it into place, so the loader knows nothing of parallelism. Parameters
+take torch's default dtype and device (build the model under them); math runs in that dtype, logits too.
+Linears run kernels.linear: for a few rows on the GPU, a Triton GEMV wherever it was timed faster than cuBLAS,
+with the RMSNorm before it (FusedRMSNorm) and SwiGLU after gate_up (GateUpSwiGLU) folded in.
 """
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import add_rms_norm, embed_rows, rms_norm
-from kernels.linear import linear, norm_linear
+from kernels.linear import Input, NormedInput, linear
 from worker.parallel import all_gather_last_dim, all_reduce, local_kv_heads
 
 
@@ -38,9 +37,15 @@ def _load_slice(param: torch.Tensor, dst_start: int, loaded: torch.Tensor, src_s
     param.data.narrow(dim, dst_start, size).copy_(loaded.narrow(dim, src_start, size))
 
 
+def _load_whole(param: nn.Parameter, loaded: torch.Tensor, shard_id: None = None) -> None:
+    """Replicated parameters (norm weights) are the same on every rank."""
+    _check_shape(loaded, tuple(param.shape))
+    param.data.copy_(loaded)
+
+
 class QKVParallelLinear(nn.Module):
-    """Column-parallel q|k|v projection with bias; this rank's heads packed as [q heads, k heads, v heads].
-    It holds and loads the weights; RMSNorm.then_linear runs it, with the norm before it folded in."""
+    """Column-parallel q|k|v projection with bias, this rank's heads packed as [q heads, k heads, v heads];
+    returns q [T, heads, D], k and v [T, kv heads, D], views of one output."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
                  tp_rank: int = 0, tp_size: int = 1) -> None:
@@ -62,20 +67,26 @@ class QKVParallelLinear(nn.Module):
         local = self.num_heads if shard_id == "q" else self.num_kv_heads
         _load_slice(param, self.offset[shard_id] * d, loaded, self.first_head[shard_id] * d, local * d)
 
+    def forward(self, x: Input) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        qkv = linear(x, self.weight, self.bias).unflatten(-1, (-1, self.head_dim))
+        return qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=-2)
 
-class MergedColumnParallelLinear(nn.Module):
-    """Column-parallel [gate | up] projection (no bias): shard 0 is gate_proj, shard 1 up_proj. Run by
-    RMSNorm.then_linear(..., swiglu=True), with the norm before it and SwiGLU after it folded in."""
+
+class GateUpSwiGLU(nn.Module):
+    """silu(x @ gate^T) * (x @ up^T), column-parallel, [gate | up] in one weight (shard 0 gate_proj, 1 up_proj):
+    SwiGLU runs in the GEMV's stores where that is faster."""
 
     def __init__(self, in_features: int, out_features: int, tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
         self.full, self.local, self.tp_rank = out_features, out_features // tp_size, tp_rank
         self.weight = _param(2 * self.local, in_features, loader=self.weight_loader, shard_ids=(0, 1))
-        self.bias = None  # as QKVParallelLinear's, for RMSNorm.then_linear
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
         _check_shape(loaded, (self.full, param.shape[1]))
         _load_slice(param, shard_id * self.local, loaded, self.tp_rank * self.local, self.local)
+
+    def forward(self, x: Input) -> torch.Tensor:
+        return linear(x, self.weight, swiglu=True)
 
 
 class RowParallelLinear(nn.Module):
@@ -93,7 +104,6 @@ class RowParallelLinear(nn.Module):
         _load_slice(param, 0, loaded, self.tp_rank * local, local, dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ W^T summed over ranks."""
         return all_reduce(linear(x, self.weight), self.tp_size)
 
 
@@ -145,15 +155,10 @@ class RMSNorm(nn.Module):
             return rms_norm(x, self.weight, self.eps)
         return add_rms_norm(x, residual, self.weight, self.eps)
 
-    def then_linear(self, x: torch.Tensor, residual: torch.Tensor | None,
-                    linear: QKVParallelLinear | MergedColumnParallelLinear,
-                    swiglu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """(linear(self(s)), s) for s = x + residual (s = x when residual is None), in one GEMV where faster;
-        swiglu: linear is [gate | up] and the output silu(gate) * up (SwiGLU in the GEMV's stores too)."""
-        return norm_linear(x, residual, self.weight, self.eps, linear.weight, linear.bias, swiglu)
 
+class FusedRMSNorm(RMSNorm):
+    """An RMSNorm read only by linears: returns (normed, x + residual) with normed a NormedInput, which the next
+    linear computes inside its GEMV where that is faster. Residual None: the first layer's, x itself."""
 
-def _load_whole(param: nn.Parameter, loaded: torch.Tensor, shard_id: None = None) -> None:
-    """Replicated parameters (norm weights) are the same on every rank."""
-    _check_shape(loaded, tuple(param.shape))
-    param.data.copy_(loaded)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[NormedInput, torch.Tensor]:
+        return NormedInput.of(x, residual, self.weight, self.eps)

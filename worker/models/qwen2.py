@@ -1,6 +1,7 @@
 """Qwen2ForCausalLM over a paged KV cache: a flat batch of tokens from many sequences, TP-sharded.
 
-Parameter names are Hugging Face's, with q/k/v packed into qkv_proj and gate/up into gate_up_proj.
+Parameter names are Hugging Face's, with q/k/v packed into qkv_proj and gate/up into gate_up_proj. Each norm of a
+layer is computed by the linear after it (FusedRMSNorm), which also writes the new residual.
 """
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ import torch
 from torch import nn
 
 from kernels import make_cos_sin
+from kernels.linear import Input
 from protocol.config import ModelConfig
 from protocol.model_config import check_tp_size
 from worker.attention import Attention, AttentionMetadata
-from worker.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
-                           RowParallelLinear, VocabParallelEmbedding)
+from worker.layers import (FusedRMSNorm, GateUpSwiGLU, ParallelLMHead, QKVParallelLinear, RMSNorm, RowParallelLinear,
+                           VocabParallelEmbedding)
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -25,33 +27,21 @@ class Qwen2Attention(nn.Module):
                                           config.num_key_value_heads, tp_rank, tp_size)
         self.o_proj = RowParallelLinear(config.num_attention_heads * d, config.hidden_size, tp_rank, tp_size)
         self.attn = Attention(d)
-        heads, kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.sizes, self.shapes = [heads * d, kv_heads * d, kv_heads * d], [(heads, d), (kv_heads, d)]
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
-                cos_sin: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """(attention of norm(hidden + residual), hidden + residual): the norm runs inside qkv_proj's GEMV."""
-        qkv, residual = norm.then_linear(hidden, residual, self.qkv_proj)
-        q, k, v = qkv.split(self.sizes, dim=-1)
-        q_shape, kv_shape = self.shapes
-        out = self.attn(q.unflatten(-1, q_shape), k.unflatten(-1, kv_shape), v.unflatten(-1, kv_shape),
-                        positions, cos_sin, kv_cache, meta)
-        return self.o_proj(out), residual
+    def forward(self, positions: torch.Tensor, hidden: Input, cos_sin: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden)
+        return self.o_proj(self.attn(q, k, v, positions, cos_sin, kv_cache, meta))
 
 
 class Qwen2MLP(nn.Module):
     def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int) -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, config.intermediate_size,
-                                                       tp_rank, tp_size)
+        self.gate_up_proj = GateUpSwiGLU(config.hidden_size, config.intermediate_size, tp_rank, tp_size)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, tp_rank, tp_size)
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor,
-                norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """(MLP of norm(hidden + residual), hidden + residual): the norm and SwiGLU run inside gate_up's GEMV."""
-        act, residual = norm.then_linear(hidden, residual, self.gate_up_proj, swiglu=True)
-        return self.down_proj(act), residual
+    def forward(self, hidden: Input) -> torch.Tensor:
+        return self.down_proj(self.gate_up_proj(hidden))
 
 
 class Qwen2DecoderLayer(nn.Module):
@@ -59,16 +49,16 @@ class Qwen2DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Qwen2Attention(config, tp_rank, tp_size)
         self.mlp = Qwen2MLP(config, tp_rank, tp_size)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = FusedRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = FusedRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 cos_sin: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        # Each sublayer adds the residual and runs its norm inside its first linear (residual None: layer 0).
-        hidden, residual = self.self_attn(positions, hidden, residual, self.input_layernorm, cos_sin, kv_cache,
-                                          meta)
-        return self.mlp(hidden, residual, self.post_attention_layernorm)
+        hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, cos_sin, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class Qwen2Model(nn.Module):
