@@ -83,8 +83,7 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, table_rows, cont
                          D_PAD: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr,
                          TOP_PAD: tl.constexpr, TOP_CHUNK: tl.constexpr, LEAF_PAD: tl.constexpr,
                          LEAF_CHUNK: tl.constexpr, ONE_LEVEL: tl.constexpr, ONE_CHUNK: tl.constexpr,
-                         SPLIT_GROUP: tl.constexpr, TABLE_ROWS: tl.constexpr, ONE_TILE: tl.constexpr,
-                         COUNTERS: tl.constexpr, BLOCK_N: tl.constexpr, NEW_KV: tl.constexpr, PDL: tl.constexpr,
+                         SPLIT_GROUP: tl.constexpr, TABLE_ROWS: tl.constexpr, COUNTERS: tl.constexpr, BLOCK_N: tl.constexpr, NEW_KV: tl.constexpr, PDL: tl.constexpr,
                          EARLY: tl.constexpr):
     # Program (row, kv head, split): the group of query heads sharing this KV head attends to tokens
     # [split * L, (split + 1) * L) of the row (L = _split_len), so each K/V tile is read once for the group.
@@ -158,9 +157,7 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, table_rows, cont
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
         # The query is the row's last token (position ctx - 1): the mask only cuts the tile's tail past the split.
-        if ONE_TILE:  # the grid's splits are one tile each: the first tile is the split, no loop
-            m_i, l_i, acc = attend_tile(q, k_first, v_first, n_mask[None, :], m_i, l_i, acc, qk_scale, True)
-        elif EARLY:
+        if EARLY:
             m_i, l_i, acc = _attend_ahead(q, k_first, v_first, n_mask, m_i, l_i, acc, k_cache, v_cache,
                                           block_table_row, kv_head, start, end, stride_cb, stride_ch, stride_cs,
                                           block_size, offs_d, d_mask, qk_scale, BLOCK_N)
@@ -261,13 +258,6 @@ def _partition_size(batch: int, num_kv_heads: int, max_context: int) -> int:
     return max(_MIN_PARTITION, triton.next_power_of_2(triton.cdiv(max_context, splits)))
 
 
-def one_tile_context(batch: int, num_kv_heads: int) -> int:
-    """The longest context (block tables that wide) at which a few rows' grid cuts every split to one tile, so
-    their kernel compiles without the tile loop: a decode graph of its own serves such steps (at batch 1 the
-    loop's set-up was ~0.4 µs of a layer's attention; bench/NOTES.md). 0 for many rows."""
-    return _MIN_PARTITION * _grid_splits(batch, num_kv_heads) if few_rows_launch(batch, num_kv_heads) else 0
-
-
 @dataclass(frozen=True)
 class NewTokenKV:
     """A decode step's own K and V ([B, Hkv, D], views of the qkv output allowed, before RoPE), which the
@@ -331,8 +321,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         new.k.stride(0), new.k.stride(1), new.v.stride(0), new.v.stride(1), block_size, group, num_q_heads,
         HEAD_DIM=head_dim, D_PAD=d_pad, GROUP_PAD=max(16, group_p2), GROUP_P2=group_p2, TOP_PAD=top_pad,
         TOP_CHUNK=top_chunk, LEAF_PAD=leaf_pad, LEAF_CHUNK=leaf_chunk, ONE_LEVEL=one_level,
-        ONE_CHUNK=one_chunk, SPLIT_GROUP=_SPLIT_GROUP, TABLE_ROWS=table_rows is not None,
-        ONE_TILE=few_rows and partition == block_n, COUNTERS=counters,
+        ONE_CHUNK=one_chunk, SPLIT_GROUP=_SPLIT_GROUP, TABLE_ROWS=table_rows is not None, COUNTERS=counters,
         BLOCK_N=block_n, NEW_KV=new_kv is not None, PDL=pdl_enabled(q.device), EARLY=few_rows, **launch,
         **(pdl_launch(q.device) if few_rows else {}))
     return out
