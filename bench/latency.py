@@ -1,6 +1,6 @@
 """Batch-1 decode speed and time to first token at several prompt lengths, beside the roofline (and HF).
 
-Method (shared/anchors/hf_baseline.py's): time a generate of 1 new token (the time to first token: the
+Method (bench/PERF.md): time a generate of 1 new token (the time to first token: the
 prompt's prefill and one token) and one of N new tokens; (t_N - t_1) / (N - 1) is one decode step with
 the prefill taken out. A warm-up generate runs first at each length, and every call gets a fresh random
 prompt, so that the prefix cache never skips a prefill.
