@@ -5,9 +5,7 @@ frontends over ZeroMQ (protocol/PROTOCOL.md). `--help` lists every flag.
 """
 import sys
 
-if __name__ == "__main__":
-    # Imported here, not at the top: the engine's processes start by spawn, which runs this file's top level
-    # again in each child, and the server's imports (FastAPI, transformers) would delay every child by ~1 s.
-    from frontend.cli import main
+from frontend.cli import main
 
+if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -1,31 +1,42 @@
-"""Starts the scheduler and worker processes, watches them, and stops them leaving nothing behind."""
+"""Starts the scheduler and worker processes, watches them, and stops them leaving nothing behind.
+
+Each child is its own program (`python -m scheduler`, `python -m worker`) that reads its arguments as msgpack
+on stdin: nothing of the caller's `__main__` is re-imported, so `LLM(...)` works in any script, pipe or REPL.
+"""
 from __future__ import annotations
 
-import importlib
 import logging
-import multiprocessing as mp
 import os
 import signal
+import subprocess
+import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable
-from multiprocessing.connection import wait
+from pathlib import Path
 
 from protocol.addresses import Addresses, make_addresses, remove_ipc_dir
-from protocol.config import EngineConfig
+from protocol.config import EngineConfig, pack_child_args
 
 log = logging.getLogger("pico_vllm.launcher")
-
+ROOT = Path(__file__).resolve().parents[1]
 # NVLink multicast can take a shared host's GPUs down for a day: keep it off in every child.
 _CHILD_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-def _child_main(module: str, func: str, *args) -> None:
-    """Spawn target: import the role's module only in the child, so the frontend never loads CUDA."""
-    os.environ.update(_CHILD_ENV)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to launch.py, which stops us in order
-    getattr(importlib.import_module(module), func)(*args)
+def start_child(module: str, args: bytes) -> subprocess.Popen:
+    """`python -m module` with our packages first on its path (-P: not the caller's directory)."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, **_CHILD_ENV, "PYTHONPATH": path}
+    safe_path = ["-P"] if sys.version_info >= (3, 11) else []
+    proc = subprocess.Popen([sys.executable, *safe_path, "-m", module], stdin=subprocess.PIPE, env=env)
+    try:
+        proc.stdin.write(args)
+        proc.stdin.close()
+    except BrokenPipeError:  # it died at once: the watcher reports its exit code
+        pass
+    return proc
 
 
 def resolve_config(config: EngineConfig) -> EngineConfig:
@@ -63,68 +74,70 @@ class EngineProcesses:
         self.config = config
         self.addresses: Addresses = make_addresses(config.tensor_parallel_size, engine_address)
         self.dead_reason: str | None = None
+        self.procs: dict[str, subprocess.Popen] = {}
         self._stopping = False
+        self._exited = threading.Event()
+        self._lock = threading.Lock()
         self._on_death: list[Callable[[str], None]] = []
-        ctx = mp.get_context("spawn")
-        args = (config.to_dict(), self.addresses.to_dict())
-        self.procs = {"scheduler": ctx.Process(target=_child_main, name="scheduler", daemon=True,
-                                               args=("scheduler.process", "run_scheduler", *args))}
-        for rank in range(config.tensor_parallel_size):
-            self.procs[f"worker{rank}"] = ctx.Process(target=_child_main, name=f"worker{rank}", daemon=True,
-                                                      args=("worker.process", "run_worker", *args, rank))
 
     def start(self) -> None:
+        addresses = self.addresses.to_dict()
+        self.procs["scheduler"] = start_child("scheduler", pack_child_args(self.config, addresses))
+        for rank in range(self.config.tensor_parallel_size):
+            self.procs[f"worker{rank}"] = start_child("worker", pack_child_args(self.config, addresses, rank=rank))
         for role, proc in self.procs.items():
-            proc.start()
             log.info("%s pid=%d", role, proc.pid)
-        threading.Thread(target=self._watch, name="engine-watcher", daemon=True).start()
+            threading.Thread(target=self._watch, args=(role, proc), name=f"watch-{role}", daemon=True).start()
 
     def on_death(self, callback: Callable[[str], None]) -> None:
-        """Call back (from the watcher thread) with the reason when a child dies unexpectedly."""
+        """Call back (from a watcher thread) with the reason when a child dies unexpectedly."""
         self._on_death.append(callback)
         if self.dead_reason is not None:
             callback(self.dead_reason)
 
-    def _watch(self) -> None:
-        by_sentinel = {p.sentinel: (role, p) for role, p in self.procs.items()}
-        ready = wait(list(by_sentinel))
-        if self._stopping:
-            return
-        role, proc = by_sentinel[ready[0]]
-        proc.join(1.0)  # its sentinel fired: reap it so that the exit code is known
-        self.dead_reason = f"engine process {role} (pid {proc.pid}) exited with code {proc.exitcode}"
+    def _watch(self, role: str, proc: subprocess.Popen) -> None:
+        code = proc.wait()
+        self._exited.set()
+        with self._lock:
+            if self._stopping or self.dead_reason is not None:
+                return
+            self.dead_reason = f"engine process {role} (pid {proc.pid}) exited with code {code}"
         log.error("%s", self.dead_reason)
         for callback in self._on_death:
             callback(self.dead_reason)
 
     @property
     def alive(self) -> bool:
-        return self.dead_reason is None and all(p.is_alive() for p in self.procs.values())
+        return self.dead_reason is None and all(p.poll() is None for p in self.procs.values())
 
     def wait_any_exit(self, timeout: float | None = None) -> bool:
         """Block until a child exits (headless mode); True if one did."""
-        return bool(wait([p.sentinel for p in self.procs.values()], timeout))
+        return self._exited.wait(timeout)
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        """Join children (the client has asked the scheduler to stop), then terminate, then kill.
+        """Wait for the children (the client has asked the scheduler to stop), then terminate, then kill.
 
         After a child died nobody stops the others in order (a worker may be stuck), so they are
         terminated at once: a supervisor waiting to restart us must not wait for a grace period.
         """
-        self._stopping = True
-        self._join_all(0.0 if self.dead_reason else timeout)
+        with self._lock:
+            self._stopping = True
+        self._wait_all(0.0 if self.dead_reason else timeout)
         for end in ("terminate", "kill"):
-            alive = [proc for proc in self.procs.values() if proc.is_alive()]
-            for proc in alive:
-                getattr(proc, end)()
-            self._join_all(2.0)
+            for proc in self.procs.values():
+                if proc.poll() is None:
+                    getattr(proc, end)()
+            self._wait_all(2.0)
         remove_ipc_dir(self.addresses)
 
-    def _join_all(self, timeout: float) -> None:
-        """Join every child within one shared deadline (not `timeout` each)."""
+    def _wait_all(self, timeout: float) -> None:
+        """Wait for every child within one shared deadline (not `timeout` each)."""
         deadline = time.monotonic() + timeout
         for proc in self.procs.values():
-            proc.join(max(0.0, deadline - time.monotonic()))
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
 
 
 def run_headless(config: EngineConfig, address: str) -> int:

@@ -5,6 +5,8 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+import msgpack
+
 CACHE_ENV = "PICO_VLLM_CACHE"
 
 
@@ -106,3 +108,13 @@ def require(ok: bool, name: str, value: object, fix: str) -> None:
     """Raise ValueError naming the bad value and its fix (the one error shape of every config)."""
     if not ok:
         raise ValueError(f"{name}={value!r} is invalid: {fix}")
+
+
+def pack_child_args(config: EngineConfig, addresses: dict, **extra: int) -> bytes:
+    """A child process's launch arguments (msgpack on its stdin): its config, the sockets, whose child it is."""
+    return msgpack.packb({"config_dict": config.to_dict(), "addresses_dict": addresses, "parent_pid": os.getpid(),
+                          **extra})
+
+
+def unpack_child_args(data: bytes) -> dict:
+    return msgpack.unpackb(data, raw=False)

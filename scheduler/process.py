@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import multiprocessing
 import os
 import signal
 import sys
@@ -44,23 +43,22 @@ class _Exit(Exception):
         self.code, self.reason = code, reason
 
 
-def run_scheduler(config_dict: dict, addresses_dict: dict) -> None:
-    """Process entry (multiprocessing spawn target): serve until Shutdown; exit non-zero on failure."""
+def run_scheduler(config_dict: dict, addresses_dict: dict, parent_pid: int | None = None) -> None:
+    """Process entry (`python -m scheduler`): serve until Shutdown; exit non-zero on failure."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
     def on_sigterm(signum, frame):
         raise _Exit(0, "the scheduler got SIGTERM")
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    # The pid that spawned us, not os.getppid() now: the parent may have died while we were importing.
-    parent = multiprocessing.parent_process()
-    code = serve(EngineConfig.from_dict(config_dict), Addresses(**addresses_dict), parent.pid if parent else None)
+    code = serve(EngineConfig.from_dict(config_dict), Addresses(**addresses_dict), parent_pid)
     if code:
         sys.exit(code)
 
 
 def serve(config: EngineConfig, addresses: Addresses, parent_pid: int | None = None) -> int:
-    """Run the scheduler loop on `addresses` until told to stop or `parent_pid` dies; return the exit code.
+    """Run the scheduler loop on `addresses` until told to stop or `parent_pid` (the launcher, which may have died
+    while we were importing, so not os.getppid() now) dies; return the exit code.
 
     The ipc directory goes with it: the sockets there are the ones it bound, and when the launcher died
     first (SIGKILL, or SIGTERM while the engine loads) nobody else is left to remove it.

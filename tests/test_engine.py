@@ -223,3 +223,35 @@ def _alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as f:  # a zombie is gone for our purposes
         return f.read().split()[2] != "Z"
+
+
+README_SNIPPET = """\
+from frontend import LLM, SamplingParams
+
+with LLM({model!r}, device="cpu", num_kv_blocks=64) as llm:
+    out = llm.generate(["Hello, my name is"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    print("OUT:" + repr(out[0].outputs[0].text))
+"""
+
+
+@pytest.mark.parametrize("how", ["script", "stdin", "-c"])
+def test_readme_snippet_runs_without_a_main_guard(tiny_ckpt, tmp_path, how):
+    """The README's LLM(...) at module level: as a script, piped to `python -`, and with `python -c`,
+    run from a directory that is not the repository (the children must still find their modules)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = README_SNIPPET.format(model=str(tiny_ckpt))
+    script = tmp_path / "use.py"
+    script.write_text(code)
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": root}
+    argv = {"script": [str(script)], "stdin": ["-"], "-c": ["-c", code]}[how]
+    with open(script) as stdin:
+        done = subprocess.run([sys.executable, *argv], stdin=stdin, cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with LLM(str(tiny_ckpt), device="cpu", num_kv_blocks=64) as llm:
+        want = llm.generate(["Hello, my name is"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert f"OUT:{want[0].outputs[0].text!r}" in done.stdout.splitlines()

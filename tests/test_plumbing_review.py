@@ -130,7 +130,7 @@ def test_engine_death_between_event_loops_fails_the_next_call(tiny_ckpt):
         asyncio.run(_tokens(llm, "before"))
         scheduler = llm.client.procs.procs["scheduler"]
         os.kill(scheduler.pid, signal.SIGKILL)
-        scheduler.join(10)
+        scheduler.wait(10)
         deadline = time.monotonic() + 10
         while llm.is_alive and time.monotonic() < deadline:  # the launcher's watcher reports the death
             time.sleep(0.05)

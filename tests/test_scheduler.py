@@ -718,14 +718,14 @@ def test_a_step_without_progress_marks_the_engine_dead_after_step_timeout():
 # ---- the real process entry -------------------------------------------------------------------------
 
 import json  # noqa: E402
-import multiprocessing as mp  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from scheduler.process import run_scheduler  # noqa: E402
+from frontend.launcher import start_child  # noqa: E402
+from protocol.config import pack_child_args  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -740,8 +740,7 @@ def _gone(pid: int) -> bool:
 @pytest.mark.parametrize("ending", ["worker error", "SIGTERM"])
 def test_scheduler_process_exit_code_says_how_it_ended(ending):
     addresses, log = make_addresses(1), []
-    proc = mp.get_context("spawn").Process(target=run_scheduler, args=(make_config().to_dict(), addresses.to_dict()))
-    proc.start()
+    proc = start_child("scheduler", pack_child_args(make_config(), addresses.to_dict()))
     worker = threading.Thread(target=socket_worker, args=(addresses, 32, 8, 1, log), daemon=True)
     worker.start()
     ctx = zmq.Context()
@@ -754,23 +753,24 @@ def test_scheduler_process_exit_code_says_how_it_ended(ending):
         else:
             sock.send(encode(AddRequest("x", i32([1]), {})))
         assert isinstance(recv(sock), EngineDead)
-        proc.join(10)
-        assert proc.exitcode == (0 if ending == "SIGTERM" else 1)
+        assert proc.wait(10) == (0 if ending == "SIGTERM" else 1)
         worker.join(10)
         assert isinstance(log[-1], Shutdown)
     finally:
         proc.kill()
+        proc.wait()
         ctx.destroy(linger=0)
         remove_ipc_dir(addresses)
 
 
 def test_scheduler_exits_when_its_parent_dies():
     addresses = make_addresses(1)
-    script = ("import json, multiprocessing as mp, sys, time\n"
-              "from scheduler.process import run_scheduler\n"
-              "if __name__ == '__main__':\n"
-              "    p = mp.get_context('spawn').Process(target=run_scheduler, args=tuple(json.loads(sys.argv[1])))\n"
-              "    p.start(); print(p.pid, flush=True); time.sleep(60)\n")
+    script = ("import json, sys, time\n"
+              "from frontend.launcher import start_child\n"
+              "from protocol.config import EngineConfig, pack_child_args\n"
+              "config, addresses = json.loads(sys.argv[1])\n"
+              "p = start_child('scheduler', pack_child_args(EngineConfig.from_dict(config), addresses))\n"
+              "print(p.pid, flush=True); time.sleep(60)\n")
     args = json.dumps([make_config().to_dict(), addresses.to_dict()])
     parent = subprocess.Popen([sys.executable, "-c", script, args], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import multiprocessing
 import os
 import threading
 import time
@@ -23,12 +22,12 @@ from protocol.tracing import DECODE_GPU_SPAN, GPU_TRACK, Tracer
 log = logging.getLogger("pico_vllm.worker")
 
 
-def run_worker(config_dict: dict, addresses_dict: dict, rank: int) -> None:
-    """Process entry: build the runner, say Ready, serve plans until Shutdown (exit 0) or an error (exit 1)."""
+def run_worker(config_dict: dict, addresses_dict: dict, rank: int, parent_pid: int | None = None) -> None:
+    """Process entry (`python -m worker`): build the runner, say Ready, serve plans until Shutdown (exit 0) or an error (exit 1)."""
     clock = {"worker_entered": time.time()}  # wall-clock marks: bench/startup places them on its launch's timeline
     config = EngineConfig.from_dict(config_dict)
     addresses = Addresses(**addresses_dict)
-    _exit_with_parent()
+    _exit_with_parent(parent_pid or os.getppid())
     ctx = zmq.Context()
     plans, results = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     plans.connect(addresses.plans[rank])
@@ -124,13 +123,8 @@ def _trace(tracer: Tracer, result: StepResult) -> None:
         tracer.add(name, t["synced_ns"] - t["gpu_ns"], t["gpu_ns"], result.step, GPU_TRACK)
 
 
-def _exit_with_parent() -> None:
+def _exit_with_parent(parent: int) -> None:
     """A worker outliving its launcher would hold the GPU forever: exit when the parent is gone."""
-    # The pid that spawned us, not os.getppid() now: the parent may have died while we were importing,
-    # and a worker that then takes its new parent (init) for its own would never exit.
-    spawner = multiprocessing.parent_process()
-    parent = spawner.pid if spawner is not None else os.getppid()
-
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(1.0)
