@@ -1,12 +1,10 @@
-"""Arrival counters: a kernel whose programs each finish part of a result lets the last of them to arrive
-combine the parts, instead of a second kernel (a launch, and a kernel boundary in the graph).
+"""Arrival counters: the last program of a kernel to finish its part of a result combines the parts, instead of
+a second kernel.
 
-Counters are int32, one buffer per device, shared by every kernel that counts. All are zero between calls:
-the last arriver on each counter resets it. So one zeroed buffer serves every call and every graph replay on
-the device, given that calls on a device run one at a time (one stream, as the worker runs). It is only grown
-on an eager call: a capture that needed a new one would bake in its allocation, so it fails instead (the
-engine and bench.kernels warm each size up eagerly before capturing it, largest first). A grown-out buffer
-stays alive: graphs captured on it still use it.
+One int32 buffer per device, shared by every kernel that counts. All counters are zero between calls (the last
+arriver on each resets it), so one buffer serves every call and graph replay, given that calls on a device run
+one at a time (one stream). It grows only on an eager call: a capture would bake in the allocation, so it fails
+instead (warm each size up eagerly before capturing it). A grown-out buffer stays alive for the graphs on it.
 """
 from __future__ import annotations
 

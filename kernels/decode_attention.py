@@ -15,25 +15,22 @@ from kernels.pdl import pdl_enabled, pdl_launch
 from kernels.split_combine import combine_splits
 
 # Split-K: the grid's split count comes from static shapes only (a captured graph must fit every length); each
-# row then cuts its actual context into that many splits of whole tiles (_split_len), so a short context runs one
-# tile a program. _MAX_PROGRAMS caps the grid at about four programs an SM. A row of more splits than one level
-# takes (_SPLIT_GROUP at many rows, _FEW_ROWS_ONE_LEVEL at a few) combines them as a tree: the last of each
-# group of _SPLIT_GROUP splits combines the group, and the last group combines the groups (one program combining
-# a long row's 128 partials was slower).
+# row cuts its actual context into that many splits of whole tiles, so a short context runs a tile a program.
+# _MAX_PROGRAMS caps the grid at about four programs an SM. Past one level's splits (_SPLIT_GROUP at many rows,
+# _FEW_ROWS_ONE_LEVEL at a few) a row combines them as a tree of groups of _SPLIT_GROUP.
 _MIN_PARTITION = 64
 _MAX_PROGRAMS = 512
 _MAX_SPLITS = 128
 _SPLIT_GROUP = 8
 _BLOCK_N = 64
 _COMBINE_TILE = 64  # partial elements [heads, splits, head_dim] a combine step loads, per thread
-# A few rows run a few long programs: 8 warps keep more loads in flight, at most one wave of them (two an SM).
-# They launch with PDL and load each split's first K/V tile before waiting on qkv (EARLY), then each next tile
-# before this one's math. Many rows follow cuBLAS, which never lets them start early: they do neither.
+# A few rows run a few long programs: 8 warps keep more loads in flight, one wave of them (two an SM). They
+# launch with PDL and load each split's first K/V tile before waiting on qkv (EARLY), then each next tile before
+# this one's math. Many rows follow cuBLAS, which never lets them start early: they do neither.
 _FEW_ROWS_KV_HEADS = 8  # rows x KV heads up to which the few-rows launch applies
 _FEW_ROWS_MAX_PROGRAMS = 256
 _FEW_ROWS_LAUNCH = dict(num_warps=8, num_stages=3)
-# A few rows combine up to 32 splits in one level, not a tree: a level costs its dependent round trips, not bytes.
-_FEW_ROWS_ONE_LEVEL = 32
+_FEW_ROWS_ONE_LEVEL = 32  # a combine level costs its dependent round trips, not its bytes
 _MANY_ROWS_LAUNCH = dict(num_warps=4, num_stages=2)
 
 
@@ -70,8 +67,7 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 @triton.jit
 def _split_len(ctx, num_splits, BLOCK_N: tl.constexpr):
-    # The fewest whole tiles that cover ctx in num_splits splits (never more than the static partition,
-    # which covers the longest possible context in as many splits).
+    # The fewest whole tiles that cover ctx in num_splits splits (never more than the static partition).
     return tl.maximum(tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N), 1) * BLOCK_N
 
 
@@ -83,8 +79,8 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, table_rows, cont
                          D_PAD: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr,
                          TOP_PAD: tl.constexpr, TOP_CHUNK: tl.constexpr, LEAF_PAD: tl.constexpr,
                          LEAF_CHUNK: tl.constexpr, ONE_LEVEL: tl.constexpr, ONE_CHUNK: tl.constexpr,
-                         SPLIT_GROUP: tl.constexpr, TABLE_ROWS: tl.constexpr, COUNTERS: tl.constexpr, BLOCK_N: tl.constexpr, NEW_KV: tl.constexpr, PDL: tl.constexpr,
-                         EARLY: tl.constexpr):
+                         SPLIT_GROUP: tl.constexpr, TABLE_ROWS: tl.constexpr, COUNTERS: tl.constexpr,
+                         BLOCK_N: tl.constexpr, NEW_KV: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
     # Program (row, kv head, split): the group of query heads sharing this KV head attends to tokens
     # [split * L, (split + 1) * L) of the row (L = _split_len), so each K/V tile is read once for the group.
     # A row of one used split writes its output here; otherwise the last of its used splits to arrive combines
@@ -101,8 +97,7 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, table_rows, cont
     split_len = _split_len(ctx, num_splits, BLOCK_N)
     used = tl.cdiv(ctx, split_len)  # splits that start before ctx: 0 at context 0
     start = split * split_len
-    # A split past the row's length does nothing: no store, no arrival (a graph sized for long contexts
-    # launches mostly such programs at short ones). Split 0 also runs at context 0, to write its zeros.
+    # A split past the row's length does nothing, no store, no arrival; split 0 runs at context 0 to write zeros.
     if (split < used) | (split == 0):
         offs_g = tl.arange(0, GROUP_PAD)
         offs_d = tl.arange(0, D_PAD)
@@ -112,9 +107,8 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, table_rows, cont
         q_rows = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
         block_table_row = block_tables + table_row.to(tl.int64) * stride_bt
         end = tl.minimum(start + split_len, ctx)
-        # EARLY (a few rows, launched with PDL): the split's first K/V tile loads before waiting on the kernel
-        # that writes q. No kernel before this one writes this layer's cache, so only the step's own token,
-        # stored below, can be stale in it.
+        # EARLY: the first K/V tile loads before waiting on the kernel that writes q. No kernel before this one
+        # writes this layer's cache, so only the step's own token, stored below, can be stale in it.
         if EARLY:
             offs_n = start + tl.arange(0, BLOCK_N)
             n_mask = offs_n < end

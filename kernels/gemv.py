@@ -276,7 +276,8 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
 
 def norm_gemv_triton(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                      w: torch.Tensor, bias: torch.Tensor | None = None, config: GemvConfig | None = None,
-                     swiglu: bool = False, residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     swiglu: bool = False,
+                     residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """norm_linear_ref(...) in one GEMV (and its split-K reduce), SwiGLU after it with swiglu; x and residual
     are made contiguous."""
     x = x.contiguous()

@@ -1,8 +1,8 @@
 """Programmatic dependent launch (Hopper and later): a kernel launched with it may start while the kernel
 before it finishes, and do the work that does not depend on it (a GEMV's first weight tile) before it waits
 (`tl.extra.cuda.gdc_wait()`). The kernel before lets it start early by `gdc_launch_dependents()`; a kernel
-launched without it waits for the one before as usual, so only the kernels that wait take it. Measured on the
-batch-1 GEMV chain in a CUDA graph: 880 -> 804 µs a step (bench/NOTES.md). PICO_VLLM_PDL=0 turns it off.
+launched without it waits for the one before as usual, so only the kernels that wait take it. It pays most on
+the batch-1 chain of GEMVs, each bound by its weights' loads. PICO_VLLM_PDL=0 turns it off.
 """
 from __future__ import annotations
 

@@ -3,12 +3,8 @@
 argmax(logits + Gumbel noise) is an exact draw from softmax(logits). The noise is a counter-based hash of
 (row seed, position of the sampled token, vocab index), so a request draws the same tokens alone or in any
 batch, and again after a preemption. A row with temperature <= 0 takes the plain argmax. The row's key is
-splitmix64 of (seed, position), once a row; each token's bits are a 32-bit hash (lowbias32) of that key and
-the vocab index: the per-token hash is most of the kernel's work, and 64-bit multiplies cost the GPU several
-32-bit ones each.
-
-The torch reference builds about ten [rows, vocab] int64 temporaries; the Triton kernel reads the logits
-once and keeps the hash in registers.
+splitmix64 of (seed, position); each token's bits are lowbias32 of that key and the vocab index: the per-token
+hash is most of the kernel's work, and a 64-bit multiply costs the GPU several 32-bit ones.
 """
 from __future__ import annotations
 
@@ -31,9 +27,7 @@ MIX32_1 = tl.constexpr(0x7FEB352D)
 MIX32_2 = tl.constexpr(0x846CA68B)
 _LOW32 = 0xFFFFFFFF
 _FAST_LOG = os.environ.get("TRITON_INTERPRET") != "1"  # read at import, as triton.jit reads it
-# The chunks of a row one program combines, a constexpr so that every batch size runs one compiled kernel
-# (at 151,936 tokens and 512-wide blocks there are at most 75).
-_MAX_CHUNKS = 128
+_MAX_CHUNKS = 128  # the chunks of a row one program combines: a constexpr, one compiled kernel for every batch
 
 
 def _i64(c: tl.constexpr) -> int:
@@ -107,9 +101,8 @@ def _mix32(x):
 
 @triton.jit
 def _log(x, FAST_LOG: tl.constexpr):
-    # libdevice's logf took most of this kernel's instructions (two a token; batch 256 at 151,936 tokens:
-    # 153 µs, compute-bound); lg2.approx's relative error (~2^-22) moves a draw only between scores that
-    # close, and cut it to 88 µs with the multiply by 1 / temp. The interpreter has no libdevice.
+    # libdevice's logf was most of this compute-bound kernel's instructions; lg2.approx's relative error (~2^-22)
+    # moves a draw only between scores that close. The interpreter has no libdevice.
     if FAST_LOG:
         return fast_logf(x)
     return tl.log(x)
@@ -124,8 +117,7 @@ def _neg_log(u, FAST_LOG: tl.constexpr):
     return tl.where(t < 0.0078125, t * (1.0 + t * (0.5 + t * 0.33333334)), -_log(u, FAST_LOG))
 
 
-# chunk_len varies with the batch size: specialising on it (a constexpr, or an int Triton marks as divisible
-# by 16) compiled a new kernel for many batch sizes, a ~0.5 s stall in the middle of serving each time.
+# chunk_len varies with the batch size: specialising on it would compile a kernel mid-serving for new sizes.
 @triton.jit(do_not_specialize=["chunk_len"])
 def _gumbel_argmax_kernel(logits_ptr, stride, rows_ptr, temps_ptr, stride_temp, seeds_ptr, stride_seed, pos_ptr,
                           best_val_ptr, best_idx_ptr, arrivals, out_ptr, last_token_ptr, vocab, chunk_len,
@@ -182,9 +174,8 @@ def gumbel_argmax_triton(logits: torch.Tensor, temps: torch.Tensor, seeds: torch
         raise ValueError(f"gumbel_argmax needs a unit stride on the vocab dim, got {logits.stride()}")
     n, vocab = logits.shape
     if chunks is None:
-        # The hash makes this compute-bound: programs enough to fill the card at batch 1, and at least
-        # 8 chunks a row at any batch (H200, 151,936 tokens: batch 256 from 181 µs with 2 chunks of 1,024-wide
-        # blocks and 4 warps to 153 µs with 8 of 512 and 8 warps; batch 1 11.7 -> 8.6 µs).
+        # The hash makes this compute-bound: programs enough to fill the GPU at batch 1, and at least 8 chunks
+        # a row at any batch.
         chunks = max(1, min(triton.cdiv(vocab, 4 * block), max(8, triton.cdiv(2 * num_sms(logits.device), n))))
     chunks = min(chunks, _MAX_CHUNKS)
     chunk = triton.cdiv(triton.cdiv(vocab, chunks), block) * block

@@ -195,7 +195,7 @@ def test_fewer_kv_caches_than_layers_run_the_first_layers_alone(tiny_ckpt):
 
 def test_rope_table_stays_float32_when_the_model_changes_dtype(tiny_ckpt):
     model = build_model(tiny_ckpt).to(torch.bfloat16)
-    assert model.model.cos_sin.dtype == torch.float32
+    assert model.model.rotary.cos_sin.dtype == torch.float32
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
 
 

@@ -1,10 +1,9 @@
-"""Tensor-parallel building blocks of a decoder: packed linears, vocab-parallel embedding and lm_head, RMSNorm.
+"""Tensor-parallel building blocks of a decoder: packed linears, vocab-parallel embedding and lm_head, RMSNorm, RoPE.
 
-Every parameter carries weight_loader(param, loaded, shard_id=None): it checks the full checkpoint tensor's
-shape and copies this rank's TP shard of it into place, so the loader knows nothing of parallelism. Parameters
-take torch's default dtype and device (build the model under them); math runs in that dtype, logits too.
-Linears run kernels.linear: for a few rows on the GPU, a Triton GEMV wherever it was timed faster than cuBLAS,
-with the RMSNorm before it (FusedRMSNorm) and SwiGLU after gate_up (GateUpSwiGLU) folded in.
+Every parameter carries weight_loader(param, loaded, shard_id=None): it checks the full checkpoint tensor's shape
+and copies this rank's TP shard of it into place. Parameters take torch's default dtype and device (build the
+model under them). Linears run kernels.linear: for a few rows on the GPU, a Triton GEMV where timed faster than
+cuBLAS, with the RMSNorm before it (FusedRMSNorm) and SwiGLU after gate_up (GateUpSwiGLU) folded in.
 """
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import add_rms_norm, embed_rows, rms_norm
+from kernels import add_rms_norm, embed_rows, make_cos_sin, rms_norm
 from kernels.linear import Input, NormedInput, linear
 from worker.parallel import all_gather_last_dim, all_reduce, local_kv_heads
 
@@ -37,8 +36,7 @@ def _load_slice(param: torch.Tensor, dst_start: int, loaded: torch.Tensor, src_s
     param.data.narrow(dim, dst_start, size).copy_(loaded.narrow(dim, src_start, size))
 
 
-def _load_whole(param: nn.Parameter, loaded: torch.Tensor, shard_id: None = None) -> None:
-    """Replicated parameters (norm weights) are the same on every rank."""
+def _load_whole(param: nn.Parameter, loaded: torch.Tensor, shard_id: None = None) -> None:  # replicated: norms
     _check_shape(loaded, tuple(param.shape))
     param.data.copy_(loaded)
 
@@ -100,8 +98,7 @@ class RowParallelLinear(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: None = None) -> None:
         _check_shape(loaded, (param.shape[0], self.full_in))
-        local = param.shape[1]
-        _load_slice(param, 0, loaded, self.tp_rank * local, local, dim=1)
+        _load_slice(param, 0, loaded, self.tp_rank * param.shape[1], param.shape[1], dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return all_reduce(linear(x, self.weight), self.tp_size)
@@ -157,8 +154,21 @@ class RMSNorm(nn.Module):
 
 
 class FusedRMSNorm(RMSNorm):
-    """An RMSNorm read only by linears: returns (normed, x + residual) with normed a NormedInput, which the next
-    linear computes inside its GEMV where that is faster. Residual None: the first layer's, x itself."""
+    """An RMSNorm read by linears only: normed is a NormedInput, which the next linear computes (in its GEMV)."""
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[NormedInput, torch.Tensor]:
         return NormedInput.of(x, residual, self.weight, self.eps)
+
+
+class RotaryEmbedding(nn.Module):
+    """The RoPE table cos_sin [max_position, head_dim] that the attention kernels read, float32 in any model dtype."""
+
+    def __init__(self, head_dim: int, max_position: int, theta: float) -> None:
+        super().__init__()
+        self.shape = (max_position, head_dim, theta)
+        self.register_buffer("cos_sin", make_cos_sin(*self.shape, None), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)  # .to(dtype) casts buffers too: rebuild the table in float32 on its device
+        self.cos_sin = make_cos_sin(*self.shape, self.cos_sin.device)
+        return self

@@ -8,13 +8,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import make_cos_sin
 from kernels.linear import Input
 from protocol.config import ModelConfig
 from protocol.model_config import check_tp_size
 from worker.attention import Attention, AttentionMetadata
-from worker.layers import (FusedRMSNorm, GateUpSwiGLU, ParallelLMHead, QKVParallelLinear, RMSNorm, RowParallelLinear,
-                           VocabParallelEmbedding)
+from worker.layers import (FusedRMSNorm, GateUpSwiGLU, ParallelLMHead, QKVParallelLinear, RMSNorm, RotaryEmbedding,
+                           RowParallelLinear, VocabParallelEmbedding)
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -69,17 +68,7 @@ class Qwen2Model(nn.Module):
         self.layers = nn.ModuleList(Qwen2DecoderLayer(config, tp_rank, tp_size)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.register_buffer("cos_sin", self._rope_table(None), persistent=False)
-
-    def _rope_table(self, device: torch.device | None) -> torch.Tensor:
-        c = self.config
-        return make_cos_sin(c.max_position_embeddings, c.head_dim, c.rope_theta, device)
-
-    def _apply(self, fn, recurse=True):
-        # The kernels read the RoPE table as float32: rebuild it after .to(dtype) / .to(device).
-        super()._apply(fn, recurse)
-        self.cos_sin = self._rope_table(self.cos_sin.device)
-        return self
+        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[KVCache], input_rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -87,13 +76,13 @@ class Qwen2Model(nn.Module):
         hidden, residual = self.embed_tokens(input_ids, input_rows), None
         # Fewer caches than layers run the first layers alone: a graph's warm-up (worker/cuda_graphs.py).
         for layer, kv_cache in zip(self.layers[:len(kv_caches)], kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, self.cos_sin, kv_cache, meta)
+            hidden, residual = layer(positions, hidden, residual, self.rotary.cos_sin, kv_cache, meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
 
 class Qwen2ForCausalLM(nn.Module):
-    """forward(input_ids[T], positions[T], meta, kv_caches) -> hidden[T, H]; compute_logits -> [N, V] in the model's dtype."""
+    """forward(input_ids[T], positions[T], meta, kv_caches) -> hidden[T, H]; compute_logits -> [N, V]."""
 
     def __init__(self, config: ModelConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
