@@ -173,14 +173,17 @@ def decode_table(driver: Driver, args: argparse.Namespace,
             path = str(e)
         return kernels, total, path
 
+    from worker.cuda_graphs import CudaGraphs
+
     runner = driver.runner
+    captured = "decode" in runner.graphs.sizes
     try:
         kernels, total, path = tables()
-        return kernels, total, "graphs" if runner.graphs is not None else "eager", path
+        return kernels, total, "graphs" if captured else "eager", path
     except RuntimeError:
-        if runner.graphs is None:
+        if not captured:
             raise
-    graphs, runner.graphs = runner.graphs, None
+    graphs, runner.graphs = runner.graphs, CudaGraphs(runner.dummy_row, graphs=False)
     try:
         kernels, total, path = tables()
         return kernels, total, "eager: graph replays were invisible to the profiler", path
@@ -191,13 +194,14 @@ def decode_table(driver: Driver, args: argparse.Namespace,
 def recapture_seconds(runner) -> float | None:
     """Capturing every decode graph again, with kernels compiled and GEMVs chosen: the capture's own cost,
     which graph_capture_s less this leaves to compiling and timing (None without graphs)."""
-    if runner.graphs is None:
+    if "decode" not in runner.graphs.sizes:
         return None
     import torch
 
     start = time.perf_counter()
     with torch.inference_mode():  # the runner's buffers are inference tensors, as at start-up
-        runner.graphs.capture()
+        runner.graphs.capture("decode", runner.graphs.views["decode"], runner._decode_forward,
+                              runner._decode_forward)
     return time.perf_counter() - start
 
 
