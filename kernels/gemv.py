@@ -1,16 +1,12 @@
-"""Linear layers of a few rows (decode): a Triton GEMV, with the residual add + RMSNorm before a linear folded
-into its loads and SwiGLU after gate_up into its stores. kernels/linear.py runs it where it was timed faster
-than cuBLAS, which launches too few thread blocks for a few rows to fill the GPU.
+"""Linears of a few rows (decode): a Triton GEMV with the residual add + RMSNorm before it folded into its loads
+and SwiGLU after gate_up into its stores, run where timed faster than cuBLAS (too few blocks for a few rows).
 
-The dot kernel reads each weight tile once for up to 16 rows (one tl.dot tile), K split over programs; the
-partials are summed in a fixed order, so results are bit-reproducible (a graph replay equals the eager run).
-The one-row kernel holds all of K in a program, so a program may own a few output rows and a small matrix still
-spreads over every SM; its programs may walk several row blocks, loading the next block while finishing this one.
-
-The norm prologue computes out[n] = rstd * sum_k W[n, k] * (norm_w[k] * s[k]) for s = x + residual: one pass
-over K sums the products and s^2, and rstd scales the sums at the end (in the split-K reduce when K is split).
-Its rounding differs from the unfused path's by about an ulp. The SwiGLU epilogue (w = [gate | up]) sums gate
-row n and up row n + N/2 in one program and stores silu(gate) * up: it needs all of K in one program.
+The dot kernel reads each weight tile once for up to 16 rows (one tl.dot tile), K split over programs and summed
+in a fixed order (bit-reproducible: a graph replay equals the eager run). The one-row kernel holds all of K in a
+program, so a small matrix still spreads over every SM; its programs may walk several row blocks.
+The norm prologue computes out[n] = rstd * sum_k W[n, k] * (norm_w[k] * s[k]) for s = x + residual: one pass over K
+sums the products and s^2, rstd scales the sums at the end (about an ulp from the unfused rounding). The SwiGLU
+epilogue (w = [gate | up]) sums gate row n and up row n + N/2 in one program: it needs all of K in a program.
 """
 from __future__ import annotations
 
@@ -136,9 +132,8 @@ def _gemv_kernel(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, w_ptr, bias_ptr, out_p
                  k_per_split, eps, stride_xm, stride_xk, stride_wn, stride_wk, NORM: tl.constexpr,
                  HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, SWIGLU: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    # Program (n, s, m): rows [m*BLOCK_M, +BLOCK_M) of x times output rows [n*BLOCK_N, +BLOCK_N) over split s
-    # of K (and up rows N + those, under SWIGLU). PARTIAL: write float32 partials for the reduce kernel; else
-    # the output (+ bias).
+    # Program (n, s, m): rows [m*BLOCK_M, +BLOCK_M) of x times output rows [n*BLOCK_N, +BLOCK_N) over split s of K
+    # (and up rows N + those, under SWIGLU). PARTIAL: float32 partials for the reduce kernel; else the output.
     if PDL:  # the one-row GEMV after this may start loading its weights (kernels/pdl.py)
         tl.extra.cuda.gdc_launch_dependents()
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -172,11 +167,10 @@ def _gemv_row_kernel(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, w_ptr, bias_ptr, o
                      stride_xk, stride_wn, stride_wk, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                      HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, WHOLE_K: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    # x[0] times W, all of K a block of BLOCK_N output rows. Program p takes blocks p, p + G, ... (G programs: one
-    # a block, or a few an SM) and walks their K tiles as one loop, loading the next tile, the next block's
-    # first one included, while it multiplies this one. Over several K tiles the products are summed per
-    # element and reduced once a block, so the loads never wait on a reduction. The first tile loads before
-    # waiting for the kernel that writes x (PDL).
+    # x[0] times W, all of K a block of BLOCK_N output rows. Program p takes blocks p, p + G, ... and walks their K
+    # tiles as one loop, loading the next tile (the next block's first, too) while it multiplies this one; products
+    # are summed per element and reduced once a block, so loads never wait on a reduction. The first tile loads
+    # before waiting for the kernel that writes x (PDL).
     pid, num_programs = tl.program_id(0), tl.num_programs(0)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()

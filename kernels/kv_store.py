@@ -1,4 +1,4 @@
-"""Writing K/V into the paged cache, optionally fused with neox-style RoPE on q and k.
+"""Writing K/V into the paged cache, fused with neox-style RoPE on q and k.
 
 Cache layout per layer: [num_blocks, num_kv_heads, block_size, head_dim]; slot = block * block_size + offset;
 slot -1 marks a padded lane that must not be written.
@@ -90,90 +90,63 @@ def _kv_store_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, s
                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                      stride_cb, stride_ch, stride_cs, block_size, num_q_heads, num_kv_heads,
                      HALF: tl.constexpr, Q_HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr,
-                     HALF_PAD: tl.constexpr, ROPE: tl.constexpr):
+                     HALF_PAD: tl.constexpr):
     # One program per token handles all its heads: cos/sin and the slot are loaded once, and q/k/v are read
     # in place through their strides (views of the fused qkv output), so nothing is copied beforehand.
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     # int64 before the multiply: block * stride_cb overflows int32 on a large cache.
     cache_off = (slot // block_size) * stride_cb + (slot % block_size) * stride_cs
-    cos = 0.0
-    sin = 0.0
-    if ROPE:
-        pos = tl.load(pos_ptr + t).to(tl.int64)
-        offs = tl.arange(0, HALF_PAD)[None, :]
-        cos = tl.load(cos_sin_ptr + pos * 2 * HALF + offs, mask=offs < HALF, other=0.0)
-        sin = tl.load(cos_sin_ptr + pos * 2 * HALF + HALF + offs, mask=offs < HALF, other=0.0)
-        _rotate_store(q_ptr + t * stride_qt, q_out_ptr + t * stride_ot, stride_qh, stride_oh, cos, sin,
-                      num_q_heads, HALF, Q_HEADS_PAD, HALF_PAD, True)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    offs = tl.arange(0, HALF_PAD)[None, :]
+    cos = tl.load(cos_sin_ptr + pos * 2 * HALF + offs, mask=offs < HALF, other=0.0)
+    sin = tl.load(cos_sin_ptr + pos * 2 * HALF + HALF + offs, mask=offs < HALF, other=0.0)
+    _rotate_store(q_ptr + t * stride_qt, q_out_ptr + t * stride_ot, stride_qh, stride_oh, cos, sin,
+                  num_q_heads, HALF, Q_HEADS_PAD, HALF_PAD, True)
     kv_heads = tl.where(slot >= 0, num_kv_heads, 0)  # slot -1: a padded lane, store nothing
     _rotate_store(k_ptr + t * stride_kt, k_cache_ptr + cache_off, stride_kh, stride_ch, cos, sin,
-                  kv_heads, HALF, KV_HEADS_PAD, HALF_PAD, ROPE)
+                  kv_heads, HALF, KV_HEADS_PAD, HALF_PAD, True)
     _rotate_store(v_ptr + t * stride_vt, v_cache_ptr + cache_off, stride_vh, stride_ch, cos, sin,
                   kv_heads, HALF, KV_HEADS_PAD, HALF_PAD, False)
 
 
-def check_cache_layout(k_cache: torch.Tensor, v_cache: torch.Tensor, q: torch.Tensor | None = None) -> None:
-    """The Triton kernels address K and V with one set of strides, and K, V and q with a unit stride on
-    head_dim."""
+def check_cache_layout(k_cache: torch.Tensor, v_cache: torch.Tensor, q: torch.Tensor) -> None:
+    """The Triton kernels address K and V with one set of strides, and K, V and q with a unit stride on head_dim."""
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
         raise ValueError(f"k_cache/v_cache need equal strides and a contiguous head_dim, got {k_cache.stride()} "
                          f"and {v_cache.stride()}; allocate both with torch.empty of one shape")
-    if q is not None and q.stride(-1) != 1:
+    if q.stride(-1) != 1:
         raise ValueError(f"q needs a unit stride on head_dim, got strides {q.stride()}; pass q.contiguous()")
 
 
-def check_new_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 q: torch.Tensor | None = None, cos_sin: torch.Tensor | None = None) -> None:
-    """What the kernels that store the step's K/V (here and in decode attention) address: k/v rows of a unit
-    stride on an even head_dim; with RoPE also q's head_dim and make_cos_sin's float32 [max_pos, D] table."""
+def check_new_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q: torch.Tensor,
+                 cos_sin: torch.Tensor) -> None:
+    """What the kernels that rotate and store the step's K/V (here and in decode attention) address: k/v rows of a
+    unit stride on q's even head_dim, and make_cos_sin's float32 [max_pos, D] table."""
     check_cache_layout(k_cache, v_cache, q)
     if k.stride(-1) != 1 or v.stride(-1) != 1 or k.shape[-1] % 2:
         raise ValueError(f"k/v need a unit stride on an even head_dim, got strides {k.stride()}, {v.stride()} "
                          f"and head_dim {k.shape[-1]}")
-    if q is not None and (k.shape[-1] != q.shape[-1] or cos_sin.dtype != torch.float32
-                          or not cos_sin.is_contiguous() or cos_sin.shape[-1] != q.shape[-1]):
+    if (k.shape[-1] != q.shape[-1] or cos_sin.dtype != torch.float32 or not cos_sin.is_contiguous()
+            or cos_sin.shape[-1] != q.shape[-1]):
         raise ValueError(f"q and k need one head_dim and cos_sin make_cos_sin's contiguous float32 [max_pos, "
                          f"{q.shape[-1]}] table, got head_dims {q.shape[-1]}, {k.shape[-1]} and cos_sin "
                          f"{cos_sin.dtype} {tuple(cos_sin.shape)}; use make_cos_sin")
 
 
-def _launch_kv_store(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None,
-                     cos_sin: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     slot_mapping: torch.Tensor) -> torch.Tensor | None:
-    rope = q is not None
-    check_new_kv(k, v, k_cache, v_cache, q, cos_sin)
-    num_tokens, num_kv_heads, head_dim = k.shape
-    q_src = q if rope else k  # placeholders when ROPE is off: never read
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if rope else k
-    _kv_store_kernel[(num_tokens,)](
-        q_src, k, v, q_out, k_cache, v_cache, slot_mapping, positions if rope else slot_mapping,
-        cos_sin if rope else k, q_src.stride(0), q_src.stride(1), k.stride(0), k.stride(1), v.stride(0),
-        v.stride(1), q_out.stride(0), q_out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        k_cache.shape[2], q_src.shape[1], num_kv_heads, HALF=head_dim // 2,
-        Q_HEADS_PAD=triton.next_power_of_2(q_src.shape[1]), KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
-        HALF_PAD=triton.next_power_of_2(head_dim // 2), ROPE=rope)
-    return q_out if rope else None
-
-
-def store_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    slot_mapping: torch.Tensor) -> None:
-    _launch_kv_store(None, k, v, None, None, k_cache, v_cache, slot_mapping)
-
-
 def rope_store_kv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                          cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          slot_mapping: torch.Tensor) -> torch.Tensor:
-    return _launch_kv_store(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
-
-
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Writes k/v[T, Hkv, D] (views allowed) into the paged cache at slot_mapping[T]; slot -1 is skipped."""
-    if k.is_cuda:
-        store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
-    else:
-        store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+    check_new_kv(k, v, k_cache, v_cache, q, cos_sin)
+    num_tokens, num_kv_heads, head_dim = k.shape
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    _kv_store_kernel[(num_tokens,)](
+        q, k, v, q_out, k_cache, v_cache, slot_mapping, positions, cos_sin, q.stride(0), q.stride(1), k.stride(0),
+        k.stride(1), v.stride(0), v.stride(1), q_out.stride(0), q_out.stride(1), k_cache.stride(0),
+        k_cache.stride(1), k_cache.stride(2), k_cache.shape[2], q.shape[1], num_kv_heads, HALF=head_dim // 2,
+        Q_HEADS_PAD=triton.next_power_of_2(q.shape[1]), KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        HALF_PAD=triton.next_power_of_2(head_dim // 2))
+    return q_out
 
 
 def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,

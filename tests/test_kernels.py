@@ -12,8 +12,7 @@ from kernels import arrivals
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from kernels.decode_attention import paged_decode_attention_ref, paged_decode_attention_triton
 from kernels.embedding import embed_rows_ref, embed_rows_triton
-from kernels.kv_store import (make_cos_sin, rope_store_kv_ref, rope_store_kv_triton, store_kv_ref,
-                              store_kv_triton)
+from kernels.kv_store import make_cos_sin, rope_store_kv_ref, rope_store_kv_triton
 from kernels.norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
 from kernels.prefill_attention import (max_prefill_work, paged_prefill_attention_ref, paged_prefill_attention_triton,
                                        prefill_work)
@@ -111,20 +110,6 @@ def test_rope_store_kv_triton_matches_reference_and_skips_slot_minus_one(hq, hkv
     torch.testing.assert_close(caches[0], caches[2], **TOL)
     torch.testing.assert_close(caches[1], caches[3], **TOL)
     assert int((caches[1] != 7.0).all(-1).sum()) == hkv * 7  # 7 tokens stored, the two -1 lanes not
-
-
-@pytest.mark.parametrize("hq,hkv,d", GQA_SHAPES)
-def test_store_kv_triton_writes_only_mapped_slots(hq, hkv, d):
-    _, k, v = qkv_views(5, hq, hkv, d)
-    slots = torch.tensor([31, -1, 0, 16, 15])
-    caches = [torch.zeros(2, hkv, BLOCK, d) for _ in range(4)]
-    store_kv_triton(k, v, caches[0], caches[1], slots)
-    store_kv_ref(k, v, caches[2], caches[3], slots)
-    torch.testing.assert_close(caches[0], caches[2])
-    torch.testing.assert_close(caches[1], caches[3])
-    torch.testing.assert_close(caches[0][1, :, 15], k[0])
-    torch.testing.assert_close(caches[1][0, :, 0], v[2])
-    assert int((caches[0] != 0).any(-1).sum()) == hkv * 4
 
 
 @pytest.mark.parametrize("hq,hkv,d", GQA_SHAPES)

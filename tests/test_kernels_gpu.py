@@ -7,7 +7,7 @@ import torch
 from kernels.activation import silu_and_mul, silu_and_mul_ref
 from kernels import arrivals, decode_attention
 from kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
-from kernels.kv_store import make_cos_sin, rope_store_kv, rope_store_kv_ref, store_kv, store_kv_ref
+from kernels.kv_store import make_cos_sin, rope_store_kv, rope_store_kv_ref
 from kernels.norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
 from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref, prefill_work
 from kernels.sampling import _gumbel_argmax_kernel, gumbel_argmax, gumbel_argmax_ref
@@ -97,7 +97,7 @@ def test_silu_and_mul_bf16():
     assert_close_rel(silu_and_mul(x), silu_and_mul_ref(x.float()))
 
 
-def test_rope_store_kv_and_store_kv_bf16_from_fused_qkv():
+def test_rope_store_kv_bf16_from_fused_qkv():
     q, k, v = qkv_views(257)
     pos = torch.randint(0, 32768, (257,), device="cuda")
     slots = torch.randperm(64 * BLOCK, device="cuda")[:257]
@@ -110,9 +110,6 @@ def test_rope_store_kv_and_store_kv_bf16_from_fused_qkv():
     assert_close_rel(q_rot, ref_q)
     assert_close_rel(k_cache, ref_k)
     assert_close_rel(v_cache, ref_v)
-    store_kv(k, v, k_cache, v_cache, slots)
-    store_kv_ref(*fp32(k, v), ref_k, ref_v, slots)
-    assert torch.equal(k_cache.float(), ref_k) and torch.equal(v_cache.float(), ref_v)
 
 
 def test_decode_attention_bf16_long_contexts():
@@ -210,9 +207,11 @@ def test_attention_bf16_at_other_block_sizes_and_qwen_7b_heads(block, hq, hkv):
 def test_kernels_address_a_cache_larger_than_int32_offsets():
     num_blocks = 2 ** 31 // (HKV * BLOCK * D) + 8  # element offsets of the last blocks exceed 2^31
     k_cache, v_cache = (torch.zeros(num_blocks, HKV, BLOCK, D, device="cuda", dtype=BF16) for _ in range(2))
-    _, k, v = qkv_views(BLOCK)
+    q, k, v = qkv_views(BLOCK)
     last = num_blocks - 1
-    store_kv(k, v, k_cache, v_cache, torch.arange(BLOCK, device="cuda") + last * BLOCK)
+    zeros = torch.zeros(BLOCK, dtype=torch.int64, device="cuda")  # position 0: RoPE leaves k as it is
+    rope_store_kv(q, k, v, zeros, make_cos_sin(1, D, 1e6, "cuda"), k_cache, v_cache,
+                  torch.arange(BLOCK, device="cuda") + last * BLOCK)
     assert torch.equal(k_cache[last], k.transpose(0, 1)) and torch.equal(v_cache[last], v.transpose(0, 1))
     q = torch.randn(1, HQ, D, device="cuda", dtype=BF16)
     tables = torch.tensor([[last]], dtype=torch.int32, device="cuda")
