@@ -7,7 +7,6 @@ server turns into {"error": {"message", "type", "param", "code"}}; messages neve
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from frontend.inputs import prepare_prompt
+from protocol.config import ContextTooLong, InvalidParam
 from protocol.sampling import SamplingParams
 
 MAX_ERROR_CHARS = 400
@@ -88,10 +88,8 @@ def from_validation_error(exc: ValidationError) -> APIError:
     return bad_request("; ".join(parts) + more, param=param, code="invalid_type")
 
 
-def from_value_error(exc: ValueError) -> APIError:
-    """SamplingParams says `name=value is invalid: fix`; the name becomes the error's param."""
-    match = re.match(r"(\w+)=", str(exc))
-    return bad_request(str(exc), param=match.group(1) if match else None)
+def from_invalid_param(exc: InvalidParam, code: str = "invalid_value") -> APIError:
+    return bad_request(str(exc), exc.field, "context_length_exceeded" if isinstance(exc, ContextTooLong) else code)
 
 
 @contextmanager
@@ -102,7 +100,7 @@ def param_named(field: str, sent_as: str) -> Iterator[None]:
         yield
     except APIError as exc:
         if exc.param == field and sent_as != field:
-            exc.param, exc.message = sent_as, re.sub(rf"\b{field}\b", sent_as, exc.message)
+            exc.param, exc.message = sent_as, exc.message.replace(field, sent_as)
         raise
 
 
@@ -252,16 +250,15 @@ def chat_prompt(messages: list[ChatMessage], tokenizer, add_generation_prompt: b
 
 
 def prepare(request_id: str, tokenizer, prompt: str | list[int], params: SamplingParams, max_model_len: int,
-            vocab_size: int, param: str) -> Job:
-    """The engine's own prompt checks (empty, vocabulary, context length), as 400s naming the field."""
+            vocab_size: int, prompt_field: str = "prompt") -> Job:
+    """The engine's own prompt checks (empty, vocabulary, context length), as 400s naming the field (the prompt's
+    is `prompt_field`: chat's is messages)."""
     try:
-        text, ids, params = prepare_prompt(tokenizer, prompt, params, max_model_len, vocab_size)
-    except ValueError as exc:
-        message = str(exc)
-        code = "context_length_exceeded" if "max_model_len" in message else "invalid_value"
-        named = re.match(r"(\w+)=\S.* is invalid", message)  # a SamplingParams check names its field
-        field = named.group(1) if named else "max_tokens" if "max_tokens" in message else param
-        raise bad_request(message, field, code) from None
+        text, ids = prepare_prompt(tokenizer, prompt, params, max_model_len, vocab_size)
+    except InvalidParam as exc:
+        error = from_invalid_param(exc)
+        error.param = prompt_field if exc.field == "prompt" else exc.field
+        raise error from None
     return Job(request_id, ids, params, text)
 
 
@@ -287,8 +284,8 @@ def sampling_params(req: _SamplingRequest, defaults: dict, max_tokens: int | Non
     explicit = {name: getattr(req, name) for name in SAMPLING_FIELDS if getattr(req, name) is not None}
     try:
         return SamplingParams(**{**defaults, **explicit, "max_tokens": max_tokens, "logprobs": logprobs})
-    except ValueError as exc:
-        raise from_value_error(exc) from None
+    except InvalidParam as exc:
+        raise from_invalid_param(exc) from None
 
 
 def generation_defaults(model_dir: str | None) -> dict:

@@ -158,8 +158,8 @@ class AsyncLLM:
         request_id = request_id or f"req-{next(self._ids)}"
         tracer = self.client.tracer
         with tracer.span("frontend.tokenize"):
-            text, ids, params = prepare_prompt(self.tokenizer, prompt, params or SamplingParams(),
-                                               self.max_model_len, self.model_config.vocab_size)
+            params = params or SamplingParams()
+            text, ids = prepare_prompt(self.tokenizer, prompt, params, self.max_model_len, self.model_config.vocab_size)
         state, msgs = self.processor.add(request_id, text, ids, params)
         event = self._events[request_id] = asyncio.Event()
         try:

@@ -40,8 +40,9 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts: give one or one each")
         tracer = self.client.tracer
         with tracer.span("frontend.tokenize"):
-            prepared = [prepare_prompt(self.client.tokenizer, p, sp or SamplingParams(), self.client.max_model_len,
-                                       self.client.model_config.vocab_size) for p, sp in zip(prompts, params)]
+            prepared = [(*prepare_prompt(self.client.tokenizer, p, sp, self.client.max_model_len,
+                                         self.client.model_config.vocab_size), sp)
+                        for p, sp in zip(prompts, (sp or SamplingParams() for sp in params))]
         states, unsent, unfinished = [], deque(prepared), 0
         with tqdm(total=len(prepared), desc="generate", disable=not use_tqdm) as bar:
             while unsent or self.processor.num_pending:

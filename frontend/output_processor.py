@@ -4,7 +4,6 @@ Shared by LLM (sync) and AsyncLLM: one caller request with n samples becomes n e
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from dataclasses import dataclass
 
@@ -66,13 +65,13 @@ class OutputProcessor:
         msgs = []
         for out in outs:
             engine_id = f"{request_id}#{next(self._ids)}"
-            sub = dataclasses.replace(params, n=1, seed=_sample_seed(params.seed, out.index))
+            sub = {**params.to_dict(), "n": 1, "seed": _sample_seed(params.seed, out.index)}
             detok = make_detokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens,
                                      params.spaces_between_special_tokens)
             self._samples[engine_id] = _Sample(state, out, detok,
                                                StopMatcher(params.stop, params.include_stop_str_in_output))
             state.engine_ids.append(engine_id)
-            msgs.append(AddRequest(engine_id, i32(prompt_ids), sub.to_dict()))
+            msgs.append(AddRequest(engine_id, i32(prompt_ids), sub))
         self._requests[request_id] = state
         return state, msgs
 

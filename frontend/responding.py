@@ -21,6 +21,7 @@ from frontend.async_llm import AsyncLLM, EngineRequestError
 from frontend.engine_client import EngineDeadError
 from frontend.metrics import Metrics
 from frontend.outputs import RequestOutput
+from protocol.messages import OVERLOADED
 
 log = logging.getLogger("pico_vllm.server")
 MAX_BODY_BYTES = 4 << 20  # a 128k-token prompt is well under 1 MB of text; far larger bodies are abuse
@@ -48,7 +49,7 @@ def engine_error(exc: Exception) -> APIError:
     if isinstance(exc, EngineDeadError):
         return APIError(503, f"the engine is dead: {exc}", code="engine_dead")
     if isinstance(exc, EngineRequestError):  # the scheduler refused this one request
-        if "overloaded" in str(exc):
+        if str(exc).startswith(OVERLOADED):
             return APIError(503, str(exc), code="engine_overloaded")
         return bad_request(f"the engine refused the request: {exc}")
     log.error("engine fault", exc_info=exc)

@@ -85,9 +85,9 @@ class ServerState:
         return req, self.ready_engine()
 
     def job(self, engine: AsyncLLM, request_id: str, prompt: str | list[int], params: SamplingParams,
-            param: str) -> Job:
+            prompt_field: str = "prompt") -> Job:
         return prepare(request_id, engine.tokenizer, prompt, params, engine.max_model_len,
-                       engine.model_config.vocab_size, param)
+                       engine.model_config.vocab_size, prompt_field)
 
     def check_key(self, request: Request) -> None:
         """Bearer API key, compared in constant time (a timing side channel would leak it byte by byte)."""
@@ -240,7 +240,7 @@ def _generation_routes(state: ServerState) -> APIRouter:
         max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS
         params = sampling_params(req, state.defaults, max_tokens, req.logprobs)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        jobs = [state.job(engine, f"{rid}-{i}", p, params, "prompt") for i, p in enumerate(completion_prompts(req))]
+        jobs = [state.job(engine, f"{rid}-{i}", p, params) for i, p in enumerate(completion_prompts(req))]
         renderer = CompletionRenderer(rid, state.names[0], jobs, engine.tokenizer, req.echo)
         return await respond(request, state.ready_engine(), state.metrics, renderer, req.stream, req.include_usage)
 

@@ -104,10 +104,22 @@ class EngineConfig:
         return cfg
 
 
+class InvalidParam(ValueError):
+    """A value a caller sent that cannot be served; `field` names it (the `param` of an HTTP 400)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class ContextTooLong(InvalidParam):
+    """A prompt, or prompt + max_tokens, longer than max_model_len."""
+
+
 def require(ok: bool, name: str, value: object, fix: str) -> None:
-    """Raise ValueError naming the bad value and its fix (the one error shape of every config)."""
+    """Raise InvalidParam naming the bad value and its fix (the one error shape of every config)."""
     if not ok:
-        raise ValueError(f"{name}={value!r} is invalid: {fix}")
+        raise InvalidParam(name, f"{name}={value!r} is invalid: {fix}")
 
 
 def pack_child_args(config: EngineConfig, addresses: dict, **extra: int) -> bytes:

@@ -1,9 +1,12 @@
-"""SamplingParams: how one request is sampled and when it stops. Validated where it is built."""
+"""SamplingParams and the checks of a request against the model, shared by both entry points (the frontend
+and the scheduler's socket): each runs them once."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-from protocol.config import require
+import numpy as np
+
+from protocol.config import ContextTooLong, InvalidParam, require
 
 MAX_N = 16
 MAX_LOGPROBS = 20
@@ -90,12 +93,21 @@ class SamplingParams:
     def from_dict(cls, d: dict) -> SamplingParams:
         """Build from a wire map; unknown keys are an error so that a typo is not silently ignored."""
         if not isinstance(d, dict):
-            raise ValueError(f"sampling params must be a map, got {type(d).__name__}")
+            raise InvalidParam("params", f"sampling params must be a map, got {type(d).__name__}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise ValueError(f"unknown sampling params {unknown}: known ones are {sorted(known)}")
+            raise InvalidParam(str(unknown[0]), f"unknown sampling params {unknown}: known ones are {sorted(known)}")
         return cls(**d)
+
+    @classmethod
+    def from_plan(cls, d: dict) -> SamplingParams:
+        """A NewRow's params, which the scheduler has already checked: built without checking them again."""
+        params = object.__new__(cls)
+        for f in fields(cls):
+            setattr(params, f.name, d[f.name])
+        params.logit_bias = {int(t): b for t, b in d["logit_bias"].items()} if d["logit_bias"] else None
+        return params
 
 
 def _is_int(v: object) -> bool:
@@ -109,3 +121,30 @@ def _is_num(v: object) -> bool:
 def _valid_bias(bias) -> bool:
     return (isinstance(bias, dict) and len(bias) <= MAX_LOGIT_BIAS
             and all(_is_int(t) and t >= 0 and _is_num(b) and -100.0 <= b <= 100.0 for t, b in bias.items()))
+
+
+def check_prompt(token_ids, vocab_size: int) -> list[int]:
+    """A prompt's token ids as a list: at least one, each inside the vocabulary."""
+    ids = np.asarray(token_ids)
+    if ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu":
+        raise InvalidParam("prompt", f"prompt must be a non-empty list of token ids, got shape {ids.shape} of "
+                                     f"{ids.dtype}: send at least one token id")
+    bad = ids[(ids < 0) | (ids >= vocab_size)]
+    if bad.size:
+        raise InvalidParam("prompt", f"prompt token id {int(bad[0])} is outside the vocabulary [0, {vocab_size}): "
+                                     "tokenize with this model's tokenizer")
+    return ids.tolist()
+
+
+def check_length(prompt_len: int, max_tokens: int | None, max_model_len: int) -> int:
+    """The request's max_tokens (None: what the context leaves), or ContextTooLong past max_model_len."""
+    if prompt_len >= max_model_len:
+        raise ContextTooLong("prompt", f"prompt has {prompt_len} tokens, at or over max_model_len={max_model_len}: "
+                                       "shorten it or raise max_model_len")
+    if max_tokens is None:
+        return max_model_len - prompt_len
+    if prompt_len + max_tokens > max_model_len:
+        raise ContextTooLong("max_tokens", f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = "
+                                           f"{prompt_len + max_tokens} is over max_model_len={max_model_len}: "
+                                           "lower max_tokens or shorten the prompt")
+    return max_tokens

@@ -22,7 +22,7 @@ class Request:
     params: SamplingParams
     arrival: int  # admission order; preemption picks the largest
     max_tokens: int  # params.max_tokens, or what max_model_len leaves when it is None
-    stop_ids: frozenset[int]  # EOS ids (unless ignore_eos) and stop_token_ids: each ends the request
+    stop_ids: frozenset[int]  # params.stop_token_ids (EOS added unless ignore_eos): each ends the request
     status: Status = Status.WAITING
     row: int = -1
     block_table: list[int] = field(default_factory=list)

@@ -17,9 +17,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from protocol.config import EngineConfig
-from protocol.messages import AddRequest, NewRow, StepPlan, StepResult, TokenBatch, i32
-from protocol.sampling import SamplingParams
+from protocol.config import EngineConfig, InvalidParam
+from protocol.messages import OVERLOADED, AddRequest, NewRow, StepPlan, StepResult, TokenBatch, i32
+from protocol.sampling import SamplingParams, check_length, check_prompt
 from scheduler.block_manager import BlockManager
 from scheduler.request import Request, Status
 
@@ -41,11 +41,12 @@ class _Update(NamedTuple):
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int) -> None:
         mc = config.model_config
-        if mc is None:
-            raise ValueError("EngineConfig.model_config is None: resolve the model before building a Scheduler")
+        if mc is None or config.max_model_len is None:
+            raise ValueError("EngineConfig.model_config or max_model_len is None: resolve the config first "
+                             "(frontend.launcher.resolve_config)")
         self.config = config
         self.vocab_size = mc.vocab_size
-        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        self.max_model_len = config.max_model_len
         self.eos_token_ids = frozenset(mc.eos_token_ids)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.waiting: deque[Request] = deque()
@@ -93,48 +94,35 @@ class Scheduler:
                 "num_preemptions": self.num_preemptions, "num_cached_tokens": bm.num_cached_tokens}
 
     def _make_request(self, msg: AddRequest, client: bytes) -> Request:
+        """The wire's one check of a request; the seed and the stop-token set are resolved here, for every row."""
         if (client, msg.request_id) in self.requests:
-            raise ValueError(f"request_id {msg.request_id!r} is already in use: use a unique id")
+            raise InvalidParam("request_id", f"request_id {msg.request_id!r} is already in use: use a unique id")
         if len(self.waiting) >= self.config.max_waiting_requests:
-            raise ValueError(f"engine overloaded: {len(self.waiting)} requests are waiting "
-                             f"(max_waiting_requests={self.config.max_waiting_requests}); retry later")
+            raise InvalidParam("request_id", f"{OVERLOADED}: {len(self.waiting)} requests are waiting "
+                               f"(max_waiting_requests={self.config.max_waiting_requests}); retry later")
         params = SamplingParams.from_dict(msg.params)
         params.check_vocab(self.vocab_size)
-        prompt = self._check_prompt(msg.prompt_token_ids)
-        max_tokens = self._check_length(len(prompt), params.max_tokens)
+        prompt = check_prompt(msg.prompt_token_ids, self.vocab_size)
+        max_tokens = self._check_capacity(len(prompt), params.max_tokens)
         if params.seed is None:  # every row then samples from its own generator, whatever the batch
             params.seed = self._rng.getrandbits(63)
-        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        if not params.ignore_eos:
+            params.stop_token_ids = sorted(set(params.stop_token_ids) | self.eos_token_ids)
         return Request(msg.request_id, client, prompt, len(prompt), params, next(self._arrivals), max_tokens,
-                       stop_ids)
+                       frozenset(params.stop_token_ids))
 
-    def _check_prompt(self, token_ids) -> list[int]:
-        ids = np.asarray(token_ids)
-        if ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu":
-            raise ValueError(f"prompt_token_ids must be a non-empty list of token ids, got shape {ids.shape} "
-                             f"of {ids.dtype}: send at least one token")
-        bad = ids[(ids < 0) | (ids >= self.vocab_size)]
-        if bad.size:
-            raise ValueError(f"prompt token id {int(bad[0])} is outside the vocabulary [0, {self.vocab_size}): "
-                             "tokenize with this model's tokenizer")
-        return ids.tolist()
-
-    def _check_length(self, prompt_len: int, max_tokens: int | None) -> int:
+    def _check_capacity(self, prompt_len: int, max_tokens: int | None) -> int:
         """The request's max_tokens: within max_model_len, and within what the KV cache can hold at all."""
         bm = self.block_manager
         capacity = bm.num_blocks * bm.block_size
-        limit = min(self.max_model_len, capacity)
+        resolved = check_length(prompt_len, max_tokens, self.max_model_len)
         if max_tokens is None:
-            max_tokens = max(limit - prompt_len, 1)
-        total = prompt_len + max_tokens
-        if total > self.max_model_len:
-            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} is over "
-                             f"max_model_len={self.max_model_len}: shorten the prompt or lower max_tokens")
-        if total > capacity:
-            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} tokens would "
-                             f"never fit the KV cache ({bm.num_blocks} blocks of {bm.block_size}): lower "
-                             f"max_tokens or give the engine more num_kv_blocks")
-        return max_tokens
+            resolved = min(resolved, max(capacity - prompt_len, 1))
+        if prompt_len + resolved > capacity:
+            raise InvalidParam("max_tokens", f"prompt ({prompt_len} tokens) + max_tokens ({resolved}) = "
+                               f"{prompt_len + resolved} tokens would never fit the KV cache ({bm.num_blocks} blocks "
+                               f"of {bm.block_size}): lower max_tokens or give the engine more num_kv_blocks")
+        return resolved
 
     def _finish(self, req: Request, reason: str) -> None:
         if req.status is Status.RUNNING:

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from frontend import LLM, AsyncLLM, SamplingParams
 from frontend.engine_client import EngineDeadError
+from protocol.config import ContextTooLong, InvalidParam
 
 MAX_NEW = 12
 PROMPT_LENS = [1, 3, 16, 17, 40, 77, 128, 200]
@@ -157,14 +158,16 @@ def test_n_samples_and_stop_strings_in_text(tiny_ckpt):
 
 def test_bad_input_raises_value_error_naming_it(tiny_ckpt):
     with LLM(str(tiny_ckpt), device="cpu", max_model_len=256) as llm:
-        with pytest.raises(ValueError, match="max_model_len"):
+        with pytest.raises(ContextTooLong, match="max_model_len") as too_long:
             llm.generate([[5] * 250], SamplingParams(max_tokens=10), use_tqdm=False)
-        with pytest.raises(ValueError, match="outside the vocabulary"):
+        with pytest.raises(InvalidParam, match="outside the vocabulary") as outside:
             llm.generate([[5, 99999]], use_tqdm=False)
-        with pytest.raises(ValueError, match="empty"):
+        with pytest.raises(InvalidParam, match="empty") as empty:
             llm.generate("", use_tqdm=False)
-        with pytest.raises(ValueError, match="temperature"):
+        with pytest.raises(InvalidParam, match="temperature") as temperature:
             SamplingParams(temperature=-1)
+        fields = [e.value.field for e in (too_long, outside, empty, temperature)]
+        assert fields == ["max_tokens", "prompt", "prompt", "temperature"]
         assert _generate(llm, [[5, 6, 7]])[0]  # still serving
         _assert_all_blocks_free(llm)
 

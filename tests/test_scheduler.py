@@ -39,7 +39,7 @@ def make_config(**kw) -> EngineConfig:
     mc = ModelConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
                      num_key_value_heads=1, head_dim=4, vocab_size=VOCAB, max_position_embeddings=256,
                      eos_token_ids=kw.pop("eos_token_ids", []))
-    kw = {"block_size": 8, "max_num_seqs": 8, "max_num_batched_tokens": 64, **kw}
+    kw = {"block_size": 8, "max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 256, **kw}
     return EngineConfig(model="fake", model_config=mc, **kw)
 
 
