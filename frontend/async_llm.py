@@ -12,6 +12,7 @@ import zmq.asyncio
 
 from frontend.engine_client import READY_TIMEOUT_S, EngineClient, EngineDeadError
 from frontend.inputs import Prompt, prepare_prompt
+from frontend.model_resolution import resolve_config
 from frontend.output_processor import OutputProcessor, RequestState
 from frontend.outputs import RequestOutput
 from protocol.codec import encode
@@ -33,7 +34,14 @@ class AsyncLLM:
     """`AsyncLLM(model, **engine options)` starts an engine; `AsyncLLM.connect(address)` attaches to one."""
 
     def __init__(self, model: str, **kwargs) -> None:
-        self._setup(EngineClient(EngineConfig(model=model, **kwargs)))
+        self._setup(EngineClient(resolve_config(EngineConfig(model=model, **kwargs))))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncLLM:
+        """Start an engine for a config that resolve_config has already resolved."""
+        self = cls.__new__(cls)
+        self._setup(EngineClient(config))
+        return self
 
     @classmethod
     def connect(cls, address: str, timeout: float = READY_TIMEOUT_S) -> AsyncLLM:

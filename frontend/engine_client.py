@@ -10,12 +10,13 @@ import uuid
 
 import zmq
 
-from frontend.launcher import EngineProcesses, resolve_config
+from frontend.launcher import EngineProcesses
 from frontend.tokenizer import load_tokenizer
 from protocol.codec import ProtocolError, decode, encode
 from protocol.config import EngineConfig, ModelConfig
 from protocol.messages import EngineDead, GetStats, Ready, Shutdown, TokenBatch
-from protocol.tracing import Tracer, merge_traces
+from frontend.trace_summary import merge_traces
+from protocol.tracing import Tracer
 
 log = logging.getLogger("pico_vllm.frontend")
 READY_TIMEOUT_S = 900.0  # loading a large checkpoint and capturing graphs can take minutes
@@ -27,7 +28,8 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineClient:
-    """Starts an engine (config given) or attaches to one (address given) and performs the handshake."""
+    """Starts an engine (a config that resolve_config has resolved) or attaches to one (address given) and performs
+    the handshake."""
 
     def __init__(self, config: EngineConfig | None = None, address: str | None = None,
                  ready_timeout: float = READY_TIMEOUT_S) -> None:
@@ -37,7 +39,6 @@ class EngineClient:
         self.clock: dict[str, float] = {}  # wall-clock marks of the start-up, for bench/startup
         self.tracer = Tracer("frontend", self.trace_dir)
         if config is not None:
-            config = resolve_config(config)
             self.procs = EngineProcesses(config, address)
             self.procs.start()
             address = self.procs.addresses.engine

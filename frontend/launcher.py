@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -37,34 +36,6 @@ def start_child(module: str, args: bytes) -> subprocess.Popen:
     except BrokenPipeError:  # it died at once: the watcher reports its exit code
         pass
     return proc
-
-
-def resolve_config(config: EngineConfig) -> EngineConfig:
-    """Resolve the model name once, here, so that child processes start from files and numbers."""
-    from protocol.model_config import check_tp_size, resolve_model
-
-    model_config, model_path = resolve_model(config.model, config.load_format)
-    check_tp_size(model_config, config.tensor_parallel_size)
-    if config.trace_dir is not None:
-        _check_writable_dir(config.trace_dir)
-    config.model_config, config.model_path = model_config, model_path
-    limit = model_config.max_position_embeddings
-    if config.max_model_len is None:
-        config.max_model_len = limit
-    elif config.max_model_len > limit:
-        raise ValueError(f"max_model_len={config.max_model_len} is over the model's "
-                         f"max_position_embeddings={limit}: use at most {limit}")
-    return config
-
-
-def _check_writable_dir(path: str) -> None:
-    """Fail at launch, not after the whole run, when the trace cannot be written at shutdown."""
-    try:
-        os.makedirs(path, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
-    except OSError as e:
-        raise ValueError(f"trace_dir={path!r} cannot be written ({e}): pass a writable directory") from None
 
 
 class EngineProcesses:
@@ -144,6 +115,7 @@ def run_headless(config: EngineConfig, address: str) -> int:
     """Serve the engine at `address` without HTTP until SIGINT/SIGTERM (0) or a child's death (1)."""
     import zmq
 
+    from frontend.model_resolution import resolve_config
     from protocol.codec import encode
     from protocol.messages import Shutdown
 

@@ -10,6 +10,7 @@ from tqdm import tqdm
 
 from frontend.engine_client import EngineClient, EngineDeadError
 from frontend.inputs import Prompt, prepare_prompt
+from frontend.model_resolution import resolve_config
 from frontend.output_processor import OutputProcessor, RequestState
 from frontend.outputs import RequestOutput
 from protocol.config import EngineConfig
@@ -21,7 +22,7 @@ class LLM:
     """`LLM(model, **engine options)`; options are EngineConfig's fields (the CLI flags in snake_case)."""
 
     def __init__(self, model: str, **kwargs) -> None:
-        config = EngineConfig(model=model, **kwargs)
+        config = resolve_config(EngineConfig(model=model, **kwargs))
         self.client = EngineClient(config)
         self._max_unfinished = config.max_waiting_requests  # more could be refused as "engine overloaded"
         self.processor = OutputProcessor(self.client.tokenizer)

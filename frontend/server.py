@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -29,7 +29,7 @@ from frontend.api_models import (
     parse_request, prepare, sampling_params)
 from frontend.api_render import ChatRenderer, CompletionRenderer
 from frontend.async_llm import AsyncLLM
-from frontend.launcher import resolve_config
+from frontend.model_resolution import resolve_config
 from frontend.metrics import Metrics
 from frontend.responding import ClientGone, read_body, respond
 from protocol.config import EngineConfig
@@ -261,10 +261,9 @@ def _generation_routes(state: ServerState) -> APIRouter:
 def run_server(config: EngineConfig, options: ServerOptions) -> int:
     """Serve until SIGINT (130) or SIGTERM (uvicorn re-raises it after the graceful shutdown: the process
     ends by the signal, status 143), or until the engine fails to start or dies (1)."""
-    config = resolve_config(config)  # here too, to read the checkpoint's generation defaults up front
+    config = resolve_config(config)
     state = ServerState(options, config.model, generation_defaults(config.model_path))
-    engine_kwargs = {f.name: getattr(config, f.name) for f in fields(config)}
-    app = build_app(state, lambda: AsyncLLM(**engine_kwargs))
+    app = build_app(state, lambda: AsyncLLM.from_config(config))
     server = uvicorn.Server(uvicorn.Config(app, host=options.host, port=options.port, loop="uvloop",
                                            timeout_graceful_shutdown=options.shutdown_timeout))
     state.stop = lambda: setattr(server, "should_exit", True)

@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
+from frontend.model_resolution import short_model
 from protocol.config import cache_root
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-QWEN25_SHORT_NAMES = frozenset(f"qwen2.5-{size}{kind}" for size in ("0.5b", "1.5b", "3b", "7b")
-                               for kind in ("", "-base"))
+CHAT_TEMPLATE_FILE = Path(__file__).with_name("qwen25_chat_template.jinja")  # '@SYSTEM@': the default system prompt
 _CACHE_SUBDIR = "qwen2.5-tokenizer-v1"  # bump the suffix when what we write changes
 
 # Qwen2's pre-tokenizer: like GPT-4's but digits split one per token.
@@ -41,68 +41,11 @@ QWEN25_ADDED_TOKENS = [(t, True) for t in (
 
 INSTRUCT_SYSTEM_PROMPT = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 BASE_SYSTEM_PROMPT = "You are a helpful assistant."
-# Qwen2.5-Instruct's chat template, verbatim but for the default system prompt (the base repos ship this
-# template with BASE_SYSTEM_PROMPT).
-_CHAT_TEMPLATE = """{%- if tools %}
-    {{- '<|im_start|>system\\n' }}
-    {%- if messages[0]['role'] == 'system' %}
-        {{- messages[0]['content'] }}
-    {%- else %}
-        {{- '@SYSTEM@' }}
-    {%- endif %}
-    {{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
-    {%- for tool in tools %}
-        {{- "\\n" }}
-        {{- tool | tojson }}
-    {%- endfor %}
-    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
-{%- else %}
-    {%- if messages[0]['role'] == 'system' %}
-        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
-    {%- else %}
-        {{- '<|im_start|>system\\n@SYSTEM@<|im_end|>\\n' }}
-    {%- endif %}
-{%- endif %}
-{%- for message in messages %}
-    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
-        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
-    {%- elif message.role == "assistant" %}
-        {{- '<|im_start|>' + message.role }}
-        {%- if message.content %}
-            {{- '\\n' + message.content }}
-        {%- endif %}
-        {%- for tool_call in message.tool_calls %}
-            {%- if tool_call.function is defined %}
-                {%- set tool_call = tool_call.function %}
-            {%- endif %}
-            {{- '\\n<tool_call>\\n{"name": "' }}
-            {{- tool_call.name }}
-            {{- '", "arguments": ' }}
-            {{- tool_call.arguments | tojson }}
-            {{- '}\\n</tool_call>' }}
-        {%- endfor %}
-        {{- '<|im_end|>\\n' }}
-    {%- elif message.role == "tool" %}
-        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
-            {{- '<|im_start|>user' }}
-        {%- endif %}
-        {{- '\\n<tool_response>\\n' }}
-        {{- message.content }}
-        {{- '\\n</tool_response>' }}
-        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
-            {{- '<|im_end|>\\n' }}
-        {%- endif %}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\\n' }}
-{%- endif %}
-"""
 
 
 def qwen25_chat_template(instruct: bool = True) -> str:
     """The chat template a Qwen2.5 repo ships (Instruct or base: they differ in the default system prompt)."""
-    return _CHAT_TEMPLATE.replace("@SYSTEM@", INSTRUCT_SYSTEM_PROMPT if instruct else BASE_SYSTEM_PROMPT)
+    return CHAT_TEMPLATE_FILE.read_text().replace("@SYSTEM@", INSTRUCT_SYSTEM_PROMPT if instruct else BASE_SYSTEM_PROMPT)
 
 
 def load_tokenizer(model: str, model_dir: str | None) -> PreTrainedTokenizerBase:
@@ -110,12 +53,12 @@ def load_tokenizer(model: str, model_dir: str | None) -> PreTrainedTokenizerBase
     if model_dir is not None and has_tokenizer_files(model_dir):
         return _from_pretrained(model_dir)
     name = model.lower()
-    if name in QWEN25_SHORT_NAMES:
+    if short_model(name) is not None:
         return load_qwen25_tokenizer(instruct=not name.endswith("-base"))
     where = f"in {model_dir!r}" if model_dir is not None else "(no model directory)"
     raise ValueError(f"no tokenizer for model {model!r}: found no tokenizer.json, vocab.json + merges.txt or "
                      f"tokenizer.model {where}, and there is no offline fallback for it; use a model directory "
-                     f"with tokenizer files or one of {sorted(QWEN25_SHORT_NAMES)}")
+                     f"with tokenizer files or a Qwen2.5 short name such as qwen2.5-1.5b")
 
 
 def _from_pretrained(path, **kwargs) -> PreTrainedTokenizerBase:

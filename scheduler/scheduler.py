@@ -43,7 +43,7 @@ class Scheduler:
         mc = config.model_config
         if mc is None or config.max_model_len is None:
             raise ValueError("EngineConfig.model_config or max_model_len is None: resolve the config first "
-                             "(frontend.launcher.resolve_config)")
+                             "(frontend.model_resolution.resolve_config)")
         self.config = config
         self.vocab_size = mc.vocab_size
         self.max_model_len = config.max_model_len

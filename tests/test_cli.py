@@ -156,11 +156,3 @@ def test_a_headless_tcp_engine_address_in_use_exits_2_before_the_engine_starts(m
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert f"--engine-address {address}" in err and "in use" in err
-
-
-def test_an_engine_child_rerunning_launch_py_as_spawn_does_imports_no_server():
-    # spawn runs the parent's main file again in every child as __mp_main__: that must stay cheap.
-    code = ("import runpy, sys; runpy.run_path('launch.py', run_name='__mp_main__'); "
-            "print(sorted(m for m in ('frontend.cli', 'frontend.server', 'transformers') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr

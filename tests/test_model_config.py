@@ -7,7 +7,8 @@ import shutil
 import pytest
 from huggingface_hub import constants
 
-from protocol.model_config import check_tp_size, resolve_model
+from frontend.model_resolution import resolve_model
+from protocol.config import check_tp_size
 
 # hidden, intermediate, layers, heads, kv heads, tied, vocab
 PUBLISHED = {

@@ -103,7 +103,8 @@ def test_sigkill_of_launch_py_ends_every_child_within_10_s(tiny_ckpt, tmp_path):
 
 SPAWN_AND_SLEEP = """
 import sys, time
-from frontend.launcher import EngineProcesses, resolve_config
+from frontend.launcher import EngineProcesses
+from frontend.model_resolution import resolve_config
 from protocol.config import EngineConfig
 if __name__ == "__main__":
     procs = EngineProcesses(resolve_config(EngineConfig(sys.argv[1], device="cpu", num_kv_blocks=64)))

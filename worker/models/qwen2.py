@@ -9,8 +9,7 @@ import torch
 from torch import nn
 
 from kernels.linear import Input
-from protocol.config import ModelConfig
-from protocol.model_config import check_tp_size
+from protocol.config import ModelConfig, check_tp_size
 from worker.attention import Attention, AttentionMetadata
 from worker.layers import (FusedRMSNorm, GateUpSwiGLU, ParallelLMHead, QKVParallelLinear, RMSNorm, RotaryEmbedding,
                            RowParallelLinear, VocabParallelEmbedding)

@@ -1,14 +1,13 @@
-"""Model name resolution: a --model string becomes an architecture (ModelConfig) and a local HF-format dir.
-
-No torch here: the CPU-only scheduler imports this module.
-"""
+"""Resolving an EngineConfig once, in the frontend: the model name becomes a local Hugging Face directory and an
+architecture (ModelConfig), max_model_len gets its value; children receive the result and resolve nothing."""
 from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 
-from protocol.config import ModelConfig
+from protocol.config import EngineConfig, InvalidParam, ModelConfig, check_tp_size
 
 # hidden, intermediate, layers, heads, kv heads, tied: the published Qwen2.5 architectures.
 _QWEN25_SIZES = {
@@ -20,6 +19,32 @@ _QWEN25_SIZES = {
 _INSTRUCT_EOS = [151645, 151643]  # <|im_end|>, <|endoftext|>
 _BASE_EOS = [151643]
 _NO_WEIGHTS = ["*.json", "*.txt", "*.jinja", "*.tiktoken", "*.model"]  # what dummy weights still need
+
+
+def resolve_config(config: EngineConfig) -> EngineConfig:
+    """Resolve the model name once, here, so that child processes start from files and numbers."""
+    model_config, model_path = resolve_model(config.model, config.load_format)
+    check_tp_size(model_config, config.tensor_parallel_size)
+    if config.trace_dir is not None:
+        _check_writable_dir(config.trace_dir)
+    config.model_config, config.model_path = model_config, model_path
+    limit = model_config.max_position_embeddings
+    if config.max_model_len is None:
+        config.max_model_len = limit
+    elif config.max_model_len > limit:
+        raise InvalidParam("max_model_len", f"max_model_len={config.max_model_len} is over the model's "
+                                            f"max_position_embeddings={limit}: use at most {limit}")
+    return config
+
+
+def _check_writable_dir(path: str) -> None:
+    """Fail at launch, not after the whole run, when the trace cannot be written at shutdown."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise InvalidParam("trace_dir", f"trace_dir={path!r} cannot be written ({e}): pass a writable directory") from None
 
 
 def short_model(name: str) -> tuple[str, ModelConfig] | None:
@@ -57,7 +82,7 @@ def resolve_model(name: str, load_format: str = "auto") -> tuple[ModelConfig, st
         return config_from_dir(local), local
     if short and dummy:
         return short[1], None
-    raise ValueError(
+    raise InvalidParam("model",
         f"cannot resolve model {name!r}: it is not a local directory; {'; '.join(tried)}. "
         "Ways out: pass a local path to a Hugging Face-format model directory; go online (unset "
         f"HF_HUB_OFFLINE) so that {repo!r} can be downloaded; or use `--load-format dummy` with a short name "
@@ -140,18 +165,3 @@ def _eos_ids(model_dir: Path, cfg: dict) -> list[int]:
     if eos is None:
         return []
     return [int(e) for e in eos] if isinstance(eos, list) else [int(eos)]
-
-
-def check_tp_size(config: ModelConfig, tp_size: int) -> None:
-    """Raise ValueError unless tp_size can shard this architecture (query heads, KV heads, MLP)."""
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    if heads % tp_size:
-        raise ValueError(f"tensor_parallel_size={tp_size} does not divide the {heads} query heads: "
-                         f"use a divisor of {heads}")
-    if config.intermediate_size % tp_size:
-        raise ValueError(f"tensor_parallel_size={tp_size} does not divide the intermediate size "
-                         f"{config.intermediate_size}: use a divisor of it and of the {heads} query heads")
-    # KV heads are split when there are enough, else replicated: each rank's query heads must share one.
-    if kv_heads % tp_size and tp_size % kv_heads:
-        raise ValueError(f"tensor_parallel_size={tp_size} neither divides nor is a multiple of the {kv_heads} "
-                         "KV heads: use a divisor or a multiple of the KV head count that divides the query heads")
