@@ -18,10 +18,8 @@ from protocol.addresses import check_engine_address
 from protocol.config import EngineConfig, require
 
 _METAVARS = {int: "N", float: "X", str: "STR"}
-# launch.py serves requests as they come: a step budget of 2,048 tokens keeps every prompt step a CUDA graph
-# and decode rows from waiting behind 8,192-token chunks (concurrency 16 / 64: 6,494 -> 6,961 and 16,812 ->
-# 17,306 tok/s, first token p50 68 -> 47 and 144 -> 130 ms, inter-token p99 at 64 36 -> 18 ms; bench/NOTES.md).
-# LLM(...) keeps EngineConfig's 8,192 for offline throughput, as vLLM's server and LLM class differ too.
+# A server's step budget: every prompt step stays a CUDA graph and decode rows never wait behind a long chunk.
+# LLM(...) keeps EngineConfig's 8,192 for offline throughput (vLLM's server and LLM class differ too).
 SERVE_MAX_NUM_BATCHED_TOKENS = 2048
 _DEFAULTS = {**{f.name: f.default for f in fields(EngineConfig)},
              "max_num_batched_tokens": SERVE_MAX_NUM_BATCHED_TOKENS}

@@ -62,9 +62,8 @@ def load_tokenizer(model: str, model_dir: str | None) -> PreTrainedTokenizerBase
 
 
 def _from_pretrained(path, **kwargs) -> PreTrainedTokenizerBase:
-    """AutoTokenizer's pick, but Qwen2's class is imported directly: AutoTokenizer's own import pulls in torch
-    and torch.distributed (10 s of a 12 s load on the H200 host), which the frontend never uses and which made
-    the tokenizer, not the engine, the last thing a launch waited for."""
+    """AutoTokenizer's pick, but Qwen2's class is imported directly: AutoTokenizer's import pulls in torch, which
+    the frontend never uses and which made the tokenizer, not the engine, the last thing a launch waited for."""
     if _declared_tokenizer_class(path) in ("Qwen2Tokenizer", "Qwen2TokenizerFast"):
         return _qwen2_tokenizer_class().from_pretrained(path, **kwargs)
     from transformers import AutoTokenizer  # imported here: seconds to import, and the engine starts first

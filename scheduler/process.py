@@ -1,12 +1,8 @@
 """The scheduler process: frontends on a ROUTER, one PUSH of plans per worker rank, results on a PULL.
 
-No torch and no CUDA here. Every frame is decoded with protocol.codec; a malformed one is logged and
-dropped. A worker that reports an error, a step that makes no progress for `step_timeout` seconds, or a
-dead parent ends the process: every client gets EngineDead first, and the exit code is 1.
-
-Overlap: up to two plans are in flight, so plan N+1 is on its way to the workers before result N is
-awaited and the GPU never waits for this process. The Scheduler matches results to plans by step number
-and drops tokens of rows that finished or were preempted meanwhile.
+No torch here. A malformed frame is logged and dropped. A worker error, a step without progress for
+`step_timeout` seconds, or a dead parent ends the process: every client gets EngineDead, and the exit code is 1.
+Up to two plans are in flight, so plan N+1 reaches the workers before result N is awaited.
 """
 from __future__ import annotations
 
@@ -97,10 +93,8 @@ class SchedulerServer:
         sock.setsockopt(zmq.LINGER, LINGER_MS)
         # The codec's cap, enforced by zmq: a bigger frame drops its sender before it is buffered.
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-        if kind == zmq.ROUTER:  # set before bind: the listener copies it into every peer's pipe
-            # A ROUTER silently drops frames past its high-water mark: a frontend that fell 2000 steps
-            # behind (1000 here, 1000 in its own queue) lost tokens and finishes, and its requests hung.
-            sock.setsockopt(zmq.SNDHWM, 0)
+        if kind == zmq.ROUTER:  # set before bind, so that every peer's pipe gets it
+            sock.setsockopt(zmq.SNDHWM, 0)  # past its high-water mark a ROUTER drops frames: a slow client's tokens
         sock.bind(address)
         return sock
 
@@ -116,7 +110,10 @@ class SchedulerServer:
             self.early.clear()
             while True:
                 busy = self._step()
-                self._poll(0 if busy else POLL_MS)
+                # Results of steps in flight are _wait_result's to read.
+                msg = self._poll(0 if busy else POLL_MS, read_results=not self.in_flight)
+                if msg is not None:
+                    log.warning("dropped a %s from a worker: no step is in flight", type(msg).__name__)
         except _Exit as e:
             return self._exit(e)
 
@@ -125,8 +122,8 @@ class SchedulerServer:
             log.error("engine dead: %s", e.reason)
         else:
             log.info("scheduler stopping: %s", e.reason)
-        self.clients.update(identity for identity, _ in self.early)
-        self._drain_identities()
+        # Who is connected, also those whose messages can no longer be served, hears EngineDead.
+        self.clients.update(identity for identity, _ in self.early + self._recv_clients())
         frame = encode(EngineDead(e.reason))
         for identity in self.clients:
             self.engine.send_multipart([identity, frame])
@@ -184,19 +181,17 @@ class SchedulerServer:
 
     # ---- frontends -------------------------------------------------------------------------------
 
-    def _poll(self, timeout_ms: int) -> None:
-        """Serve frontends; notice a worker error between steps; watch the parent."""
+    def _poll(self, timeout_ms: float, read_results: bool = True):
+        """Serve frontends and watch the parent for up to timeout_ms; return a worker's message, if one came."""
         events = dict(self.poller.poll(timeout_ms))
         if self.engine in events:
             for identity, msg in self._recv_clients():
                 self._handle(identity, msg)
-        if self.results in events and not self.in_flight:  # results of steps in flight: _wait_result's
-            msg = self._recv(self.results, "a worker")
-            if isinstance(msg, WorkerError):
-                raise _Exit(1, f"worker {msg.rank} failed: {msg.reason}")
-            if msg is not None:
-                log.warning("dropped a %s from a worker: no step is in flight", type(msg).__name__)
         self._check_parent()
+        msg = self._recv(self.results, "a worker") if read_results and self.results in events else None
+        if isinstance(msg, WorkerError):
+            raise _Exit(1, f"worker {msg.rank} failed: {msg.reason}")
+        return msg
 
     def _recv_clients(self) -> list[tuple[bytes, object]]:
         """Every frame waiting on the ROUTER, decoded (None for a malformed one)."""
@@ -234,10 +229,6 @@ class SchedulerServer:
 
     def _send(self, identity: bytes, msg) -> None:
         self.engine.send_multipart([identity, encode(msg)])
-
-    def _drain_identities(self) -> None:
-        """Learn who is connected (messages that can no longer be served) so that they hear EngineDead."""
-        self.clients.update(identity for identity, _ in self._recv_clients())
 
     # ---- steps -----------------------------------------------------------------------------------
 
@@ -277,14 +268,7 @@ class SchedulerServer:
             left_ms = (deadline - time.monotonic()) * 1000
             if left_ms <= 0:
                 raise _Exit(1, f"step {step} made no progress for {self.config.step_timeout} s (step_timeout)")
-            events = dict(self.poller.poll(min(left_ms, POLL_MS)))
-            if self.engine in events:  # aborts and new requests arrive while the GPU works
-                for identity, msg in self._recv_clients():
-                    self._handle(identity, msg)
-            self._check_parent()
-            msg = self._recv(self.results, "a worker") if self.results in events else None
-            if isinstance(msg, WorkerError):
-                raise _Exit(1, f"worker {msg.rank} failed: {msg.reason}")
+            msg = self._poll(min(left_ms, POLL_MS))  # aborts and new requests arrive while the GPU works
             if isinstance(msg, StepResult) and msg.step == step:
                 try:
                     with self.tracer.span("scheduler.on_result", step):

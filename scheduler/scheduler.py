@@ -145,10 +145,9 @@ class Scheduler:
         """Plan one step: a token for every decode row, then prompt chunks, within the token budget."""
         budget = self.config.max_num_batched_tokens
         decodes, appends, preempted = self._schedule_decodes(budget)
-        # Longest context first: decode attention launches a program per row in plan order, so the long rows
-        # start first and the short ones fill the SMs at the end (bench/NOTES.md, probe 50: -7% at 256 rows of
-        # 110-1,034 tokens).
-        decodes.sort(key=attrgetter("num_computed_tokens"), reverse=True)  # 256 rows: ~12 µs, a lambda's ~22
+        # Longest context first: decode attention launches its programs in plan order, so the short rows fill
+        # the GPU at the end of the step.
+        decodes.sort(key=attrgetter("num_computed_tokens"), reverse=True)
         # After a preemption the cache is short: admitting now would only preempt again next step.
         chunks, new_rows = self._schedule_prefills(budget - len(decodes), admit=not preempted)
         if not decodes and not chunks:
