@@ -17,10 +17,10 @@ import numpy as np
 from bench.common import RESULTS_DIR, print_table, random_ids, record
 from frontend import output_processor
 from frontend.detokenizer import IncrementalDetokenizer, make_detokenizer
+from frontend.model_resolution import resolve_model
 from frontend.output_processor import OutputProcessor
 from frontend.tokenizer import load_tokenizer
 from protocol.messages import TokenBatch
-from protocol.model_config import resolve_model
 from protocol.sampling import SamplingParams
 
 

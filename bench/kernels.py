@@ -12,8 +12,8 @@ import argparse
 import functools
 
 from bench.common import RESULTS_DIR, print_table, record
+from frontend.model_resolution import resolve_model
 from protocol.config import ModelConfig
-from protocol.model_config import resolve_model
 
 # (batch, context, max_model_len): batch 1 in the latency engine's 32K grid; batches 2 and 4 there, the largest
 # the few-rows launch takes; the throughput recipe's.

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from bench.common import (COPY_TBPS, dtype_name, engine_parser, print_table, random_ids, record, roofline,
                           start_engine, timed)
-from protocol.model_config import resolve_model
+from frontend.model_resolution import resolve_model
 
 Generate = Callable[[list[int], int], object]  # (prompt ids, new tokens) -> returns when they are done
 

@@ -207,6 +207,7 @@ def recapture_seconds(runner) -> float | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from frontend.model_resolution import resolve_config
     from worker.model_runner import ModelRunner
 
     max_len, rows = args.context + args.warmup + args.steps + 1, max(args.batches)
@@ -214,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     config = EngineConfig(args.model, device=args.device, load_format=args.load_format, dtype=args.dtype,
                           seed=args.seed, enforce_eager=args.enforce_eager, max_num_seqs=rows,
                           max_model_len=max_len, block_size=16, num_kv_blocks=blocks)
-    runner = ModelRunner(config)
+    runner = ModelRunner(resolve_config(config))
     cuda, vocab = runner.device.type == "cuda", runner.model_config.vocab_size
     driver, rng = Driver(runner, config.block_size), random.Random(args.seed)
     numbers = {"startup": {**runner.startup, "recapture_s": recapture_seconds(runner)}, "decode": []}

@@ -32,7 +32,7 @@ import httpx
 import numpy as np
 
 from bench.common import REPO_DIR, engine_flags, engine_parser, print_table, random_ids, record
-from protocol.model_config import resolve_model
+from frontend.model_resolution import resolve_model
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -10,7 +10,7 @@ import sys
 import time
 
 from bench.common import engine_parser, print_table, random_ids, record, start_engine, timed
-from protocol.model_config import resolve_model
+from frontend.model_resolution import resolve_model
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,7 +11,7 @@ import sys
 import time
 
 from bench.common import engine_parser, print_table, random_ids, record, start_engine
-from protocol.model_config import resolve_model
+from frontend.model_resolution import resolve_model
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -15,9 +15,9 @@ from transformers import Qwen2ForCausalLM
 from bench import common
 from bench.common import param_count, roofline
 from bench.gpu_tests import _Outcomes
-from bench.profile import HOST_GAP, critical_path
 from bench.hf import hf_config
-from protocol.model_config import config_from_dir, short_model
+from bench.profile import HOST_GAP, critical_path
+from frontend.model_resolution import config_from_dir, short_model
 
 REPO = Path(__file__).resolve().parents[1]
 

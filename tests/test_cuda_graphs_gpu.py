@@ -8,6 +8,7 @@ import pytest
 import torch
 from test_model_runner import MiniScheduler, _prompt
 
+from frontend.model_resolution import resolve_config
 from protocol.config import EngineConfig
 from protocol.sampling import SamplingParams
 from worker.cuda_graphs import graph_batch_sizes
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.gpu
 
 def _generate(config: EngineConfig, prompts: list[list[int]], steps: int, params=None,
               overlap: bool = False) -> dict[int, list[int]]:
-    runner = ModelRunner(config, rank=0, tp_size=1)
+    runner = ModelRunner(resolve_config(config), rank=0, tp_size=1)
     assert ("decode" in runner.graphs.sizes) != config.enforce_eager
     sched = MiniScheduler(runner, chunk=config.max_num_batched_tokens)
     for row, prompt in enumerate(prompts):

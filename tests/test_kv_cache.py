@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from protocol.model_config import config_from_dir
+from frontend.model_resolution import config_from_dir
 from worker import kv_cache
 
 GIB = 1 << 30

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from protocol.model_config import resolve_model
+from frontend.model_resolution import resolve_model
 from worker.loader import init_dummy_weights, load_weights
 from worker.models import Qwen2ForCausalLM
 

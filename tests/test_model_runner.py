@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from frontend.model_resolution import resolve_config
 from protocol.config import EngineConfig
 from protocol.messages import NewRow, StepPlan, i32
 from protocol.sampling import SamplingParams
@@ -98,7 +99,7 @@ class MiniScheduler:
 def _runner(ckpt, **kw) -> ModelRunner:
     config = EngineConfig(model=str(ckpt), device="cpu", block_size=BLOCK, num_kv_blocks=kw.pop("num_kv_blocks", 128),
                           max_num_seqs=kw.pop("max_num_seqs", 4), max_num_batched_tokens=64, **kw)
-    return ModelRunner(config, rank=0, tp_size=1)
+    return ModelRunner(resolve_config(config), rank=0, tp_size=1)
 
 
 @pytest.fixture(scope="module")
@@ -241,8 +242,8 @@ def workers(request, tiny_ckpt):
     plans = [ctx.socket(zmq.PUSH) for _ in range(tp)]
     for sock, address in zip(plans, addresses.plans):
         sock.bind(address)
-    config = EngineConfig(model=str(tiny_ckpt), device="cpu", block_size=BLOCK, num_kv_blocks=16, max_num_seqs=2,
-                          max_num_batched_tokens=32, tensor_parallel_size=tp)
+    config = resolve_config(EngineConfig(model=str(tiny_ckpt), device="cpu", block_size=BLOCK, num_kv_blocks=16,
+                                         max_num_seqs=2, max_num_batched_tokens=32, tensor_parallel_size=tp))
     spawn = mp.get_context("spawn")
     procs = [spawn.Process(target=run_worker, args=(config.to_dict(), addresses.to_dict(), rank))
              for rank in range(tp)]

@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from frontend.model_resolution import resolve_config
 from protocol.config import EngineConfig
 from protocol.messages import AddRequest, i32
-from protocol.model_config import resolve_model
 from protocol.sampling import SamplingParams
 from scheduler.scheduler import Scheduler
 from worker.attention import AttentionBackend
@@ -56,10 +56,9 @@ def _serve(config: EngineConfig, prompts: list[list[int]], max_tokens: list[int]
 
 
 def _check_against_hf(tiny_ckpt, device: str, **kw) -> None:
-    model_config, path = resolve_model(str(tiny_ckpt))
-    config = EngineConfig(model=str(tiny_ckpt), device=device, dtype="float32", block_size=8, num_kv_blocks=11,
-                          max_num_seqs=4, max_num_batched_tokens=12, model_config=model_config, model_path=path,
-                          max_model_len=64, **kw)
+    config = resolve_config(EngineConfig(model=str(tiny_ckpt), device=device, dtype="float32", block_size=8,
+                                         num_kv_blocks=11, max_num_seqs=4, max_num_batched_tokens=12,
+                                         max_model_len=64, **kw))
     prompts, max_tokens = _workload()
     out, sched = _serve(config, prompts, max_tokens)
     assert sched.num_preemptions > 0 and sched.block_manager.num_cached_tokens > 0  # the workload did its job

@@ -51,21 +51,17 @@ def select_dtype(dtype: str, model_config: ModelConfig, device: torch.device) ->
     return _DTYPES[dtype]
 
 
-def _resolve(config: EngineConfig) -> tuple[ModelConfig, str | None]:
-    if config.model_config is not None:
-        return config.model_config, config.model_path
-    from protocol.model_config import resolve_model  # only when the launcher did not resolve already
-
-    return resolve_model(config.model, config.load_format)
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, rank: int = 0, tp_size: int = 1) -> None:
+        """config comes resolved (frontend.model_resolution.resolve_config): model_config and max_model_len set."""
+        if config.model_config is None or config.max_model_len is None:
+            raise ValueError(f"EngineConfig for {config.model!r} is not resolved: pass it through "
+                             "frontend.model_resolution.resolve_config first")
         self.config, self.rank, self.tp_size = config, rank, tp_size
-        self.model_config, model_dir = _resolve(config)
+        self.model_config, model_dir = config.model_config, config.model_path
         self.device = select_device(config.device, rank)
         self.dtype = select_dtype(config.dtype, self.model_config, self.device)
-        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.max_model_len = config.max_model_len
         self.max_rows = config.max_num_seqs
         self.dummy_row = self.max_rows  # padded lanes of a graph read and write this spare row
         self.step = 0
