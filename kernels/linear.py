@@ -61,11 +61,11 @@ def run_path(fold: str, x: Input, w: torch.Tensor, bias: torch.Tensor | None,
 def choice(fold: str, x: Input, w: torch.Tensor, bias: torch.Tensor | None) -> GemvConfig | None:
     """The Triton config this call runs, or None for the unfused path."""
     tensors = (x.x, x.residual, x.weight, x.residual_out) if isinstance(x, NormedInput) else (x,)
-    rows = tensors[0]
-    if not (rows.is_cuda and rows.dim() == 2 and 0 < rows.shape[0] <= GEMV_MAX_M and rows.dtype in DTYPES[fold]):
+    first = tensors[0]
+    if not (first.is_cuda and first.dim() == 2 and 0 < first.shape[0] <= GEMV_MAX_M and first.dtype in DTYPES[fold]):
         return None  # first, and cheap: a prefill step asks for every linear
-    if all(t.dtype == rows.dtype for t in (*tensors, w, bias) if t is not None):
-        return linear_plan.planned_config(fold, rows, w, bias, functools.partial(run_path, fold, x))
+    if all(t.dtype == first.dtype for t in (*tensors, w, bias) if t is not None):
+        return linear_plan.planned_config(fold, first, w, bias, functools.partial(run_path, fold, x))
     return None
 
 
