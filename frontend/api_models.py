@@ -11,13 +11,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from frontend.inputs import prepare_prompt
 from protocol.config import ContextTooLong, InvalidParam
 from protocol.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 MAX_ERROR_CHARS = 400
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -237,7 +240,7 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
     return raw
 
 
-def chat_prompt(messages: list[ChatMessage], tokenizer, add_generation_prompt: bool = True) -> list[int]:
+def chat_prompt(messages: list[ChatMessage], tokenizer: PreTrainedTokenizerBase, add_generation_prompt: bool = True) -> list[int]:
     """Render the messages with the model's chat template (its own special tokens included)."""
     if not messages:
         raise bad_request("messages is empty: send at least one message", "messages")
@@ -249,7 +252,7 @@ def chat_prompt(messages: list[ChatMessage], tokenizer, add_generation_prompt: b
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def prepare(request_id: str, tokenizer, prompt: str | list[int], params: SamplingParams, max_model_len: int,
+def prepare(request_id: str, tokenizer: PreTrainedTokenizerBase, prompt: str | list[int], params: SamplingParams, max_model_len: int,
             vocab_size: int, prompt_field: str = "prompt") -> Job:
     """The engine's own prompt checks (empty, vocabulary, context length), as 400s naming the field (the prompt's
     is `prompt_field`: chat's is messages)."""

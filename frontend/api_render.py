@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from frontend.api_models import Job
 from frontend.outputs import CompletionOutput, RequestOutput
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # Byte-level BPE vocabularies (Qwen2's) write each byte as one printable character; this maps them back.
 _BYTE_OF_CHAR = {char: byte for byte, char in bytes_to_unicode().items()}
@@ -105,7 +109,7 @@ class ChatCompletionChunk(BaseModel):
 
 # ---- engine outputs -> responses ---------------------------------------------------------------------------
 
-def token_bytes(tokenizer, token_id: int, text: str) -> list[int]:
+def token_bytes(tokenizer: PreTrainedTokenizerBase, token_id: int, text: str) -> list[int]:
     """The token's own bytes: a token holding part of a character decodes to U+FFFD, but its bytes are the
     real ones, so that a client joining the bytes of consecutive tokens gets the character (OpenAI's `bytes`)."""
     if "\ufffd" not in text:

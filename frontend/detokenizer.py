@@ -5,7 +5,12 @@ call per token), else a window of two Python-side decodes per token (any tokeniz
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from tokenizers.decoders import DecodeStream
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # How many prompt tokens to decode as context for the first output token (vLLM's choice): enough for
 # tokenizers whose decoding of a token depends on its left neighbour (SentencePiece's leading space).
@@ -102,7 +107,7 @@ class StreamDetokenizer:
         return delta
 
 
-def make_detokenizer(tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True,
+def make_detokenizer(tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], skip_special_tokens: bool = True,
                      spaces_between_special_tokens: bool = True) -> IncrementalDetokenizer | StreamDetokenizer:
     """The stream where it decodes as tokenizer.decode does: a fast tokenizer (which ignores the spaces flag)
     that does not clean up spaces after decoding; the windowed decode otherwise."""

@@ -12,10 +12,10 @@ import zmq
 
 from frontend.launcher import EngineProcesses
 from frontend.tokenizer import load_tokenizer
+from frontend.trace_summary import merge_traces
 from protocol.codec import ProtocolError, decode, encode
 from protocol.config import EngineConfig, ModelConfig
 from protocol.messages import EngineDead, GetStats, Ready, Shutdown, TokenBatch
-from frontend.trace_summary import merge_traces
 from protocol.tracing import Tracer
 
 log = logging.getLogger("pico_vllm.frontend")
@@ -83,14 +83,14 @@ class EngineClient:
                                   f"`launch.py --headless --engine-address {self.address}` or fix the address")
         raise EngineDeadError(f"engine at {self.address} was not ready after {timeout:.0f} s")
 
-    def send(self, msg) -> None:
+    def send(self, msg: object) -> None:
         self.sock.send(encode(msg))
 
-    def recv(self):
+    def recv(self) -> object:
         """One message, or None when the frame is malformed (logged, never fatal)."""
         return self.decode(self.sock.recv())
 
-    def decode(self, frame: bytes):
+    def decode(self, frame: bytes) -> object:
         with self.tracer.span("frontend.receive"):
             try:
                 return decode(frame)
@@ -98,7 +98,7 @@ class EngineClient:
                 log.warning("dropped a malformed frame from the engine: %s", e)
                 return None
 
-    def recv_blocking(self):
+    def recv_blocking(self) -> object:
         """The next message; EngineDeadError when the engine dies meanwhile (no hang)."""
         while not self.sock.poll(500):
             if self.dead_reason:

@@ -1,13 +1,18 @@
 """Prompt preparation at the frontend's entry: tokenize, then the same checks the scheduler runs on the wire."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from protocol.config import InvalidParam
 from protocol.sampling import SamplingParams, check_length, check_prompt
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 Prompt = str | list[int]
 
 
-def prepare_prompt(tokenizer, prompt: Prompt, params: SamplingParams, max_model_len: int,
+def prepare_prompt(tokenizer: PreTrainedTokenizerBase, prompt: Prompt, params: SamplingParams, max_model_len: int,
                    vocab_size: int) -> tuple[str | None, list[int]]:
     """Return (text, token ids); InvalidParam names the field that is wrong and the fix."""
     if isinstance(prompt, str):

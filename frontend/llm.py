@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import itertools
 from collections import deque
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
@@ -16,6 +17,9 @@ from frontend.outputs import RequestOutput
 from protocol.config import EngineConfig
 from protocol.messages import Abort, GetStats, TokenBatch
 from protocol.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class LLM:
@@ -29,7 +33,7 @@ class LLM:
         self._ids = itertools.count()
         atexit.register(self.shutdown)
 
-    def get_tokenizer(self):
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.client.tokenizer
 
     def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list | None = None,

@@ -10,6 +10,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
+from typing import TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -23,6 +24,7 @@ from frontend.metrics import Metrics
 from frontend.outputs import RequestOutput
 from protocol.messages import OVERLOADED
 
+T = TypeVar("T")
 log = logging.getLogger("pico_vllm.server")
 MAX_BODY_BYTES = 4 << 20  # a 128k-token prompt is well under 1 MB of text; far larger bodies are abuse
 
@@ -108,7 +110,7 @@ class ClientGone(Exception):
     """The client hung up before its response was ready; its engine requests are already aborted."""
 
 
-async def until_disconnected(request: Request, work: Awaitable):
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
     """Await `work` unless the client hangs up first; then cancel it, which aborts its engine requests."""
     task = asyncio.ensure_future(work)
     watch = asyncio.create_task(_client_gone(request))

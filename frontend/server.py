@@ -13,7 +13,7 @@ import importlib.metadata
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -134,7 +134,7 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
 
 def _lifespan(state: ServerState, load_engine: Callable[[], AsyncLLM]):
     @asynccontextmanager
-    async def lifespan(app: FastAPI):
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         loader = asyncio.create_task(_load_and_watch(state, load_engine))
         yield
         loader.cancel()

@@ -18,14 +18,14 @@ class ProtocolError(ValueError):
     """A frame that is not a well-formed message of this protocol version."""
 
 
-def encode(msg) -> bytes:
+def encode(msg: object) -> bytes:
     frame = msgpack.packb(_to_wire(msg, top=True), use_bin_type=True)
     if len(frame) > MAX_FRAME_BYTES:
         raise ProtocolError(f"{type(msg).__name__} is {len(frame)} bytes, over the {MAX_FRAME_BYTES}-byte cap")
     return frame
 
 
-def decode(frame: bytes):
+def decode(frame: bytes) -> object:
     if len(frame) > MAX_FRAME_BYTES:
         raise ProtocolError(f"frame of {len(frame)} bytes is over the {MAX_FRAME_BYTES}-byte cap")
     try:

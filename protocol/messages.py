@@ -15,7 +15,7 @@ I32 = "i32"  # numpy int32 array <-> raw bytes
 F32 = "f32"  # numpy float32 array <-> raw bytes
 
 
-def i32(values) -> np.ndarray:
+def i32(values: object) -> np.ndarray:
     return np.asarray(values, dtype=np.int32)
 
 

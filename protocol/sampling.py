@@ -123,7 +123,7 @@ def _valid_bias(bias) -> bool:
             and all(_is_int(t) and t >= 0 and _is_num(b) and -100.0 <= b <= 100.0 for t, b in bias.items()))
 
 
-def check_prompt(token_ids, vocab_size: int) -> list[int]:
+def check_prompt(token_ids: object, vocab_size: int) -> list[int]:
     """A prompt's token ids as a list: at least one, each inside the vocabulary."""
     ids = np.asarray(token_ids)
     if ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu":

@@ -38,7 +38,7 @@ class Tracer:
         self.enabled = trace_dir is not None
         self.events: list[tuple[str, int, int, int, int]] = []
 
-    def span(self, name: str, step: int = -1):
+    def span(self, name: str, step: int = -1) -> _Span | nullcontext:
         return _Span(self, name, step) if self.enabled else _OFF
 
     def add(self, name: str, start_ns: int, dur_ns: int, step: int = -1, track: int = 0) -> None:

@@ -43,7 +43,7 @@ def run_scheduler(config_dict: dict, addresses_dict: dict, parent_pid: int | Non
     """Process entry (`python -m scheduler`): serve until Shutdown; exit non-zero on failure."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
-    def on_sigterm(signum, frame):
+    def on_sigterm(signum: int, frame: object) -> None:
         raise _Exit(0, "the scheduler got SIGTERM")
 
     signal.signal(signal.SIGTERM, on_sigterm)
