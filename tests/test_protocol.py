@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from protocol.codec import MAX_FRAME_BYTES, ProtocolError, decode, encode
 from protocol.messages import (MESSAGE_TYPES, Abort, AddRequest, EngineDead, GetStats, NewRow, Ready, Shutdown,
                                StepPlan, StepResult, TokenBatch, WorkerError, i32)
+from protocol.config import InvalidParam
 from protocol.sampling import SamplingParams
 
 NEW_ROW = NewRow(row=3, token_ids=i32([5, 6, 7]), num_prompt_tokens=2, num_computed=1, block_table=i32([9, 4]),
@@ -180,3 +181,15 @@ def test_maps_of_random_fields_never_raise_anything_but_protocol_error(name, fie
     for field_name in MESSAGE_TYPES[name].WIRE:
         obj.setdefault(field_name, fields.get(field_name[::-1]))
     _decodes_or_refuses(msgpack.packb(obj, use_bin_type=True))
+
+
+def test_sampling_params_errors_name_their_field_and_plans_rebuild_without_checking():
+    with pytest.raises(InvalidParam, match="top_p") as bad:
+        SamplingParams.from_dict({"top_p": 0.0})
+    assert bad.value.field == "top_p"
+    with pytest.raises(InvalidParam) as unknown:
+        SamplingParams.from_dict({"temprature": 0.5})
+    assert unknown.value.field == "temprature"
+    params = SamplingParams(temperature=0.5, stop="x", seed=7, logit_bias={3: 1.5}, stop_token_ids=[2])
+    wire = decode(encode(NewRow(0, i32([1]), 1, 0, i32([0]), params.to_dict()))).params
+    assert SamplingParams.from_plan(wire) == params
