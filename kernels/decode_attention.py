@@ -268,11 +268,9 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
                                   block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                                   partition_size: int | None = None, new_kv: NewTokenKV | None = None,
                                   table_rows: torch.Tensor | None = None) -> torch.Tensor:
-    """Split-K flash decoding in one kernel, its splits combined by the last to arrive (a tree of groups of
-    _SPLIT_GROUP past that many); partition_size (a power of two >= 16) overrides the static choice (tests): the
-    grid then has cdiv(max_context, partition_size) splits and tiles of min(64, partition_size) keys.
-    With new_kv, q is rotated and the step's K/V stored here, as rope_store_kv would before (q unrotated); with
-    table_rows, row b's block table is block_tables[table_rows[b]]."""
+    """Split-K flash decoding in one kernel, its splits combined by the last to arrive. partition_size (a power of
+    two >= 16, for tests) overrides the static split size. With new_kv, q is rotated and the step's K/V stored here
+    (q unrotated); with table_rows, row b's block table is block_tables[table_rows[b]]."""
     if new_kv is None:
         check_cache_layout(k_cache, v_cache, q)
     else:

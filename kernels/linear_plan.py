@@ -184,10 +184,6 @@ def _stale_when(device: torch.device) -> str:
 
 # ---- the disk cache ----------------------------------------------------------------------------------------
 
-def cache_file() -> Path:
-    return cache_root() / FILE_NAME
-
-
 @functools.lru_cache(maxsize=None)
 def source_hash(path: str) -> str:
     """A short hash of a source file: an edit invalidates the choices timed with the old code."""
@@ -201,12 +197,13 @@ def _kept_choices() -> dict[str, object]:
 
 def load_choices() -> dict[str, object]:
     """Every kept choice by key; empty when the file is missing or unreadable (then each is timed again)."""
+    path = cache_root() / FILE_NAME
     try:
-        data = json.loads(cache_file().read_text())
+        data = json.loads(path.read_text())
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as e:
-        log.warning("ignoring the kernel choice cache %s (%s): its shapes are timed again", cache_file(), e)
+        log.warning("ignoring the kernel choice cache %s (%s): its shapes are timed again", path, e)
         return {}
     return data if isinstance(data, dict) else {}
 
@@ -214,7 +211,7 @@ def load_choices() -> dict[str, object]:
 def save_choice(key: str, value: object) -> None:
     """Add one choice: read, merge, write a temporary sibling, rename (a reader never sees half a file). Two
     processes saving at once may drop each other's new entry, which is then timed again next start."""
-    path = cache_file()
+    path = cache_root() / FILE_NAME
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         data = {**load_choices(), key: value}
