@@ -186,7 +186,7 @@ def test_gemm_row_times_are_timed_once_kept_on_disk_and_never_while_capturing(mo
 @pytest.mark.gpu
 def test_chosen_path_is_not_slower_than_the_unfused_one_at_qwen_shapes():
     from bench.kernels import time_linears
-    from protocol.model_config import resolve_model
+    from frontend.model_resolution import resolve_model
 
     config, _ = resolve_model("qwen2.5-1.5b", load_format="dummy")
     for row in time_linears(config, [1, 8]):
