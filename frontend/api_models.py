@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -27,10 +27,8 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "
                413: "invalid_request_error", 500: "server_error", 503: "service_unavailable_error"}
 # Fields of generation_config.json that vLLM also takes as the defaults of a silent request.
 GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
-SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "min_tokens", "stop",
-                   "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty",
-                   "repetition_penalty", "logit_bias", "skip_special_tokens", "spaces_between_special_tokens",
-                   "include_stop_str_in_output")
+# The request fields named as SamplingParams' (each endpoint sets max_tokens and logprobs in its own way).
+SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams) if f.name not in ("max_tokens", "logprobs"))
 _NO_TOOLS = "this server does not parse tool calls: describe the tools in the prompt, or leave them out"
 _NO_GUIDED = "this server has no guided decoding: ask for the format in the prompt instead"
 # Fields that change what a client gets but that this server cannot honour: a 400 naming the field, never

@@ -135,10 +135,7 @@ class AsyncLLM:
             changed, to_abort = self.processor.process(batch)
         if to_abort:
             self._send(Abort(to_abort))
-        for state in changed:
-            event = self._events.get(state.output.request_id)
-            if event is not None:
-                event.set()
+        self._wake(changed)
 
     def _on_death_from_thread(self, reason: str) -> None:
         self.dead_reason = reason  # seen by the next call on any loop, also when the last one has closed
@@ -148,7 +145,10 @@ class AsyncLLM:
 
     def _fail(self, reason: str) -> None:
         self.dead_reason = reason
-        for state in self.processor.fail_all(reason):
+        self._wake(self.processor.fail_all(reason))
+
+    def _wake(self, states: list[RequestState]) -> None:
+        for state in states:
             event = self._events.get(state.output.request_id)
             if event is not None:
                 event.set()
