@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from frontend.inputs import prepare_prompt
 from protocol.config import ContextTooLong, InvalidParam
-from protocol.sampling import SamplingParams
+from protocol.sampling import MAX_LOGPROBS, SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -274,8 +274,8 @@ def chat_logprobs(req: ChatCompletionRequest) -> int | None:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
     if not req.logprobs:
         return None
-    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
-        raise bad_request(f"top_logprobs={req.top_logprobs} is invalid: use 0..20", "top_logprobs")
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+        raise bad_request(f"top_logprobs={req.top_logprobs} is invalid: use 0..{MAX_LOGPROBS}", "top_logprobs")
     return req.top_logprobs or 0
 
 

@@ -10,14 +10,14 @@ from collections.abc import AsyncIterator
 
 import zmq.asyncio
 
-from frontend.engine_client import READY_TIMEOUT_S, EngineClient, EngineDeadError
+from frontend.engine_client import EngineClient, EngineDeadError
 from frontend.inputs import Prompt, prepare_prompt
 from frontend.model_resolution import resolve_config
 from frontend.output_processor import OutputProcessor, RequestState
 from frontend.outputs import RequestOutput
 from protocol.codec import encode
 from protocol.config import EngineConfig
-from protocol.messages import Abort, EngineDead, GetStats, TokenBatch
+from protocol.messages import READY_TIMEOUT_S, Abort, EngineDead, GetStats, TokenBatch
 from protocol.sampling import SamplingParams
 
 

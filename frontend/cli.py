@@ -10,12 +10,14 @@ import argparse
 import logging
 import os
 import socket
-import sys
 from dataclasses import fields
 
-from frontend.server import ServerOptions
+from frontend.launcher import run_headless
+from frontend.llm import LLM
+from frontend.server import ServerOptions, run_server
 from protocol.addresses import check_engine_address
 from protocol.config import EngineConfig, require
+from protocol.sampling import SamplingParams
 
 _METAVARS = {int: "N", float: "X", str: "STR"}
 # A server's step budget: every prompt step stays a CUDA graph and decode rows never wait behind a long chunk.
@@ -134,10 +136,8 @@ def main(argv: list[str] | None = None) -> int:
             if ns.engine_address and ns.engine_address.startswith("tcp://"):
                 host, _, port = check_engine_address(ns.engine_address)[len("tcp://"):].rpartition(":")
                 check_port_free(host, int(port), f"--engine-address {ns.engine_address}")
-            from frontend.launcher import run_headless
             return run_headless(config, ns.engine_address) or 0
         check_port_free(options.host, options.port, f"--host {options.host} --port {options.port}")
-        from frontend.server import run_server
         return run_server(config, options)
     except ValueError as exc:  # a model that does not resolve, a too-long --max-model-len, a bad --prompt
         parser.error(str(exc))
@@ -157,13 +157,9 @@ def check_port_free(host: str, port: int, flags: str) -> None:
 
 
 def run_prompt(config: EngineConfig, prompt: str, max_tokens: int, temperature: float) -> int:
-    from frontend import LLM, SamplingParams
     with LLM(**{f.name: getattr(config, f.name) for f in fields(config)}) as llm:
         out = llm.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=temperature),
                            use_tqdm=False)
     print(out[0].outputs[0].text)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

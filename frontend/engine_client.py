@@ -15,11 +15,10 @@ from frontend.tokenizer import load_tokenizer
 from frontend.trace_summary import merge_traces
 from protocol.codec import ProtocolError, decode, encode
 from protocol.config import EngineConfig, ModelConfig
-from protocol.messages import EngineDead, GetStats, Ready, Shutdown, TokenBatch
+from protocol.messages import READY_TIMEOUT_S, EngineDead, GetStats, Ready, Shutdown, TokenBatch
 from protocol.tracing import Tracer
 
 log = logging.getLogger("pico_vllm.frontend")
-READY_TIMEOUT_S = 900.0  # loading a large checkpoint and capturing graphs can take minutes
 SHUTDOWN_LINGER_MS = 1000  # time for our last message (Shutdown) to leave when we close
 
 

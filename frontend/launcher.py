@@ -15,8 +15,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import zmq
+
+from frontend.model_resolution import resolve_config
 from protocol.addresses import Addresses, make_addresses, remove_ipc_dir
+from protocol.codec import encode
 from protocol.config import EngineConfig, pack_child_args
+from protocol.messages import Shutdown
 
 log = logging.getLogger("pico_vllm.launcher")
 ROOT = Path(__file__).resolve().parents[1]
@@ -113,12 +118,6 @@ class EngineProcesses:
 
 def run_headless(config: EngineConfig, address: str) -> int:
     """Serve the engine at `address` without HTTP until SIGINT/SIGTERM (0) or a child's death (1)."""
-    import zmq
-
-    from frontend.model_resolution import resolve_config
-    from protocol.codec import encode
-    from protocol.messages import Shutdown
-
     procs = EngineProcesses(resolve_config(config), address)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

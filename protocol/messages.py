@@ -10,6 +10,7 @@ from typing import ClassVar
 
 import numpy as np
 
+READY_TIMEOUT_S = 900.0  # how long a Ready may take: loading a large checkpoint and capturing graphs take minutes
 OVERLOADED = "engine overloaded"  # how TokenBatch.errors begins for a request refused for a full queue
 I32 = "i32"  # numpy int32 array <-> raw bytes
 F32 = "f32"  # numpy float32 array <-> raw bytes

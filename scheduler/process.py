@@ -19,14 +19,13 @@ import zmq
 from protocol.addresses import Addresses, remove_ipc_dir
 from protocol.codec import MAX_FRAME_BYTES, ProtocolError, decode, encode
 from protocol.config import EngineConfig
-from protocol.messages import (Abort, AddRequest, EngineDead, GetStats, Ready, Shutdown, StepResult, TokenBatch,
-                               WorkerError, i32)
+from protocol.messages import (READY_TIMEOUT_S, Abort, AddRequest, EngineDead, GetStats, Ready, Shutdown, StepResult,
+                               TokenBatch, WorkerError, i32)
 from protocol.tracing import Tracer
 from scheduler.scheduler import Scheduler
 
 log = logging.getLogger("pico_vllm.scheduler")
 POLL_MS = 100  # the idle poll, and so how often the parent is checked
-READY_TIMEOUT_S = 900.0  # loading a large checkpoint and capturing graphs can take minutes
 LINGER_MS = 1000  # time for the last EngineDead / Shutdown to leave at exit
 MAX_IN_FLIGHT = 2  # the worker keeps two staging buffers: step N+1 may launch before N is collected
 

@@ -97,11 +97,9 @@ def test_help_groups_and_explains_every_flag():
     ([], "server"), (["--prompt", "hi", "--max-tokens", "3"], "prompt"),
     (["--headless", "--engine-address", "tcp://:5555"], "headless")])
 def test_main_dispatches_to_one_mode(argv, mode, monkeypatch):
-    import frontend.launcher
-    import frontend.server
     calls = []
-    monkeypatch.setattr(frontend.server, "run_server", lambda config, options: calls.append(("server", options)) or 0)
-    monkeypatch.setattr(frontend.launcher, "run_headless", lambda config, addr: calls.append(("headless", addr)) or 0)
+    monkeypatch.setattr(cli, "run_server", lambda config, options: calls.append(("server", options)) or 0)
+    monkeypatch.setattr(cli, "run_headless", lambda config, addr: calls.append(("headless", addr)) or 0)
     monkeypatch.setattr(cli, "run_prompt", lambda config, *a: calls.append(("prompt", a)) or 0)
     monkeypatch.setattr(cli, "check_port_free", lambda host, port, flags: None)  # port 8000 may be busy on this machine
     assert cli.main(["--model", "m", *argv]) == 0
