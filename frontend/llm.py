@@ -43,11 +43,11 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts: give one or one each")
-        tracer = self.client.tracer
-        with tracer.span("frontend.tokenize"):
-            prepared = [(*prepare_prompt(self.client.tokenizer, p, sp, self.client.max_model_len,
-                                         self.client.model_config.vocab_size), sp)
-                        for p, sp in zip(prompts, (sp or SamplingParams() for sp in params))]
+        params = [sp or SamplingParams() for sp in params]
+        client = self.client
+        with client.tracer.span("frontend.tokenize"):
+            prepared = [(*prepare_prompt(client.tokenizer, p, sp, client.max_model_len, client.model_config.vocab_size),
+                         sp) for p, sp in zip(prompts, params)]
         states, unsent, unfinished = [], deque(prepared), 0
         with tqdm(total=len(prepared), desc="generate", disable=not use_tqdm) as bar:
             while unsent or self.processor.num_pending:
