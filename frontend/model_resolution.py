@@ -7,17 +7,32 @@ import os
 import tempfile
 from pathlib import Path
 
-from protocol.config import EngineConfig, InvalidParam, ModelConfig, check_tp_size
+from protocol.config import ARCHITECTURES, EngineConfig, InvalidParam, ModelConfig, check_tp_size
 
-# hidden, intermediate, layers, heads, kv heads, tied: the published Qwen2.5 architectures.
+# hidden, intermediate, layers, heads, kv heads, tied: the published Qwen2.5 and Qwen3 architectures (head_dim 128).
 _QWEN25_SIZES = {
     "0.5b": (896, 4864, 24, 14, 2, True),
     "1.5b": (1536, 8960, 28, 12, 2, True),
     "3b": (2048, 11008, 36, 16, 2, True),
     "7b": (3584, 18944, 28, 28, 4, False),
 }
+_QWEN3_SIZES = {
+    "0.6b": (1024, 3072, 28, 16, 8, True),
+    "1.7b": (2048, 6144, 28, 16, 8, True),
+    "4b": (2560, 9728, 36, 32, 8, True),
+    "8b": (4096, 12288, 36, 32, 8, False),
+}
+# hidden, intermediate, layers, heads, kv heads, head_dim, tied, RoPE scaling factor: Llama 3.x.
+_LLAMA_SIZES = {
+    "3.2-1b": (2048, 8192, 16, 32, 8, 64, True, 32.0),
+    "3.2-3b": (3072, 8192, 28, 24, 8, 128, True, 32.0),
+    "3.1-8b": (4096, 14336, 32, 32, 8, 128, False, 8.0),
+}
 _INSTRUCT_EOS = [151645, 151643]  # <|im_end|>, <|endoftext|>
 _BASE_EOS = [151643]
+_LLAMA_INSTRUCT_EOS = [128001, 128008, 128009]  # <|end_of_text|>, <|eom_id|>, <|eot_id|>
+_LLAMA_BASE_EOS = [128001]
+_FAMILIES = {"qwen2.5-": _QWEN25_SIZES, "qwen3-": _QWEN3_SIZES, "llama-": _LLAMA_SIZES}
 _NO_WEIGHTS = ["*.json", "*.txt", "*.jinja", "*.tiktoken", "*.model"]  # what dummy weights still need
 
 
@@ -48,25 +63,52 @@ def _check_writable_dir(path: str) -> None:
 
 
 def short_model(name: str) -> tuple[str, ModelConfig] | None:
-    """The HF repo id and built-in config of a short name like 'qwen2.5-1.5b[-base]', else None."""
+    """The HF repo id and built-in config of a short name like 'qwen3-1.7b[-base]', else None."""
     key = name.lower()
     base = key.endswith("-base")
     key = key.removesuffix("-base")
-    if not key.startswith("qwen2.5-") or key[len("qwen2.5-"):] not in _QWEN25_SIZES:
-        return None
-    size = key[len("qwen2.5-"):]
-    hidden, inter, layers, heads, kv_heads, tied = _QWEN25_SIZES[size]
+    for prefix, sizes in _FAMILIES.items():
+        if key.startswith(prefix) and key[len(prefix):] in sizes:
+            size = key[len(prefix):]
+            build = _llama if prefix == "llama-" else _qwen
+            return build(prefix, size, sizes[size], base)
+    return None
+
+
+def short_names() -> list[str]:
+    return [prefix + size for prefix, sizes in _FAMILIES.items() for size in sizes]
+
+
+def _qwen(prefix: str, size: str, shape: tuple, base: bool) -> tuple[str, ModelConfig]:
+    hidden, inter, layers, heads, kv_heads, tied = shape
+    qwen3 = prefix == "qwen3-"
     config = ModelConfig(
         hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
         num_key_value_heads=kv_heads, head_dim=128, vocab_size=152064 if size == "7b" else 151936,
         tie_word_embeddings=tied, eos_token_ids=list(_BASE_EOS if base else _INSTRUCT_EOS),
+        max_position_embeddings=40960 if qwen3 and not base else 32768,
+        architecture="Qwen3ForCausalLM" if qwen3 else "Qwen2ForCausalLM",
     )
-    repo = f"Qwen/Qwen2.5-{size.upper()}" + ("" if base else "-Instruct")
-    return repo, config
+    if qwen3:
+        return f"Qwen/Qwen3-{size.upper()}" + ("-Base" if base else ""), config
+    return f"Qwen/Qwen2.5-{size.upper()}" + ("" if base else "-Instruct"), config
+
+
+def _llama(prefix: str, size: str, shape: tuple, base: bool) -> tuple[str, ModelConfig]:
+    hidden, inter, layers, heads, kv_heads, head_dim, tied, factor = shape
+    config = ModelConfig(
+        hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, head_dim=head_dim, vocab_size=128256, rope_theta=500000.0,
+        rms_norm_eps=1e-5, max_position_embeddings=131072, tie_word_embeddings=tied,
+        eos_token_ids=list(_LLAMA_BASE_EOS if base else _LLAMA_INSTRUCT_EOS), architecture="LlamaForCausalLM",
+        rope_scaling={"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192},
+    )
+    return f"meta-llama/Llama-{size.upper()}" + ("" if base else "-Instruct"), config
 
 
 def resolve_model(name: str, load_format: str = "auto") -> tuple[ModelConfig, str | None]:
-    """Resolve --model: a local dir, an HF repo id (cache, then hub when online) or a Qwen2.5 short name.
+    """Resolve --model: a local dir, an HF repo id (cache, then hub when online) or a short name (qwen3-1.7b).
 
     The directory is None only for load_format="dummy" with a short name and no files anywhere.
     """
@@ -86,7 +128,7 @@ def resolve_model(name: str, load_format: str = "auto") -> tuple[ModelConfig, st
         f"cannot resolve model {name!r}: it is not a local directory; {'; '.join(tried)}. "
         "Ways out: pass a local path to a Hugging Face-format model directory; go online (unset "
         f"HF_HUB_OFFLINE) so that {repo!r} can be downloaded; or use `--load-format dummy` with a short name "
-        f"({', '.join('qwen2.5-' + s for s in _QWEN25_SIZES)}, optionally with -base) for random weights.")
+        f"({', '.join(short_names())}, optionally with -base) for random weights.")
 
 
 def _find_on_hub(repo: str, weights: bool, download: bool) -> tuple[str | None, list[str]]:
@@ -116,14 +158,15 @@ def _hf_offline() -> bool:
 
 
 def config_from_dir(model_dir: str | Path) -> ModelConfig:
-    """Read config.json (and generation_config.json for EOS ids) of a Qwen2 model directory."""
+    """Read config.json (and generation_config.json for EOS ids) of a model directory of a family we run."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise ValueError(f"{model_dir} has no config.json: pass a Hugging Face-format model directory")
     cfg = json.loads(path.read_text())
-    _check_supported(cfg, path)
+    architecture = _check_supported(cfg, path)
     hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     rope = cfg.get("rope_parameters") or {}
+    scaling = _rope_scaling(cfg)
     return ModelConfig(
         hidden_size=hidden, intermediate_size=cfg["intermediate_size"],
         num_hidden_layers=cfg["num_hidden_layers"], num_attention_heads=heads,
@@ -134,27 +177,47 @@ def config_from_dir(model_dir: str | Path) -> ModelConfig:
         max_position_embeddings=cfg.get("max_position_embeddings", 32768),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
-        eos_token_ids=_eos_ids(Path(model_dir), cfg),
+        eos_token_ids=_eos_ids(Path(model_dir), cfg), architecture=architecture,
+        rope_scaling=None if scaling is None else {k: scaling[k] for k in _LLAMA3_KEYS} | {"rope_type": "llama3"},
     )
 
 
-def _check_supported(cfg: dict, path: Path) -> None:
-    archs = cfg.get("architectures") or ["Qwen2ForCausalLM"]
-    if cfg.get("model_type") != "qwen2" or "Qwen2ForCausalLM" not in archs:
+_MODEL_TYPES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _check_supported(cfg: dict, path: Path) -> str:
+    """The architecture Pico-vLLM runs for this config.json; a clear error for any it does not."""
+    archs = cfg.get("architectures") or [_MODEL_TYPES.get(cfg.get("model_type"), "unknown")]
+    if archs[0] not in ARCHITECTURES or _MODEL_TYPES.get(cfg.get("model_type")) != archs[0]:
         raise ValueError(
-            f"{path}: architecture {archs} (model_type={cfg.get('model_type')!r}) is not supported: "
-            "Pico-vLLM runs Qwen2ForCausalLM (model_type 'qwen2') models only, e.g. Qwen2.5")
+            f"{path}: architecture {archs} (model_type={cfg.get('model_type')!r}) is not supported: Pico-vLLM "
+            f"runs {', '.join(ARCHITECTURES)} (model_type {', '.join(map(repr, _MODEL_TYPES))}), e.g. Qwen2.5, "
+            "Qwen3 and Llama 3")
     if cfg.get("use_sliding_window"):
         raise ValueError(f"{path}: use_sliding_window=true is not supported: use a model without it")
+    if archs[0] != "Qwen2ForCausalLM" and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
+        raise ValueError(f"{path}: attention_bias / mlp_bias true is not supported for {archs[0]}: "
+                         "use a checkpoint without biases (as the published ones)")
     if cfg.get("quantization_config"):
         method = cfg["quantization_config"].get("quant_method", "unknown")
         raise ValueError(f"{path}: a quantized model (quant_method={method!r}) is not supported: Pico-vLLM runs "
                          "float32/float16/bfloat16 weights; use the unquantized checkpoint "
                          "(e.g. Qwen/Qwen2.5-1.5B-Instruct)")
+    _rope_scaling(cfg, path)
+    return archs[0]
+
+
+def _rope_scaling(cfg: dict, path: Path | None = None) -> dict | None:
+    """config.json's llama3 RoPE scaling (rope_scaling, or transformers 5's rope_parameters), else None."""
     scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     kind = scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind == "llama3" and all(k in scaling for k in _LLAMA3_KEYS):
+        return scaling
     if kind != "default":
-        raise ValueError(f"{path}: rope scaling {kind!r} is not supported: remove rope_scaling from config.json")
+        raise ValueError(f"{path}: rope scaling {kind!r} is not supported: Pico-vLLM runs unscaled RoPE and "
+                         f"llama3 scaling (with {', '.join(_LLAMA3_KEYS)})")
+    return None
 
 
 def _eos_ids(model_dir: Path, cfg: dict) -> list[int]:

@@ -5,17 +5,35 @@ slot -1 marks a padded lane that must not be written.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
 
-def make_cos_sin(max_pos: int, head_dim: int, theta: float, device: torch.device | str) -> torch.Tensor:
-    """cos_sin[max_pos, head_dim] float32: cos in the first half, sin in the second (as Qwen2's HF code)."""
+def make_cos_sin(max_pos: int, head_dim: int, theta: float, device: torch.device | str,
+                 scaling: dict | None = None) -> torch.Tensor:
+    """cos_sin[max_pos, head_dim] float32: cos in the first half, sin in the second (as Qwen2's HF code);
+    scaling: a llama3 rope_scaling (ModelConfig.rope_scaling), or None."""
     exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
     inv_freq = 1.0 / (theta ** exponent)
+    if scaling is not None:
+        inv_freq = llama3_inv_freq(inv_freq, scaling)
     freqs = torch.outer(torch.arange(max_pos, device=device, dtype=torch.float32), inv_freq)
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1's RoPE scaling, as transformers' _compute_llama3_parameters: wavelengths under the original
+    context / high_freq_factor kept, over it / low_freq_factor slowed by `factor`, a smooth ramp between."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_context / wavelen - low) / (high - low)
+    ramp = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    slowed = torch.where(wavelen > old_context / low, inv_freq / factor, ramp)
+    return torch.where(wavelen < old_context / high, inv_freq, slowed)
 
 
 def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -107,3 +107,50 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
         return add_rms_norm_triton(x, residual, weight, eps, rows, residual_out)
     normed, new_residual = add_rms_norm_ref(x, residual, weight, eps, residual_out)
     return _padded(normed, rows), new_residual
+
+
+@triton.jit
+def _norm_heads(x_ptr, w_ptr, stride_h, heads, eps, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr,
+                D_PAD: tl.constexpr):
+    """RMSNorm of each of `heads` rows of HEAD_DIM at x_ptr (rows stride_h apart), in place."""
+    offs_h = tl.arange(0, HEADS_PAD)[:, None]
+    offs_d = tl.arange(0, D_PAD)[None, :]
+    mask = (offs_h < heads) & (offs_d < HEAD_DIM)
+    ptrs = x_ptr + offs_h * stride_h + offs_d
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / HEAD_DIM + eps)
+    normed = (xf * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + offs_d, mask=offs_d < HEAD_DIM, other=0.0).to(tl.float32)
+    tl.store(ptrs, (normed * w).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _qk_norm_kernel(q_ptr, k_ptr, q_w_ptr, k_w_ptr, stride_qt, stride_qh, stride_kt, stride_kh, q_heads, k_heads,
+                    eps, HEAD_DIM: tl.constexpr, Q_PAD: tl.constexpr, K_PAD: tl.constexpr, D_PAD: tl.constexpr):
+    # One program per token normalises all its q and k heads: q and k are strided views of the qkv output.
+    t = tl.program_id(0).to(tl.int64)
+    _norm_heads(q_ptr + t * stride_qt, q_w_ptr, stride_qh, q_heads, eps, HEAD_DIM, Q_PAD, D_PAD)
+    _norm_heads(k_ptr + t * stride_kt, k_w_ptr, stride_kh, k_heads, eps, HEAD_DIM, K_PAD, D_PAD)
+
+
+def qk_rms_norm_ref(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                    eps: float) -> None:
+    q.copy_(rms_norm_ref(q, q_weight, eps))
+    k.copy_(rms_norm_ref(k, k_weight, eps))
+
+
+def qk_rms_norm_triton(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                       eps: float) -> None:
+    if q.stride(-1) != 1 or k.stride(-1) != 1:
+        raise ValueError(f"qk_rms_norm needs a unit stride on head_dim, got {q.stride()} and {k.stride()}")
+    d = q.shape[-1]
+    _qk_norm_kernel[(q.shape[0],)](q, k, q_weight, k_weight, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                                   q.shape[1], k.shape[1], eps, HEAD_DIM=d, Q_PAD=triton.next_power_of_2(q.shape[1]),
+                                   K_PAD=triton.next_power_of_2(k.shape[1]), D_PAD=triton.next_power_of_2(d))
+
+
+def qk_rms_norm(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                eps: float) -> None:
+    """RMSNorm over each head of q [T, Hq, D] and of k [T, Hk, D], in place, in one launch on CUDA."""
+    (qk_rms_norm_triton if q.is_cuda else qk_rms_norm_ref)(q, k, q_weight, k_weight, eps)

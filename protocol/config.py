@@ -8,6 +8,8 @@ from pathlib import Path
 import msgpack
 
 CACHE_ENV = "PICO_VLLM_CACHE"
+# config.json's architectures[0] of the families worker/models runs.
+ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM")
 
 
 def cache_root() -> Path:
@@ -17,7 +19,7 @@ def cache_root() -> Path:
 
 @dataclass(slots=True)
 class ModelConfig:
-    """The architecture of a Qwen2-family model (what config.json says, in our names)."""
+    """The architecture of a model (what config.json says, in our names)."""
 
     hidden_size: int
     intermediate_size: int
@@ -32,6 +34,9 @@ class ModelConfig:
     tie_word_embeddings: bool = True
     torch_dtype: str = "bfloat16"
     eos_token_ids: list[int] = field(default_factory=list)
+    architecture: str = "Qwen2ForCausalLM"  # one of ARCHITECTURES
+    # llama3 RoPE scaling: factor, low_freq_factor, high_freq_factor, original_max_position_embeddings; or None.
+    rope_scaling: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)

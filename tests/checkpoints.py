@@ -1,4 +1,5 @@
-"""Tiny random Qwen2 checkpoints, written the way Hugging Face writes real ones (tests only)."""
+"""Tiny random checkpoints of each family we run (Qwen2, Qwen3, Llama 3), written the way Hugging Face writes
+real ones (tests only)."""
 from __future__ import annotations
 
 import json
@@ -6,13 +7,19 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import (LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM)
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
     "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+FAMILIES = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+            "llama": (LlamaConfig, LlamaForCausalLM)}
+# Llama 3.1's scaling, its original context cut to 64 so that positions of a test reach every RoPE band.
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 64}
 _CORPUS = [
     "Hello world! The quick brown fox jumps over the lazy dog.",
     "Pico-vLLM serves language models fast. def main(): return 42",
@@ -38,21 +45,24 @@ def make_tokenizer(out_dir: Path, vocab_size: int = 384) -> PreTrainedTokenizerF
 def make_checkpoint(out_dir: str | Path, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
                     num_kv_heads: int = 2, head_dim: int = 16, intermediate_size: int = 128,
                     vocab_size: int = 512, tie: bool = True, sharded: bool = False, seed: int = 0,
-                    max_position_embeddings: int = 4096) -> Path:
-    """Write a random float32 Qwen2ForCausalLM with its tokenizer; return the directory."""
+                    max_position_embeddings: int = 4096, family: str = "qwen2") -> Path:
+    """Write a random float32 model of the family (qwen2, qwen3, llama: with LLAMA3_SCALING) with its tokenizer;
+    return the directory."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = make_tokenizer(out)
-    config = Qwen2Config(
+    config_cls, model_cls = FAMILIES[family]
+    scaling = {"rope_scaling": dict(LLAMA3_SCALING)} if family == "llama" else {}
+    config = config_cls(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
         head_dim=head_dim, max_position_embeddings=max_position_embeddings, rope_theta=10000.0,
         rms_norm_eps=1e-6, tie_word_embeddings=tie, torch_dtype="float32",
         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-        bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"), **scaling,
     )
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).to(torch.float32)
+    model = model_cls(config).to(torch.float32)
     with torch.no_grad():  # HF's init is tiny (std 0.02); larger weights make logits differ per token
         for p in model.parameters():
             p.normal_(0.0, 0.2 if p.dim() > 1 else 0.05)
@@ -60,6 +70,9 @@ def make_checkpoint(out_dir: str | Path, *, hidden_size: int = 64, num_layers: i
             layer.input_layernorm.weight.fill_(1.0)
             layer.post_attention_layernorm.weight.fill_(1.0)
         model.model.norm.weight.fill_(1.0)
+        for name, p in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):  # per-head norms: near 1, unlike each other
+                p.normal_(1.0, 0.2)
     model.save_pretrained(out, max_shard_size="100KB" if sharded else "10GB", safe_serialization=True)
     if sharded:
         assert (out / "model.safetensors.index.json").exists(), "expected a sharded checkpoint"

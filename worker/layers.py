@@ -42,11 +42,11 @@ def _load_whole(param: nn.Parameter, loaded: torch.Tensor, shard_id: None = None
 
 
 class QKVParallelLinear(nn.Module):
-    """Column-parallel q|k|v projection with bias, this rank's heads packed as [q heads, k heads, v heads];
+    """Column-parallel q|k|v projection (with or without bias), this rank's heads packed as [q heads, k heads, v heads];
     returns q [T, heads, D], k and v [T, kv heads, D], views of one output."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
+                 tp_rank: int = 0, tp_size: int = 1, bias: bool = True) -> None:
         super().__init__()
         self.head_dim, self.total = head_dim, {"q": num_heads, "k": num_kv_heads, "v": num_kv_heads}
         self.num_heads, self.num_kv_heads = num_heads // tp_size, local_kv_heads(num_kv_heads, tp_size)
@@ -57,7 +57,7 @@ class QKVParallelLinear(nn.Module):
         self.offset = {"q": 0, "k": self.num_heads, "v": self.num_heads + self.num_kv_heads}
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
         self.weight = _param(out, hidden_size, loader=self.weight_loader, shard_ids=("q", "k", "v"))
-        self.bias = _param(out, loader=self.weight_loader, shard_ids=("q", "k", "v"))
+        self.bias = _param(out, loader=self.weight_loader, shard_ids=("q", "k", "v")) if bias else None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
         d = self.head_dim
@@ -161,14 +161,15 @@ class FusedRMSNorm(RMSNorm):
 
 
 class RotaryEmbedding(nn.Module):
-    """The RoPE table cos_sin [max_position, head_dim] that the attention kernels read, float32 in any model dtype."""
+    """The RoPE table cos_sin [max_position, head_dim] that the attention kernels read, float32 in any model dtype;
+    scaling: a llama3 rope_scaling or None."""
 
-    def __init__(self, head_dim: int, max_position: int, theta: float) -> None:
+    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None = None) -> None:
         super().__init__()
-        self.shape = (max_position, head_dim, theta)
-        self.register_buffer("cos_sin", make_cos_sin(*self.shape, None), persistent=False)
+        self.shape, self.scaling = (max_position, head_dim, theta), scaling
+        self.register_buffer("cos_sin", make_cos_sin(*self.shape, None, scaling), persistent=False)
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)  # .to(dtype) casts buffers too: rebuild the table in float32 on its device
-        self.cos_sin = make_cos_sin(*self.shape, self.cos_sin.device)
+        self.cos_sin = make_cos_sin(*self.shape, self.cos_sin.device, self.scaling)
         return self

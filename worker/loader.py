@@ -33,7 +33,7 @@ def load_weights(model: nn.Module, model_dir: str, tp_rank: int = 0, tp_size: in
         for file, names in files.items():
             with safe_open(file, framework="pt") as f:
                 for name in names:
-                    loaded |= _load_tensor(params, expected, model.config.tie_word_embeddings, name, f, file)
+                    loaded |= _load_tensor(params, expected, model, name, f, file)
                     bar.update()
     missing = sorted(_hf_name(n, s) for n, s in expected - loaded)
     if missing:
@@ -41,14 +41,14 @@ def load_weights(model: nn.Module, model_dir: str, tp_rank: int = 0, tp_size: in
                          f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
 
 
-def _load_tensor(params: dict, expected: set, tied: bool, name: str, f, file: str) -> set:
+def _load_tensor(params: dict, expected: set, model: nn.Module, name: str, f, file: str) -> set:
     """Copy one checkpoint tensor into its parameter (shard); return the (param, shard) it filled."""
-    if (tied and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq"):
+    if (model.config.tie_word_embeddings and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq"):
         return set()  # a tied head is the embedding; old checkpoints store a RoPE table we recompute
     target, shard = _our_name(name)
     if (target, shard) not in expected:
-        raise ValueError(f"unexpected tensor {name!r} in {file}: the Qwen2 model has no such parameter "
-                         "(is this a Qwen2ForCausalLM checkpoint with the config.json beside it?)")
+        raise ValueError(f"unexpected tensor {name!r} in {file}: the {type(model).__name__} model has no such "
+                         "parameter (is the config.json beside the checkpoint the one that came with it?)")
     param, tensor = params[target], f.get_tensor(name)
     if tensor.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"tensor {name!r} in {file} is {str(tensor.dtype).removeprefix('torch.')}: Pico-vLLM loads "

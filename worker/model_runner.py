@@ -20,7 +20,7 @@ from worker.cuda_graphs import CudaGraphs, graph_batch_sizes, prefill_buckets
 from worker.input_buffers import StepBuffers
 from worker.kv_cache import allocate_kv_cache, cpu_num_kv_blocks, kv_block_bytes, profile_num_kv_blocks
 from worker.loader import init_dummy_weights, load_weights
-from worker.models.qwen2 import Qwen2ForCausalLM
+from worker.models import model_class
 from worker.parallel import local_kv_heads
 from worker.row_mirror import HostStep, RowMirror
 from worker.sampler import Sampler, SamplerOutput
@@ -109,12 +109,12 @@ class ModelRunner:
 
     # ---- set-up -------------------------------------------------------------------------------------
 
-    def _build_model(self, model_dir: str | None) -> Qwen2ForCausalLM:
+    def _build_model(self, model_dir: str | None) -> torch.nn.Module:
         previous = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)  # the layers create their parameters in the default dtype
         try:
             with torch.device(self.device):
-                model = Qwen2ForCausalLM(self.model_config, self.rank, self.tp_size)
+                model = model_class(self.model_config.architecture)(self.model_config, self.rank, self.tp_size)
         finally:
             torch.set_default_dtype(previous)
         if self.config.load_format == "dummy" or model_dir is None:

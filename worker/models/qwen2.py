@@ -18,11 +18,13 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class Qwen2Attention(nn.Module):
+    qkv_bias = True
+
     def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int) -> None:
         super().__init__()
         d = config.head_dim
         self.qkv_proj = QKVParallelLinear(config.hidden_size, d, config.num_attention_heads,
-                                          config.num_key_value_heads, tp_rank, tp_size)
+                                          config.num_key_value_heads, tp_rank, tp_size, bias=self.qkv_bias)
         self.o_proj = RowParallelLinear(config.num_attention_heads * d, config.hidden_size, tp_rank, tp_size)
         self.attn = Attention(d)
 
@@ -43,9 +45,9 @@ class Qwen2MLP(nn.Module):
 
 
 class Qwen2DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int) -> None:
+    def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int, attention_cls: type[nn.Module]) -> None:
         super().__init__()
-        self.self_attn = Qwen2Attention(config, tp_rank, tp_size)
+        self.self_attn = attention_cls(config, tp_rank, tp_size)
         self.mlp = Qwen2MLP(config, tp_rank, tp_size)
         self.input_layernorm = FusedRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = FusedRMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -60,14 +62,15 @@ class Qwen2DecoderLayer(nn.Module):
 
 
 class Qwen2Model(nn.Module):
-    def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int) -> None:
+    def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int, attention_cls: type[nn.Module]) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_rank, tp_size)
-        self.layers = nn.ModuleList(Qwen2DecoderLayer(config, tp_rank, tp_size)
+        self.layers = nn.ModuleList(Qwen2DecoderLayer(config, tp_rank, tp_size, attention_cls)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
+        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
+                                      config.rope_scaling)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[KVCache], input_rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -81,13 +84,17 @@ class Qwen2Model(nn.Module):
 
 
 class Qwen2ForCausalLM(nn.Module):
-    """forward(input_ids[T], positions[T], meta, kv_caches) -> hidden[T, H]; compute_logits -> [N, V]."""
+    """forward(input_ids[T], positions[T], meta, kv_caches) -> hidden[T, H]; compute_logits -> [N, V].
+
+    Families with this decoder and another attention (worker/models/llama.py, qwen3.py) set attention_cls."""
+
+    attention_cls: type[nn.Module] = Qwen2Attention
 
     def __init__(self, config: ModelConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
         check_tp_size(config, tp_size)
         self.config, self.tp_rank, self.tp_size = config, tp_rank, tp_size
-        self.model = Qwen2Model(config, tp_rank, tp_size)
+        self.model = Qwen2Model(config, tp_rank, tp_size, self.attention_cls)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank, tp_size)
         if config.tie_word_embeddings:
             # One Parameter object: named_parameters() then lists only model.embed_tokens.weight.

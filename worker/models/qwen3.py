@@ -1,0 +1,33 @@
+"""Qwen3ForCausalLM (dense): Llama's decoder with an RMSNorm over each head of q and of k before RoPE.
+
+head_dim comes from config.json and is not always hidden / heads (Qwen3-0.6B: 16 heads of 128 on a hidden of
+1,024). q_norm and k_norm hold one weight of head_dim each, per head, so every TP rank loads the same ones.
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels import qk_rms_norm
+from kernels.linear import Input
+from protocol.config import ModelConfig
+from worker.attention import AttentionMetadata
+from worker.layers import RMSNorm
+from worker.models.llama import LlamaAttention
+from worker.models.qwen2 import KVCache, Qwen2ForCausalLM
+
+
+class Qwen3Attention(LlamaAttention):
+    def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int) -> None:
+        super().__init__(config, tp_rank, tp_size)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: Input, cos_sin: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden)
+        qk_rms_norm(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)  # in place, one launch for both
+        return self.o_proj(self.attn(q, k, v, positions, cos_sin, kv_cache, meta))
+
+
+class Qwen3ForCausalLM(Qwen2ForCausalLM):
+    attention_cls = Qwen3Attention
