@@ -1,4 +1,5 @@
-"""Our Qwen2 over the paged KV cache equals Hugging Face's, logit for logit and token for token (CPU, fp32)."""
+"""Our models (Qwen2, Qwen3, Llama 3) over the paged KV cache equal Hugging Face's, logit for logit and token for
+token (CPU, fp32)."""
 from __future__ import annotations
 
 import os
@@ -14,7 +15,7 @@ from kernels.gemv import GemvConfig
 from kernels.prefill_attention import prefill_work
 from worker.attention import AttentionMetadata
 from worker.loader import init_dummy_weights, load_weights
-from worker.models import Qwen2ForCausalLM
+from worker.models import Qwen2ForCausalLM, model_class
 
 ATOL = 1e-4
 # Together: tied and untied; GQA ratios 1, 2 and 6; head_dim 16 and 64; single-file and sharded;
@@ -24,6 +25,13 @@ CASES = {
     "untied-gqa2-d64-sharded-bs8": (dict(num_heads=4, num_kv_heads=2, head_dim=64, tie=False, sharded=True), 8),
     "tied-gqa6-d16-sharded-bs4": (dict(num_heads=6, num_kv_heads=1, head_dim=16, tie=True, sharded=True), 4),
     "untied-gqa6-d64-single-bs8": (dict(num_heads=6, num_kv_heads=1, head_dim=64, tie=False), 8),
+    # Qwen3 (q/k norm, no bias) and Llama 3 (llama3 RoPE scaling, no bias): head_dim unlike hidden / heads (16).
+    "qwen3-tied-gqa2-d32-single-bs4": (dict(family="qwen3", num_heads=4, num_kv_heads=2, head_dim=32, tie=True), 4),
+    "qwen3-untied-gqa3-d64-sharded-bs8": (dict(family="qwen3", num_heads=6, num_kv_heads=2, head_dim=64, tie=False,
+                                               sharded=True), 8),
+    "llama-tied-gqa2-d32-sharded-bs4": (dict(family="llama", num_heads=4, num_kv_heads=2, head_dim=32, tie=True,
+                                             sharded=True), 4),
+    "llama-untied-mha-d24-single-bs8": (dict(family="llama", num_heads=2, num_kv_heads=2, head_dim=24, tie=False), 8),
 }
 
 
@@ -81,15 +89,15 @@ class PagedRun:
 
 def build_model(model_dir: str | Path, tp_rank: int = 0, tp_size: int = 1) -> Qwen2ForCausalLM:
     config, local = resolve_model(str(model_dir))
-    model = Qwen2ForCausalLM(config, tp_rank, tp_size)
+    model = model_class(config.architecture)(config, tp_rank, tp_size)
     load_weights(model, local, tp_rank, tp_size)
     return model.eval()
 
 
 def hf_model(model_dir: Path):
-    from transformers import Qwen2ForCausalLM as HFQwen2  # lazy: TP child processes import this module
+    from transformers import AutoModelForCausalLM  # lazy: TP child processes import this module
 
-    return HFQwen2.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
 def hf_logits(hf, tokens: list[int]) -> torch.Tensor:
@@ -249,9 +257,11 @@ def test_tensor_parallel_2_ranks_equal_one_rank_for_split_and_replicated_kv_head
     from checkpoints import make_checkpoint
     from safetensors.torch import load_file
 
-    kv_heads = {"kv2": (4, 2), "kv4": (8, 4), "kv1-replicated": (4, 1)}
-    cases = [(str(make_checkpoint(tmp_path / name, num_heads=h, num_kv_heads=kv, tie=name != "kv4")), 4)
-             for name, (h, kv) in kv_heads.items()]
+    kv_heads = {"kv2": (4, 2, "qwen2"), "kv4": (8, 4, "qwen2"), "kv1-replicated": (4, 1, "qwen2"),
+                "qwen3-kv2": (4, 2, "qwen3"), "llama-kv1-replicated": (4, 1, "llama")}
+    cases = [(str(make_checkpoint(tmp_path / name, num_heads=h, num_kv_heads=kv, tie=name != "kv4", family=family,
+                                  head_dim=16 if family == "qwen2" else 32)), 4)
+             for name, (h, kv, family) in kv_heads.items()]
     torch.multiprocessing.spawn(_tp_rank_main, args=(2, f"file://{tmp_path}/rendezvous", cases, str(tmp_path)),
                                 nprocs=2, join=True)
     for model_dir, block_size in cases:

@@ -53,10 +53,56 @@ def test_head_dim_defaults_to_hidden_over_heads_and_eos_list_comes_from_config(t
     assert config.head_dim == 64 // 4 and config.eos_token_ids == [2, 0]
 
 
-def test_unsupported_architecture_is_named(tiny_ckpt, tmp_path):
-    model_dir = edit_config(tiny_ckpt, tmp_path, architectures=["LlamaForCausalLM"], model_type="llama")
-    with pytest.raises(ValueError, match="LlamaForCausalLM.*Qwen2ForCausalLM"):
+def test_unsupported_architecture_is_named_with_the_supported_ones(tiny_ckpt, tmp_path):
+    model_dir = edit_config(tiny_ckpt, tmp_path, architectures=["MistralForCausalLM"], model_type="mistral")
+    with pytest.raises(ValueError, match="MistralForCausalLM.*Qwen2ForCausalLM, Qwen3ForCausalLM, LlamaForCausalLM"):
         resolve_model(str(model_dir))
+
+
+@pytest.mark.parametrize("edit,match", [
+    (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}), "rope scaling 'yarn'"),
+    (dict(architectures=["LlamaForCausalLM"], model_type="llama", attention_bias=True), "attention_bias"),
+])
+def test_rope_scaling_and_biases_we_do_not_run_are_refused(tiny_ckpt, tmp_path, edit, match):
+    with pytest.raises(ValueError, match=match):
+        resolve_model(str(edit_config(tiny_ckpt, tmp_path, **edit)))
+
+
+# hidden, intermediate, layers, heads, kv heads, head_dim, tied, max positions, RoPE theta, llama3 factor:
+# config.json of the repos; Qwen3's base repos have 32,768 positions, the post-trained ones 40,960.
+PUBLISHED_NEW = {
+    "qwen3-0.6b": ("Qwen/Qwen3-0.6B", (1024, 3072, 28, 16, 8, 128, True, 40960, 1e6, None)),
+    "qwen3-1.7b": ("Qwen/Qwen3-1.7B", (2048, 6144, 28, 16, 8, 128, True, 40960, 1e6, None)),
+    "qwen3-4b": ("Qwen/Qwen3-4B", (2560, 9728, 36, 32, 8, 128, True, 40960, 1e6, None)),
+    "qwen3-8b": ("Qwen/Qwen3-8B", (4096, 12288, 36, 32, 8, 128, False, 40960, 1e6, None)),
+    "llama-3.2-1b": ("meta-llama/Llama-3.2-1B-Instruct", (2048, 8192, 16, 32, 8, 64, True, 131072, 5e5, 32.0)),
+    "llama-3.2-3b": ("meta-llama/Llama-3.2-3B-Instruct", (3072, 8192, 28, 24, 8, 128, True, 131072, 5e5, 32.0)),
+    "llama-3.1-8b": ("meta-llama/Llama-3.1-8B-Instruct", (4096, 14336, 32, 32, 8, 128, False, 131072, 5e5, 8.0)),
+}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED_NEW))
+def test_qwen3_and_llama_short_names_carry_the_published_configs(name, empty_hf_cache):
+    from frontend.model_resolution import short_model
+
+    repo, shape = PUBLISHED_NEW[name]
+    config, path = resolve_model(name, load_format="dummy")
+    scaling = config.rope_scaling
+    got = (config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.num_attention_heads,
+           config.num_key_value_heads, config.head_dim, config.tie_word_embeddings, config.max_position_embeddings,
+           config.rope_theta, scaling and scaling["factor"])
+    assert path is None and got == shape and short_model(name)[0] == repo
+    llama = name.startswith("llama")
+    assert config.architecture == ("LlamaForCausalLM" if llama else "Qwen3ForCausalLM")
+    assert config.vocab_size == (128256 if llama else 151936)
+    assert config.eos_token_ids == ([128001, 128008, 128009] if llama else [151645, 151643])
+    base_repo, base = short_model(name + "-base")
+    assert base_repo == repo.removesuffix("-Instruct") + ("" if llama else "-Base")
+    assert base.eos_token_ids == ([128001] if llama else [151643])
+    assert base.max_position_embeddings == (131072 if llama else 32768)
+    if llama:
+        assert scaling == {"rope_type": "llama3", "factor": shape[-1], "low_freq_factor": 1.0,
+                           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
 def test_quantized_checkpoint_is_refused_with_its_method_and_the_fix(tiny_ckpt, tmp_path):

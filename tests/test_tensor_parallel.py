@@ -13,9 +13,11 @@ from checkpoints import make_checkpoint
 PARAMS = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
 
-@pytest.mark.parametrize("kv_heads", [2, 4, 1])
-def test_tp2_greedy_equals_tp1_and_hf(tmp_path, kv_heads):
-    ckpt = make_checkpoint(tmp_path, num_heads=4, num_kv_heads=kv_heads, head_dim=16, hidden_size=64)
+@pytest.mark.parametrize("family,kv_heads,head_dim", [("qwen2", 2, 16), ("qwen2", 4, 16), ("qwen2", 1, 16),
+                                                     ("qwen3", 2, 32), ("llama", 1, 32)])
+def test_tp2_greedy_equals_tp1_and_hf(tmp_path, family, kv_heads, head_dim):
+    ckpt = make_checkpoint(tmp_path, num_heads=4, num_kv_heads=kv_heads, head_dim=head_dim, hidden_size=64,
+                           family=family)
     prompts = _prompts(512)[:5]
     expected = _hf_greedy(ckpt, prompts, 10)
     with LLM(str(ckpt), device="cpu", tensor_parallel_size=2) as llm:

@@ -70,13 +70,21 @@ def _check_against_hf(tiny_ckpt, device: str, **kw) -> None:
         assert out[i] == (ref[:len(out[i])] if i == ABORTED else ref), f"request {i}"
 
 
-def test_two_plans_in_flight_with_reuse_preemption_prefix_hits_and_abort_equal_hf_greedy(tiny_ckpt):
-    _check_against_hf(tiny_ckpt, "cpu")
+@pytest.fixture(params=["qwen2", "qwen3", "llama"])
+def family_ckpt(request, tiny_ckpt, tmp_path):
+    """The tiny Qwen2 checkpoint, or one of Qwen3 / Llama 3 with head_dim 32 (not hidden / heads)."""
+    from checkpoints import make_checkpoint
+
+    return tiny_ckpt if request.param == "qwen2" else make_checkpoint(tmp_path, family=request.param, head_dim=32)
+
+
+def test_two_plans_in_flight_with_reuse_preemption_prefix_hits_and_abort_equal_hf_greedy(family_ckpt):
+    _check_against_hf(family_ckpt, "cpu")
 
 
 @pytest.mark.gpu
-def test_same_workload_on_cuda_with_decode_graphs_equals_hf_greedy(tiny_ckpt):
-    _check_against_hf(tiny_ckpt, "cuda", enforce_eager=False)
+def test_same_workload_on_cuda_with_decode_graphs_equals_hf_greedy(family_ckpt):
+    _check_against_hf(family_ckpt, "cuda", enforce_eager=False)
 
 
 @pytest.mark.parametrize("sizes", [(1, 1, 1, 0, 0), (3, 2, 1, 5, 3), (517, 7, 3, 9, 31), (8192, 255, 13, 1, 645)])
