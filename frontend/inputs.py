@@ -18,7 +18,7 @@ def prepare_prompt(tokenizer: PreTrainedTokenizerBase, prompt: Prompt, params: S
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidParam("prompt", "prompt is empty: send at least one character or token id")
-        text, ids = prompt, tokenizer.encode(prompt, add_special_tokens=False)
+        text, ids = prompt, tokenizer.encode(prompt)  # the tokenizer's own specials: Llama 3's BOS, none for Qwen
     elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         text, ids = None, check_prompt(prompt, vocab_size)
     else:

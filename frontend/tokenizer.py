@@ -1,9 +1,9 @@
-"""The model's Hugging Face tokenizer and chat template; Qwen2.5's real BPE built offline when no files exist.
+"""The model's Hugging Face tokenizer and chat template; for short names without files, the real BPE built offline.
 
-The offline build reads Qwen's BPE ranks (`qwen.tiktoken`, shipped by the PyPI package `dashscope`; install it
-with `pip install --no-deps dashscope`), recovers the merges, and writes tokenizer.json + tokenizer_config.json
-the way Qwen2.5's repos ship them into a cache directory, so that later loads are an ordinary
-AutoTokenizer.from_pretrained of that directory.
+The offline build reads BPE ranks (Qwen's `qwen.tiktoken`, shipped by the PyPI package `dashscope`: install it with
+`pip install --no-deps dashscope`; Llama 3's `tokenizer.model`, shipped by `llama-models`), recovers the merges,
+and writes tokenizer.json + tokenizer_config.json the way the Qwen2.5, Qwen3 and Llama 3 repos ship them into a
+cache directory, so that later loads are an ordinary AutoTokenizer.from_pretrained of that directory.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,6 +39,16 @@ QWEN25_ADDED_TOKENS = [(t, True) for t in (
     "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")] + [(t, False) for t in (
     "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
     "<|repo_name|>", "<|file_sep|>")]
+QWEN3_ADDED_TOKENS = QWEN25_ADDED_TOKENS + [(t, False) for t in ("<tool_response>", "</tool_response>", "<think>",
+                                                                  "</think>")]
+LLAMA3_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+                  r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+NUM_LLAMA3_BPE_TOKENS = 128000
+# Llama 3's 256 special tokens from id 128000, as its Hugging Face repos name them.
+LLAMA3_SPECIAL_TOKENS = [
+    "<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>", "<|reserved_special_token_1|>",
+    "<|finetune_right_pad_id|>", "<|reserved_special_token_2|>", "<|start_header_id|>", "<|end_header_id|>",
+    "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"] + [f"<|reserved_special_token_{i}|>" for i in range(3, 248)]
 
 INSTRUCT_SYSTEM_PROMPT = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 BASE_SYSTEM_PROMPT = "You are a helpful assistant."
@@ -48,24 +59,39 @@ def qwen25_chat_template(instruct: bool = True) -> str:
     return CHAT_TEMPLATE_FILE.read_text().replace("@SYSTEM@", INSTRUCT_SYSTEM_PROMPT if instruct else BASE_SYSTEM_PROMPT)
 
 
+def chat_template(name: str) -> str:
+    """One of the official templates stored beside this file: 'qwen3', 'llama31' or 'llama32'."""
+    return Path(__file__).with_name(f"{name}_chat_template.jinja").read_text()
+
+
 def load_tokenizer(model: str, model_dir: str | None) -> PreTrainedTokenizerBase:
-    """The tokenizer (with chat template) of `model`, read from model_dir; Qwen2.5 short names work offline."""
+    """The tokenizer (with chat template) of `model`, read from model_dir; short names work offline."""
     if model_dir is not None and has_tokenizer_files(model_dir):
         return _from_pretrained(model_dir)
-    name = model.lower()
-    if short_model(name) is not None:
-        return load_qwen25_tokenizer(instruct=not name.endswith("-base"))
+    short = short_model(model)
+    if short is not None:
+        repo = short[0]
+        if repo.startswith("meta-llama/"):
+            return load_llama3_tokenizer(repo.endswith("-Instruct"), "3.1" if "Llama-3.1" in repo else "3.2")
+        if repo.startswith("Qwen/Qwen3-"):
+            return load_qwen3_tokenizer(not repo.endswith("-Base"))
+        return load_qwen25_tokenizer(repo.endswith("-Instruct"))
     where = f"in {model_dir!r}" if model_dir is not None else "(no model directory)"
     raise ValueError(f"no tokenizer for model {model!r}: found no tokenizer.json, vocab.json + merges.txt or "
                      f"tokenizer.model {where}, and there is no offline fallback for it; use a model directory "
-                     f"with tokenizer files or a Qwen2.5 short name such as qwen2.5-1.5b")
+                     f"with tokenizer files or a short name such as qwen2.5-1.5b, qwen3-1.7b or llama-3.2-1b")
 
 
 def _from_pretrained(path, **kwargs) -> PreTrainedTokenizerBase:
     """AutoTokenizer's pick, but Qwen2's class is imported directly: AutoTokenizer's import pulls in torch, which
     the frontend never uses and which made the tokenizer, not the engine, the last thing a launch waited for."""
-    if _declared_tokenizer_class(path) in ("Qwen2Tokenizer", "Qwen2TokenizerFast"):
+    declared = _declared_tokenizer_class(path)
+    if declared in ("Qwen2Tokenizer", "Qwen2TokenizerFast"):
         return _qwen2_tokenizer_class().from_pretrained(path, **kwargs)
+    if declared == "PreTrainedTokenizerFast":  # Llama 3's
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(path, **kwargs)
     from transformers import AutoTokenizer  # imported here: seconds to import, and the engine starts first
 
     return AutoTokenizer.from_pretrained(path, **kwargs)
@@ -99,25 +125,44 @@ def load_qwen25_tokenizer(instruct: bool = True, cache_dir: str | os.PathLike | 
                           ) -> PreTrainedTokenizerBase:
     """Qwen2.5's tokenizer rebuilt from Qwen's BPE ranks (built once, then read from the disk cache)."""
     path = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    if not has_tokenizer_files(path):
-        _build_into(path)
+    _build_once(path, lambda: build_qwen25_tokenizer(read_qwen_ranks()), _tokenizer_config)
     if instruct:
         return _from_pretrained(path)
     # The base repos end documents with <|endoftext|>, not the chat turn's <|im_end|>.
     return _from_pretrained(path, eos_token="<|endoftext|>", chat_template=qwen25_chat_template(False))
 
 
+def load_qwen3_tokenizer(instruct: bool = True) -> PreTrainedTokenizerBase:
+    """Qwen3's tokenizer: Qwen2.5's vocabulary and added tokens, then <tool_response>, </tool_response>, <think>
+    and </think>; the same chat template (with its enable_thinking switch) for the post-trained and base repos."""
+    path = cache_root() / "qwen3-tokenizer-v1"
+    config = lambda: _tokenizer_config(QWEN3_ADDED_TOKENS, chat_template("qwen3"))  # noqa: E731
+    _build_once(path, lambda: build_qwen25_tokenizer(read_qwen_ranks(), QWEN3_ADDED_TOKENS), config)
+    return _from_pretrained(path) if instruct else _from_pretrained(path, eos_token="<|endoftext|>")
+
+
+def load_llama3_tokenizer(instruct: bool = True, version: str = "3.2") -> PreTrainedTokenizerBase:
+    """Llama 3's tokenizer rebuilt from Meta's ranks, BOS added on encode; the chat template of Llama 3.1 or 3.2."""
+    path = cache_root() / "llama3-tokenizer-v1"
+    _build_once(path, build_llama3_tokenizer, _llama3_tokenizer_config)
+    template = chat_template("llama31" if version == "3.1" else "llama32")
+    # Instruct repos end a turn with <|eot_id|>, base ones a document with <|end_of_text|>.
+    return _from_pretrained(path, eos_token="<|eot_id|>" if instruct else "<|end_of_text|>", chat_template=template)
+
+
 def default_cache_dir() -> Path:
     return cache_root() / _CACHE_SUBDIR
 
 
-def _build_into(path: Path) -> None:
+def _build_once(path: Path, build: Callable[[], Tokenizer], config: Callable[[], dict]) -> None:
     """Write the tokenizer files into a temporary sibling, then rename: readers never see half a cache."""
+    if has_tokenizer_files(path):
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))
     try:
-        build_qwen25_tokenizer(read_qwen_ranks()).save(str(tmp / "tokenizer.json"))
-        (tmp / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(), indent=2, ensure_ascii=False))
+        build().save(str(tmp / "tokenizer.json"))
+        (tmp / "tokenizer_config.json").write_text(json.dumps(config(), indent=2, ensure_ascii=False))
         os.replace(tmp, path)
     except OSError:
         if not has_tokenizer_files(path):  # not merely another process winning the rename race
@@ -126,14 +171,18 @@ def _build_into(path: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def read_qwen_ranks() -> dict[bytes, int]:
-    """Qwen's BPE ranks from dashscope's qwen.tiktoken, found without importing dashscope (its deps may be absent)."""
-    spec = importlib.util.find_spec("dashscope")
+def _package_file(package: str, relative: str, install: str) -> Path:
+    """A data file of an installed package, found without importing it (its own dependencies may be absent)."""
+    spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError("building the Qwen2.5 tokenizer offline needs Qwen's BPE ranks from the PyPI package "
-                         "'dashscope': run `pip install --no-deps dashscope`, or pass a model directory that has "
-                         "tokenizer files")
-    ranks_file = Path(list(spec.submodule_search_locations)[0]) / "resources" / "qwen.tiktoken"
+        raise ValueError(f"building this tokenizer offline needs BPE ranks from the PyPI package {package!r}: run "
+                         f"`{install}`, or pass a model directory that has tokenizer files")
+    return Path(list(spec.submodule_search_locations)[0]) / relative
+
+
+def read_qwen_ranks() -> dict[bytes, int]:
+    """Qwen's BPE ranks from dashscope's qwen.tiktoken."""
+    ranks_file = _package_file("dashscope", "resources/qwen.tiktoken", "pip install --no-deps dashscope")
     ranks = {}
     for line in ranks_file.read_bytes().splitlines():
         token, rank = line.split()
@@ -141,6 +190,11 @@ def read_qwen_ranks() -> dict[bytes, int]:
     if len(ranks) != NUM_BPE_TOKENS or sorted(ranks.values()) != list(range(NUM_BPE_TOKENS)):
         raise ValueError(f"{ranks_file} holds {len(ranks)} ranks, not Qwen's {NUM_BPE_TOKENS}: reinstall dashscope")
     return ranks
+
+
+def llama3_ranks_file() -> Path:
+    """Llama 3's BPE ranks (tiktoken format), llama-models' llama3/tokenizer.model."""
+    return _package_file("llama_models", "llama3/tokenizer.model", "pip install llama-models")
 
 
 def recover_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
@@ -163,8 +217,9 @@ def recover_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
     return merges
 
 
-def build_qwen25_tokenizer(ranks: dict[bytes, int]) -> Tokenizer:
-    """Qwen2's byte-level BPE (NFC, Qwen2 split pattern) with Qwen2.5's added tokens at their real ids."""
+def build_qwen25_tokenizer(ranks: dict[bytes, int], added: list[tuple[str, bool]] = QWEN25_ADDED_TOKENS
+                           ) -> Tokenizer:
+    """Qwen2's byte-level BPE (NFC, Qwen2 split pattern) with Qwen2.5's (or Qwen3's) added tokens at their ids."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     to_unicode = bytes_to_unicode()  # the printable alphabet byte-level vocabularies are written in
@@ -182,24 +237,56 @@ def build_qwen25_tokenizer(ranks: dict[bytes, int]) -> Tokenizer:
     ])
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    tok.add_tokens([AddedToken(t, special=s, normalized=False) for t, s in QWEN25_ADDED_TOKENS])
-    for i, (t, _) in enumerate(QWEN25_ADDED_TOKENS):
+    tok.add_tokens([AddedToken(t, special=s, normalized=False) for t, s in added])
+    for i, (t, _) in enumerate(added):
         if tok.token_to_id(t) != NUM_BPE_TOKENS + i:
             raise ValueError(f"added token {t!r} got id {tok.token_to_id(t)}, not {NUM_BPE_TOKENS + i}")
     return tok
 
 
-def _tokenizer_config() -> dict:
-    """Qwen2.5-Instruct's tokenizer_config.json (the fields that change behaviour)."""
-    added = {str(NUM_BPE_TOKENS + i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                                       "single_word": False, "special": s}
-             for i, (t, s) in enumerate(QWEN25_ADDED_TOKENS)}
+def build_llama3_tokenizer() -> Tokenizer:
+    """Llama 3's byte-level BPE by transformers' tiktoken converter (a whole pre-token found in the vocabulary is
+    one token, tiktoken's rule); encoding with special tokens puts <|begin_of_text|> first."""
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    tok = TikTokenConverter(str(llama3_ranks_file()), LLAMA3_PATTERN,
+                            extra_special_tokens=LLAMA3_SPECIAL_TOKENS).converted()
+    bos = LLAMA3_SPECIAL_TOKENS[0]
+    if tok.get_vocab_size() != NUM_LLAMA3_BPE_TOKENS + 256 or tok.token_to_id(bos) != NUM_LLAMA3_BPE_TOKENS:
+        raise ValueError(f"{llama3_ranks_file()} is not Llama 3's tokenizer: `pip install llama-models` again")
+    tok.post_processor = processors.Sequence([
+        processors.ByteLevel(trim_offsets=False),
+        processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos}:1 $B:1",
+                                      special_tokens=[(bos, NUM_LLAMA3_BPE_TOKENS)]),
+    ])
+    return tok
+
+
+def _added_tokens_decoder(added: list[tuple[str, bool]], first_id: int) -> dict:
+    return {str(first_id + i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                                "single_word": False, "special": s} for i, (t, s) in enumerate(added)}
+
+
+def _tokenizer_config(added: list[tuple[str, bool]] = QWEN25_ADDED_TOKENS, template: str | None = None) -> dict:
+    """Qwen2.5-Instruct's (or Qwen3's) tokenizer_config.json (the fields that change behaviour)."""
     return {
-        "add_bos_token": False, "add_prefix_space": False, "added_tokens_decoder": added,
-        "additional_special_tokens": [t for t, s in QWEN25_ADDED_TOKENS[1:] if s],
-        "bos_token": None, "chat_template": qwen25_chat_template(True), "clean_up_tokenization_spaces": False,
-        "eos_token": "<|im_end|>", "errors": "replace", "model_max_length": 131072,
-        "pad_token": "<|endoftext|>", "split_special_tokens": False, "tokenizer_class": "Qwen2Tokenizer",
-        "unk_token": None,
+        "add_bos_token": False, "add_prefix_space": False, "added_tokens_decoder": _added_tokens_decoder(
+            added, NUM_BPE_TOKENS), "additional_special_tokens": [t for t, s in QWEN25_ADDED_TOKENS[1:] if s],
+        "bos_token": None, "chat_template": template or qwen25_chat_template(True),
+        "clean_up_tokenization_spaces": False, "eos_token": "<|im_end|>", "errors": "replace",
+        "model_max_length": 131072, "pad_token": "<|endoftext|>", "split_special_tokens": False,
+        "tokenizer_class": "Qwen2Tokenizer", "unk_token": None,
     }
 
+
+def _llama3_tokenizer_config() -> dict:
+    """Llama-3.2-Instruct's tokenizer_config.json (the fields that change behaviour)."""
+    return {
+        "added_tokens_decoder": _added_tokens_decoder([(t, True) for t in LLAMA3_SPECIAL_TOKENS],
+                                                      NUM_LLAMA3_BPE_TOKENS),
+        "bos_token": "<|begin_of_text|>", "chat_template": chat_template("llama32"),
+        # The repos say true; transformers 5 ignores it for BPE (it would strip spaces before punctuation).
+        "clean_up_tokenization_spaces": False, "eos_token": "<|eot_id|>",
+        "model_input_names": ["input_ids", "attention_mask"], "model_max_length": 131072,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }

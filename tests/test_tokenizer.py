@@ -169,3 +169,127 @@ def test_missing_bpe_ranks_package_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ValueError, match="pip install --no-deps dashscope"):
         read_qwen_ranks()
+
+
+# ---- Qwen3 and Llama 3 ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer(qwen_cache_root):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PICO_VLLM_CACHE", str(qwen_cache_root))
+        return load_tokenizer("qwen3-1.7b", None)
+
+
+@pytest.fixture(scope="session")
+def llama_cache_root(tmp_path_factory):
+    if importlib.util.find_spec("llama_models") is None:
+        pytest.skip("Llama 3's BPE ranks come from `pip install llama-models`")
+    return tmp_path_factory.getbasetemp() / "pico-vllm-llama-cache"
+
+
+@pytest.fixture(scope="session")
+def llama_tokenizer(llama_cache_root):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PICO_VLLM_CACHE", str(llama_cache_root))
+        return load_tokenizer("llama-3.2-1b", None)
+
+
+def test_offline_qwen3_is_qwen25_plus_tool_response_and_think_tokens(qwen3_tokenizer, qwen_tokenizer):
+    assert len(qwen3_tokenizer) == 151669 and qwen3_tokenizer.eos_token_id == 151645
+    assert qwen3_tokenizer.convert_tokens_to_ids(["<tool_response>", "</tool_response>", "<think>", "</think>"]) == \
+        [151665, 151666, 151667, 151668]
+    for text in PINNED:
+        assert qwen3_tokenizer.encode(text) == PINNED[text]
+    # Thinking markers are text the caller parses, not specials that decoding drops.
+    assert qwen3_tokenizer.decode([151667, 6023, 151668], skip_special_tokens=True) == "<think>hi</think>"
+
+
+def test_offline_llama3_matches_tiktoken_and_puts_bos_first(llama_tokenizer):
+    tiktoken = pytest.importorskip("tiktoken")
+    from tiktoken.load import load_tiktoken_bpe
+
+    from frontend.tokenizer import LLAMA3_PATTERN, llama3_ranks_file
+
+    assert llama_tokenizer.encode("Hello world") == [128000, 9906, 1917]
+    enc = tiktoken.Encoding("llama3", pat_str=LLAMA3_PATTERN, special_tokens={},
+                            mergeable_ranks=load_tiktoken_bpe(str(llama3_ranks_file())))
+    text = ("import numpy as np\n\n\nclass Foo:\n\tdef __init__(self):  # 初始化\n        self.x = 3.14159\r\n"
+            "Straße naïve — «quotes» 'll 's ПРИВЕТ 日本語 한국어 😀👍🏽🦀 \u00a0 end  \n\n 1234567 .:.:.:")
+    assert llama_tokenizer.encode(text, add_special_tokens=False) == enc.encode_ordinary(text)
+    assert llama_tokenizer.convert_tokens_to_ids(["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
+                                                  "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"]) == \
+        [128000, 128001, 128006, 128008, 128009, 128010]
+    assert len(llama_tokenizer) == 128256 and llama_tokenizer.eos_token_id == 128009
+
+
+def test_llama3_short_names_pick_eos_and_template_by_version_and_kind(llama_tokenizer, llama_cache_root, monkeypatch):
+    monkeypatch.setenv("PICO_VLLM_CACHE", str(llama_cache_root))
+    base, llama31 = load_tokenizer("llama-3.2-3b-base", None), load_tokenizer("llama-3.1-8b", None)
+    assert (base.eos_token_id, llama31.eos_token_id) == (128001, 128009)
+    assert "builtin_tools" in llama31.chat_template and "strftime_now" in llama_tokenizer.chat_template
+
+
+def test_qwen3_template_renders_thinking_switch_and_drops_old_reasoning(qwen3_tokenizer):
+    turn = [{"role": "user", "content": "Hi!"}]
+    assert qwen3_tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=True) == \
+        "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n"
+    assert qwen3_tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=True,
+                                               enable_thinking=False) == \
+        "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    history = [{"role": "system", "content": "Be brief."}, *turn,
+               {"role": "assistant", "content": "<think>\nGreet back.\n</think>\n\nHello."},
+               {"role": "user", "content": "Bye!"}]
+    assert qwen3_tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\nHello."
+        "<|im_end|>\n<|im_start|>user\nBye!<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_llama3_template_renders_system_header_and_turns(llama_tokenizer):
+    messages = [{"role": "system", "content": "Be brief. "}, {"role": "user", "content": "Hi!"},
+                {"role": "assistant", "content": "Hello."}]
+    text = llama_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                               date_string="26 Jul 2024")
+    assert text == (
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December 2023\n"
+        "Today Date: 26 Jul 2024\n\nBe brief.<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nHi!<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\nHello.<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n")
+    # The template writes BOS itself: encoding it adds no second one.
+    assert llama_tokenizer.encode(text, add_special_tokens=False).count(128000) == 1
+
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hi!"}],
+    [{"role": "system", "content": "You are a pirate."}, {"role": "user", "content": "Hi!"},
+     {"role": "assistant", "content": "Arr."}, {"role": "user", "content": "Where is the gold?"}],
+    [{"role": "user", "content": "Paris?"},
+     {"role": "assistant", "content": "", "tool_calls": [
+         {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+     {"role": "tool", "content": "22C"}],
+]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": {"type": "object", "properties": {}}}}]
+
+
+@pytest.mark.parametrize("short,template", [("qwen3-1.7b", "qwen3"), ("qwen3-4b-base", "qwen3"),
+                                            ("llama-3.2-1b", "llama32"), ("llama-3.1-8b", "llama31")])
+def test_short_name_tokenizers_render_their_stored_template_as_transformers_does(
+        short, template, qwen_cache_root, llama_cache_root, monkeypatch):
+    from frontend.tokenizer import chat_template
+
+    monkeypatch.setenv("PICO_VLLM_CACHE", str(llama_cache_root if short.startswith("llama") else qwen_cache_root))
+    tok = load_tokenizer(short, None)
+    for messages in CONVERSATIONS:
+        for extra in ({}, {"tools": TOOLS}, {"enable_thinking": False}):
+            kwargs = dict(tokenize=False, add_generation_prompt=True, date_string="26 Jul 2024", **extra)
+            assert tok.apply_chat_template(messages, **kwargs) == \
+                tok.apply_chat_template(messages, chat_template=chat_template(template), **kwargs)
+
+
+def test_text_prompts_start_with_bos_where_the_tokenizer_has_one(llama_tokenizer, qwen3_tokenizer):
+    from frontend.inputs import prepare_prompt
+    from protocol.sampling import SamplingParams
+
+    _, llama_ids = prepare_prompt(llama_tokenizer, "Hello world", SamplingParams(max_tokens=4), 64, 128256)
+    _, qwen_ids = prepare_prompt(qwen3_tokenizer, "Hello world", SamplingParams(max_tokens=4), 64, 151936)
+    assert (llama_ids, qwen_ids) == ([128000, 9906, 1917], [9707, 1879])
