@@ -16,19 +16,27 @@ from frontend.tokenizer import QWEN2_PATTERN, load_tokenizer, read_qwen_ranks
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _cache_root(tmp_path_factory, package: str, install: str, name: str) -> Path:
+    """A fresh cache root per test session: the offline build itself is tested, once, and then shared."""
+    if importlib.util.find_spec(package) is None:
+        pytest.skip(f"the BPE ranks come from `{install}`")
+    return tmp_path_factory.getbasetemp() / name
+
+
+def _offline(cache_root: Path, short_name: str):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PICO_VLLM_CACHE", str(cache_root))
+        return load_tokenizer(short_name, None)
+
+
 @pytest.fixture(scope="session")
 def qwen_cache_root(tmp_path_factory):
-    """A fresh cache root per test session: the offline build itself is tested, once, and then shared."""
-    if importlib.util.find_spec("dashscope") is None:
-        pytest.skip("Qwen's BPE ranks come from `pip install --no-deps dashscope`")
-    return tmp_path_factory.getbasetemp() / "pico-vllm-cache"
+    return _cache_root(tmp_path_factory, "dashscope", "pip install --no-deps dashscope", "pico-vllm-cache")
 
 
 @pytest.fixture(scope="session")
 def qwen_tokenizer(qwen_cache_root):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PICO_VLLM_CACHE", str(qwen_cache_root))
-        return load_tokenizer("qwen2.5-1.5b", None)
+    return _offline(qwen_cache_root, "qwen2.5-1.5b")
 
 
 def test_a_qwen2_tokenizer_is_autotokenizers_own_class_without_importing_torch(qwen_tokenizer, qwen_cache_root):
@@ -175,23 +183,17 @@ def test_missing_bpe_ranks_package_is_a_clear_error(monkeypatch):
 
 @pytest.fixture(scope="session")
 def qwen3_tokenizer(qwen_cache_root):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PICO_VLLM_CACHE", str(qwen_cache_root))
-        return load_tokenizer("qwen3-1.7b", None)
+    return _offline(qwen_cache_root, "qwen3-1.7b")
 
 
 @pytest.fixture(scope="session")
 def llama_cache_root(tmp_path_factory):
-    if importlib.util.find_spec("llama_models") is None:
-        pytest.skip("Llama 3's BPE ranks come from `pip install llama-models`")
-    return tmp_path_factory.getbasetemp() / "pico-vllm-llama-cache"
+    return _cache_root(tmp_path_factory, "llama_models", "pip install llama-models", "pico-vllm-llama-cache")
 
 
 @pytest.fixture(scope="session")
 def llama_tokenizer(llama_cache_root):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PICO_VLLM_CACHE", str(llama_cache_root))
-        return load_tokenizer("llama-3.2-1b", None)
+    return _offline(llama_cache_root, "llama-3.2-1b")
 
 
 def test_offline_qwen3_is_qwen25_plus_tool_response_and_think_tokens(qwen3_tokenizer, qwen_tokenizer):
