@@ -236,7 +236,7 @@ class ModelRunner:
         for new in plan.new_rows:
             self.mirror.add(new)
             tokens = np.asarray(new.token_ids)
-            self.sampler.add_row(new.row, SamplingParams.from_dict(new.params), tokens[:new.num_prompt_tokens],
+            self.sampler.add_row(new.row, SamplingParams.from_plan(new.params), tokens[:new.num_prompt_tokens],
                                  tokens[new.num_prompt_tokens:])
         for row, block_ids in plan.block_appends:
             self.mirror.append_blocks(int(row), block_ids)
