@@ -238,7 +238,8 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
     return raw
 
 
-def chat_prompt(messages: list[ChatMessage], tokenizer: PreTrainedTokenizerBase, add_generation_prompt: bool = True) -> list[int]:
+def chat_prompt(messages: list[ChatMessage], tokenizer: PreTrainedTokenizerBase,
+                add_generation_prompt: bool = True) -> list[int]:
     """Render the messages with the model's chat template (its own special tokens included)."""
     if not messages:
         raise bad_request("messages is empty: send at least one message", "messages")
@@ -250,8 +251,8 @@ def chat_prompt(messages: list[ChatMessage], tokenizer: PreTrainedTokenizerBase,
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def prepare(request_id: str, tokenizer: PreTrainedTokenizerBase, prompt: str | list[int], params: SamplingParams, max_model_len: int,
-            vocab_size: int, prompt_field: str = "prompt") -> Job:
+def prepare(request_id: str, tokenizer: PreTrainedTokenizerBase, prompt: str | list[int], params: SamplingParams,
+            max_model_len: int, vocab_size: int, prompt_field: str = "prompt") -> Job:
     """The engine's own prompt checks (empty, vocabulary, context length), as 400s naming the field (the prompt's
     is `prompt_field`: chat's is messages)."""
     try:

@@ -189,7 +189,8 @@ class CompletionRenderer(Renderer):
 
     def choice(self, job: int, index: int, o: CompletionOutput, chars: int, tokens: int) -> CompletionChoice:
         prompt = self.jobs[job]
-        echo = "" if not self.echo else prompt.text if prompt.text is not None else self.tokenizer.decode(prompt.token_ids)
+        echo = "" if not self.echo else prompt.text if prompt.text is not None else \
+            self.tokenizer.decode(prompt.token_ids)
         text = (echo if chars == tokens == 0 else "") + o.text[chars:]
         logprobs = None
         if o.logprobs is not None:

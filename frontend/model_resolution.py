@@ -59,7 +59,8 @@ def _check_writable_dir(path: str) -> None:
         with tempfile.TemporaryFile(dir=path):
             pass
     except OSError as e:
-        raise InvalidParam("trace_dir", f"trace_dir={path!r} cannot be written ({e}): pass a writable directory") from None
+        raise InvalidParam("trace_dir",
+                           f"trace_dir={path!r} cannot be written ({e}): pass a writable directory") from None
 
 
 def short_model(name: str) -> tuple[str, ModelConfig] | None:

@@ -56,7 +56,8 @@ BASE_SYSTEM_PROMPT = "You are a helpful assistant."
 
 def qwen25_chat_template(instruct: bool = True) -> str:
     """The chat template a Qwen2.5 repo ships (Instruct or base: they differ in the default system prompt)."""
-    return CHAT_TEMPLATE_FILE.read_text().replace("@SYSTEM@", INSTRUCT_SYSTEM_PROMPT if instruct else BASE_SYSTEM_PROMPT)
+    system = INSTRUCT_SYSTEM_PROMPT if instruct else BASE_SYSTEM_PROMPT
+    return CHAT_TEMPLATE_FILE.read_text().replace("@SYSTEM@", system)
 
 
 def chat_template(name: str) -> str:

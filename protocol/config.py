@@ -129,17 +129,16 @@ def require(ok: bool, name: str, value: object, fix: str) -> None:
 
 def check_tp_size(config: ModelConfig, tp_size: int) -> None:
     """Raise InvalidParam unless tp_size can shard this architecture (query heads, KV heads, MLP)."""
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    heads, kv_heads, name = config.num_attention_heads, config.num_key_value_heads, "tensor_parallel_size"
     if heads % tp_size:
-        raise InvalidParam("tensor_parallel_size", f"tensor_parallel_size={tp_size} does not divide the {heads} query heads: "
-                                 f"use a divisor of {heads}")
+        raise InvalidParam(name, f"{name}={tp_size} does not divide the {heads} query heads: use a divisor of {heads}")
     if config.intermediate_size % tp_size:
-        raise InvalidParam("tensor_parallel_size", f"tensor_parallel_size={tp_size} does not divide the intermediate size "
-                                 f"{config.intermediate_size}: use a divisor of it and of the {heads} query heads")
+        raise InvalidParam(name, f"{name}={tp_size} does not divide the intermediate size {config.intermediate_size}: "
+                                 f"use a divisor of it and of the {heads} query heads")
     # KV heads are split when there are enough, else replicated: each rank's query heads must share one.
     if kv_heads % tp_size and tp_size % kv_heads:
-        raise InvalidParam("tensor_parallel_size", f"tensor_parallel_size={tp_size} neither divides nor is a multiple of the {kv_heads} "
-                                 "KV heads: use a divisor or a multiple of the KV head count that divides the query heads")
+        raise InvalidParam(name, f"{name}={tp_size} neither divides nor is a multiple of the {kv_heads} KV heads: use "
+                                 "a divisor or a multiple of the KV head count that divides the query heads")
 
 
 def pack_child_args(config: EngineConfig, addresses: dict, **extra: int) -> bytes:

@@ -187,17 +187,19 @@ def test_profile_runs_every_stage_and_leaves_no_row_behind():
 
 
 def test_eos_and_stop_ids_are_banned_until_min_tokens_outputs():
-    s = Sampler(max_rows=4, vocab_size=V, device=torch.device("cpu"), eos_token_ids=[3])
+    # Params as the scheduler resolves them: EOS (3) joins stop_token_ids unless ignore_eos.
+    s = Sampler(max_rows=4, vocab_size=V, device=torch.device("cpu"))
     prompt, no_out = np.zeros(4, np.int32), np.zeros(0, np.int32)
-    s.add_row(0, SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[5]), prompt, no_out)
+    s.add_row(0, SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[3, 5]), prompt, no_out)
     s.add_row(1, SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[5], ignore_eos=True), prompt, no_out)
-    s.add_row(2, SamplingParams(temperature=0.0, stop_token_ids=[5]), prompt, no_out)
-    s.add_row(3, SamplingParams(temperature=0.0, min_tokens=2), prompt, np.array([7, 8], np.int32))  # resumed
+    s.add_row(2, SamplingParams(temperature=0.0, stop_token_ids=[3, 5]), prompt, no_out)
+    s.add_row(3, SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[3]), prompt,
+              np.array([7, 8], np.int32))  # resumed
     assert not s.plain  # the graph's draw would skip the ban
     logits = torch.zeros(4, V)
     logits[:, [3, 5, 1]] = torch.tensor([10.0, 9.0, 8.0])
     for position, expected in [(4, [1, 3, 3, 3]), (5, [1, 3, 3, 3]), (6, [3, 3, 3, 3])]:
         tokens = _run(s, logits, [0, 1, 2, 3], [position] * 4).token_ids
         assert tokens.tolist() == expected, (position, tokens)
-    s.add_row(0, SamplingParams(temperature=0.0, min_tokens=1, stop_token_ids=[V + 10]), prompt, no_out)
+    s.add_row(0, SamplingParams(temperature=0.0, min_tokens=1, stop_token_ids=[3, V + 10]), prompt, no_out)
     assert _run(s, logits[:1], [0], [4]).token_ids.item() == 5  # EOS banned; an id past the vocabulary is skipped

@@ -92,8 +92,7 @@ class ModelRunner:
         """The sampler, the device tables of rows, the staging buffers and the KV cache."""
         max_blocks = -(-self.max_model_len // self.config.block_size)
         # One row more than the engine's: the dummy row that padded graph lanes draw from (temperature 0).
-        self.sampler = Sampler(self.max_rows + 1, self.model_config.vocab_size, self.device, self.config.seed,
-                               self.model_config.eos_token_ids)
+        self.sampler = Sampler(self.max_rows + 1, self.model_config.vocab_size, self.device)
         self.last_token = torch.zeros(self.max_rows + 1, dtype=torch.int64, device=self.device)
         block_tables = torch.zeros(self.max_rows + 1, max_blocks, dtype=torch.int32, device=self.device)
         self.attention = AttentionBackend(block_tables, self._local_kv_heads(), self._gqa_group(), max_batch)
@@ -237,7 +236,7 @@ class ModelRunner:
         for new in plan.new_rows:
             self.mirror.add(new)
             tokens = np.asarray(new.token_ids)
-            self.sampler.add_row(new.row, SamplingParams.from_dict(new.params), tokens[:new.num_prompt_tokens],
+            self.sampler.add_row(new.row, SamplingParams.from_plan(new.params), tokens[:new.num_prompt_tokens],
                                  tokens[new.num_prompt_tokens:])
         for row, block_ids in plan.block_appends:
             self.mirror.append_blocks(int(row), block_ids)

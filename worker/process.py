@@ -23,7 +23,8 @@ log = logging.getLogger("pico_vllm.worker")
 
 
 def run_worker(config_dict: dict, addresses_dict: dict, rank: int, parent_pid: int | None = None) -> None:
-    """Process entry (`python -m worker`): build the runner, say Ready, serve plans until Shutdown (exit 0) or an error (exit 1)."""
+    """Process entry (`python -m worker`): build the runner, say Ready, serve plans until Shutdown (exit 0) or an
+    error (exit 1)."""
     clock = {"worker_entered": time.time()}  # wall-clock marks: bench/startup places them on its launch's timeline
     config = EngineConfig.from_dict(config_dict)
     addresses = Addresses(**addresses_dict)

@@ -1,13 +1,11 @@
 """The sampler: logits -> token ids on the device, every row with its own params, no host sync.
 
-Per-row params live in device tables indexed by row; a row's params are written once when it is added.
-The host keeps counts of active rows using each feature, so a stage no active row needs costs nothing.
-Random rows draw hashed Gumbel noise (`kernels.sampling`): the same request samples the same tokens alone or
-in any batch, and again after a preemption.
+Per-row params live in device tables indexed by row, written once when the row is added; host counts of the
+rows using each feature let a stage no row needs cost nothing. Random rows draw hashed Gumbel noise, so a
+request samples the same tokens alone or in any batch, and again after a preemption.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,11 +34,7 @@ class SamplerOutput:
 
 
 def _upload(host: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array on the device without draining the stream.
-
-    A copy from pageable memory waits for every queued kernel (the step in flight); from pinned memory it is
-    queued behind them. torch's pinned-memory cache keeps the block until the copy has run.
-    """
+    """A host array on the device without draining the stream: a pageable copy would wait for the step in flight."""
     src = torch.from_numpy(host)
     if device.type != "cuda":
         return src.to(device)
@@ -50,12 +44,8 @@ def _upload(host: np.ndarray, device: torch.device) -> torch.Tensor:
 class Sampler:
     """Samples one token per row from logits in the model's dtype; rows are the runner's mirror rows."""
 
-    def __init__(self, max_rows: int, vocab_size: int, device: torch.device, seed: int = 0,
-                 eos_token_ids: Sequence[int] = ()) -> None:
-        """eos_token_ids: the model's, banned with a row's stop_token_ids until it has min_tokens outputs."""
-        self.vocab_size = vocab_size
-        self.eos_token_ids = tuple(eos_token_ids)
-        self.device = device
+    def __init__(self, max_rows: int, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size, self.device = vocab_size, device
         # Host copies are the truth; the device tables are refreshed from them on steps that add rows.
         self._floats = np.zeros((max_rows, 6), np.float32)
         self._ints = np.zeros((max_rows, 3), np.int64)
@@ -70,20 +60,23 @@ class Sampler:
         self.prompt_mask = torch.zeros((max_rows, vocab_size), dtype=torch.bool, device=device)
         self.banned = torch.zeros((max_rows, vocab_size), dtype=torch.bool, device=device)  # before min_tokens
         self.bias = torch.zeros((max_rows, vocab_size), dtype=torch.float32, device=device)  # logit_bias
-        self._rng = np.random.default_rng(seed)  # seeds of rows that bring none
 
     # ---- rows ---------------------------------------------------------------------------------------
 
     def add_row(self, row: int, params: SamplingParams, prompt_ids: np.ndarray,
                 output_ids: np.ndarray) -> None:
-        """Enter a row; output_ids are tokens generated before a preemption (they count for penalties)."""
+        """Enter a row; output_ids are tokens generated before a preemption (they count for penalties).
+
+        params come resolved by the scheduler: a seed, and stop_token_ids holding the EOS ids unless ignore_eos.
+        """
         self.remove_row(row)
-        seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**63))
         top_k = params.top_k if params.top_k > 0 else 0
         self._floats[row] = (params.temperature, params.top_p, params.min_p, params.presence_penalty,
                              params.frequency_penalty, params.repetition_penalty)
-        banned = self._stop_ids(params) if params.min_tokens > len(output_ids) else []
-        self._ints[row] = (top_k, seed_to_i64(seed), len(prompt_ids) + params.min_tokens if banned else 0)
+        # vLLM bans the stop tokens until min_tokens outputs; ids past the vocabulary never come.
+        banned = [t for t in params.stop_token_ids if t < self.vocab_size] if params.min_tokens > len(output_ids) \
+            else []
+        self._ints[row] = (top_k, seed_to_i64(params.seed or 0), len(prompt_ids) + params.min_tokens if banned else 0)
         penalties = (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
                      or params.repetition_penalty != 1.0)
         flags = {"random": params.temperature > 0.0, "penalties": penalties,
@@ -104,11 +97,6 @@ class Sampler:
         if params.logit_bias:
             ids = _upload(np.fromiter(params.logit_bias, np.int64), self.device)
             self.bias[row, ids] = _upload(np.fromiter(params.logit_bias.values(), np.float32), self.device)
-
-    def _stop_ids(self, params: SamplingParams) -> list[int]:
-        """The tokens that would end the request (vLLM bans them until min_tokens; ids past the vocab never come)."""
-        ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
-        return sorted(t for t in ids if t < self.vocab_size)
 
     def remove_row(self, row: int) -> None:
         if self._feature["logit_bias"][row]:  # every row in a batch adds its bias row: leave zeros behind
