@@ -13,31 +13,33 @@ from protocol.config import ModelConfig
 
 
 def hf_config(config: ModelConfig):
-    """transformers' Qwen2Config of the same architecture."""
-    from transformers import Qwen2Config
+    """transformers' config of the same architecture (Qwen2Config, Qwen3Config or LlamaConfig)."""
+    import transformers
 
-    return Qwen2Config(
+    scaling = {"rope_scaling": dict(config.rope_scaling)} if config.rope_scaling else {}
+    return getattr(transformers, config.architecture.replace("ForCausalLM", "Config"))(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
         num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
         num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim,
         max_position_embeddings=config.max_position_embeddings, rope_theta=config.rope_theta,
-        rms_norm_eps=config.rms_norm_eps, tie_word_embeddings=config.tie_word_embeddings)
+        rms_norm_eps=config.rms_norm_eps, tie_word_embeddings=config.tie_word_embeddings, **scaling)
 
 
 def load_hf_model(args: argparse.Namespace, config: ModelConfig, model_path: str | None):
     """Our model's twin: from_pretrained of the directory, or (dummy weights) random from the same config."""
-    from transformers import Qwen2ForCausalLM
+    import transformers
 
+    model_class = getattr(transformers, config.architecture)
     dtype = getattr(torch, dtype_name(args, config))
     device = device_name(args)
     if model_path is not None and args.load_format != "dummy":
-        return Qwen2ForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
+        return model_class.from_pretrained(model_path, dtype=dtype).to(device).eval()
     torch.manual_seed(args.seed)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # initialise in the target dtype on the device: no float32 copy first
     try:
         with torch.device(device):
-            model = Qwen2ForCausalLM(hf_config(config))
+            model = model_class(hf_config(config))
     finally:
         torch.set_default_dtype(previous)
     return model.eval()

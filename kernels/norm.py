@@ -127,8 +127,11 @@ def _norm_heads(x_ptr, w_ptr, stride_h, heads, eps, HEAD_DIM: tl.constexpr, HEAD
 
 @triton.jit
 def _qk_norm_kernel(q_ptr, k_ptr, q_w_ptr, k_w_ptr, stride_qt, stride_qh, stride_kt, stride_kh, q_heads, k_heads,
-                    eps, HEAD_DIM: tl.constexpr, Q_PAD: tl.constexpr, K_PAD: tl.constexpr, D_PAD: tl.constexpr):
+                    eps, HEAD_DIM: tl.constexpr, Q_PAD: tl.constexpr, K_PAD: tl.constexpr, D_PAD: tl.constexpr,
+                    PDL: tl.constexpr):
     # One program per token normalises all its q and k heads: q and k are strided views of the qkv output.
+    if PDL:  # the attention after this may start its work that does not read q and k (kernels/pdl.py)
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     _norm_heads(q_ptr + t * stride_qt, q_w_ptr, stride_qh, q_heads, eps, HEAD_DIM, Q_PAD, D_PAD)
     _norm_heads(k_ptr + t * stride_kt, k_w_ptr, stride_kh, k_heads, eps, HEAD_DIM, K_PAD, D_PAD)
@@ -147,7 +150,8 @@ def qk_rms_norm_triton(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
     d = q.shape[-1]
     _qk_norm_kernel[(q.shape[0],)](q, k, q_weight, k_weight, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                                    q.shape[1], k.shape[1], eps, HEAD_DIM=d, Q_PAD=triton.next_power_of_2(q.shape[1]),
-                                   K_PAD=triton.next_power_of_2(k.shape[1]), D_PAD=triton.next_power_of_2(d))
+                                   K_PAD=triton.next_power_of_2(k.shape[1]), D_PAD=triton.next_power_of_2(d),
+                                   PDL=pdl_enabled(q.device))
 
 
 def qk_rms_norm(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
