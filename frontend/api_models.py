@@ -185,6 +185,7 @@ class ChatMessage(_Lenient):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage]
+    chat_template_kwargs: dict | None = None  # vLLM's: template variables, e.g. Qwen3's {"enable_thinking": false}
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
@@ -239,13 +240,14 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
 
 
 def chat_prompt(messages: list[ChatMessage], tokenizer: PreTrainedTokenizerBase,
-                add_generation_prompt: bool = True) -> list[int]:
+                add_generation_prompt: bool = True, template_kwargs: dict | None = None) -> list[int]:
     """Render the messages with the model's chat template (its own special tokens included)."""
     if not messages:
         raise bad_request("messages is empty: send at least one message", "messages")
     try:
         text = tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages],
-                                             tokenize=False, add_generation_prompt=add_generation_prompt)
+                                             tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             **(template_kwargs or {}))
     except Exception as exc:  # jinja raises its own types (TemplateError, and whatever the template raises)
         raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
     return tokenizer.encode(text, add_special_tokens=False)

@@ -251,7 +251,8 @@ def _generation_routes(state: ServerState) -> APIRouter:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         with param_named("max_tokens", req.max_tokens_field):
             params = sampling_params(req, state.defaults, getattr(req, req.max_tokens_field), chat_logprobs(req))
-            jobs = [state.job(engine, rid, chat_prompt(req.messages, engine.tokenizer), params, "messages")]
+            prompt = chat_prompt(req.messages, engine.tokenizer, template_kwargs=req.chat_template_kwargs)
+            jobs = [state.job(engine, rid, prompt, params, "messages")]
         renderer = ChatRenderer(rid, state.names[0], jobs, engine.tokenizer)
         return await respond(request, state.ready_engine(), state.metrics, renderer, req.stream, req.include_usage)
 

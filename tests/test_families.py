@@ -77,3 +77,37 @@ def test_only_qwen2_has_a_qkv_bias_and_only_qwen3_has_q_k_norms(tmp_path):
         names = {n for n, _ in model.named_parameters()}
         assert ("model.layers.0.self_attn.qkv_proj.bias" in names) == bias, family
         assert ("model.layers.0.self_attn.q_norm.weight" in names) == norms, family
+
+
+@pytest.mark.gpu
+def test_qk_rms_norm_on_cuda_in_bf16_matches_reference():
+    qkv = torch.randn(7, (16 + 2 * 8) * 128, device="cuda", dtype=torch.bfloat16) * 4
+    q, k = (t.view(7, -1, 128) for t in qkv.split([16 * 128, 8 * 128, 8 * 128], dim=-1)[:2])
+    qw, kw = (torch.rand(128, device="cuda", dtype=torch.bfloat16) + 0.5 for _ in range(2))
+    expected = qkv.clone()
+    eq, ek = (t.view(7, -1, 128) for t in expected.split([16 * 128, 8 * 128, 8 * 128], dim=-1)[:2])
+    qk_rms_norm_ref(eq, ek, qw, kw, 1e-6)
+    qk_rms_norm_triton(q, k, qw, kw, 1e-6)
+    torch.testing.assert_close(qkv, expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qwen3-1.7b", "llama-3.2-1b"])
+def test_dummy_published_shapes_in_bf16_on_cuda_give_finite_varied_logits(name):
+    from frontend.model_resolution import resolve_model
+    from test_model import PagedRun, tokens_for
+    from worker.loader import init_dummy_weights
+
+    config, _ = resolve_model(name, load_format="dummy")
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = model_class(config.architecture)(config)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    init_dummy_weights(model, seed=0)
+    run = PagedRun(model, 16, num_blocks=16)
+    first = run.step({0: tokens_for(14, 40, config.vocab_size)})[0]
+    second = run.step({0: [int(first[-1].argmax())]})[0]
+    for logits in (first, second):
+        assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all() and logits.float().std() > 0.1

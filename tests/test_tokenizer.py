@@ -295,3 +295,13 @@ def test_text_prompts_start_with_bos_where_the_tokenizer_has_one(llama_tokenizer
     _, llama_ids = prepare_prompt(llama_tokenizer, "Hello world", SamplingParams(max_tokens=4), 64, 128256)
     _, qwen_ids = prepare_prompt(qwen3_tokenizer, "Hello world", SamplingParams(max_tokens=4), 64, 151936)
     assert (llama_ids, qwen_ids) == ([128000, 9906, 1917], [9707, 1879])
+
+
+def test_chat_template_kwargs_reach_the_template(qwen3_tokenizer):
+    from frontend.api_models import ChatMessage, chat_prompt
+
+    messages = [ChatMessage(role="user", content="Hi!")]
+    thinking = chat_prompt(messages, qwen3_tokenizer)
+    plain = chat_prompt(messages, qwen3_tokenizer, template_kwargs={"enable_thinking": False})
+    assert plain[:len(thinking)] == thinking and qwen3_tokenizer.decode(plain[len(thinking):]) == \
+        "<think>\n\n</think>\n\n"
