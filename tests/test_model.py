@@ -312,12 +312,13 @@ def test_decode_forward_replays_in_a_cuda_graph(tiny_ckpt):
 
 
 @pytest.mark.gpu
-def test_dummy_7b_in_bf16_on_cuda_gives_finite_varied_logits():
-    config, _ = resolve_model("qwen2.5-7b", load_format="dummy")
+@pytest.mark.parametrize("name", ["qwen2.5-7b", "qwen3-1.7b", "llama-3.2-1b"])
+def test_dummy_published_shapes_in_bf16_on_cuda_give_finite_varied_logits(name):
+    config, _ = resolve_model(name, load_format="dummy")
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device("cuda"):
-            model = Qwen2ForCausalLM(config)
+            model = model_class(config.architecture)(config)
     finally:
         torch.set_default_dtype(torch.float32)
     init_dummy_weights(model, seed=0)
