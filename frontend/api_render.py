@@ -18,8 +18,6 @@ _BYTE_OF_CHAR = {char: byte for byte, char in bytes_to_unicode().items()}
 Entry = tuple[str, float, list[int]]  # a logprob entry: (token text, logprob, the token's own UTF-8 bytes)
 
 
-# ---- responses ---------------------------------------------------------------------------------------------
-
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -107,24 +105,13 @@ class ChatCompletionChunk(BaseModel):
     usage: UsageInfo | None = None
 
 
-# ---- engine outputs -> responses ---------------------------------------------------------------------------
-
 def token_bytes(tokenizer: PreTrainedTokenizerBase, token_id: int, text: str) -> list[int]:
-    """The token's own bytes: a token holding part of a character decodes to U+FFFD, but its bytes are the
-    real ones, so that a client joining the bytes of consecutive tokens gets the character (OpenAI's `bytes`)."""
-    if "\ufffd" not in text:
-        return list(text.encode())
-    piece = tokenizer.convert_ids_to_tokens(token_id)
+    """The token's own bytes (OpenAI's `bytes`): a token holding part of a character decodes to U+FFFD, but a
+    client joining the bytes of consecutive tokens gets the character."""
+    piece = tokenizer.convert_ids_to_tokens(token_id) if "\ufffd" in text else None
     if isinstance(piece, str) and piece and all(c in _BYTE_OF_CHAR for c in piece):
         return [_BYTE_OF_CHAR[c] for c in piece]
-    return list(text.encode())  # not a byte-level vocabulary: the decoded text is all there is
-
-
-def usage(jobs: list[Job], finals: list[RequestOutput]) -> UsageInfo:
-    """Prompt tokens once per prompt (not per sample); completion tokens of every sample."""
-    prompt = sum(len(job.token_ids) for job in jobs)
-    completion = sum(len(o.token_ids) for out in finals for o in out.outputs)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    return list(text.encode())  # whole characters, or not a byte-level vocabulary
 
 
 class Renderer:
@@ -134,8 +121,10 @@ class Renderer:
     grows (stop strings are held back, never retracted), so a delta is a suffix past what was sent.
     """
 
-    def __init__(self, response_id: str, model: str, jobs: list[Job], tokenizer):
-        self.id, self.model, self.jobs, self.tokenizer = response_id, model, jobs, tokenizer
+    chunk_type: type[BaseModel]
+
+    def __init__(self, response_id: str, model: str, jobs: list[Job], tokenizer, echo: bool = False):
+        self.id, self.model, self.jobs, self.tokenizer, self.echo = response_id, model, jobs, tokenizer, echo
         self.created = int(time.time())
         self.n = jobs[0].params.n
         self._sent: dict[int, tuple[int, int]] = {}  # choice -> (chars, tokens) already streamed
@@ -158,34 +147,29 @@ class Renderer:
 
     def logprob_rows(self, o: CompletionOutput, start: int) -> list[tuple[Entry, list[Entry]]]:
         """(the sampled token's entry, the top-k entries) for the tokens from `start` on."""
-        k = self.jobs[0].params.logprobs or 0
-        rows = []
-        for token, lps in zip(o.token_ids[start:], o.logprobs[start:]):
-            top = sorted(lps.items(), key=lambda kv: kv[1], reverse=True)[:k]
-            rows.append((self._entry(token, lps[token]), [self._entry(t, lp) for t, lp in top]))
-        return rows
+        def entry(token_id: int, logprob: float) -> Entry:
+            text = self.tokenizer.decode([token_id])
+            return text, logprob, token_bytes(self.tokenizer, token_id, text)
 
-    def _entry(self, token_id: int, logprob: float) -> Entry:
-        text = self.tokenizer.decode([token_id])
-        return text, logprob, token_bytes(self.tokenizer, token_id, text)
+        k = self.jobs[0].params.logprobs or 0
+        return [(entry(token, lps[token]), [entry(t, lp) for t, lp in sorted(lps.items(), key=lambda kv: -kv[1])[:k]])
+                for token, lps in zip(o.token_ids[start:], o.logprobs[start:])]
+
+    def usage(self, finals: list[RequestOutput]) -> UsageInfo:
+        """Prompt tokens once per prompt (not per sample); completion tokens of every sample."""
+        prompt = sum(len(job.token_ids) for job in self.jobs)
+        completion = sum(len(o.token_ids) for out in finals for o in out.outputs)
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+    def chunk(self, choices: list, usage: UsageInfo | None = None) -> BaseModel:
+        return self.chunk_type(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
 
     def opening(self) -> list[BaseModel]:
         return []
 
-    def chunks(self, job: int, out: RequestOutput) -> list[BaseModel]:
-        raise NotImplementedError
-
-    def response(self, finals: list[RequestOutput]) -> BaseModel:
-        raise NotImplementedError
-
-    def usage_chunk(self, info: UsageInfo) -> BaseModel:
-        raise NotImplementedError
-
 
 class CompletionRenderer(Renderer):
-    def __init__(self, response_id: str, model: str, jobs: list[Job], tokenizer, echo: bool):
-        super().__init__(response_id, model, jobs, tokenizer)
-        self.echo = echo
+    chunk_type = CompletionResponse
 
     def choice(self, job: int, index: int, o: CompletionOutput, chars: int, tokens: int) -> CompletionChoice:
         prompt = self.jobs[job]
@@ -205,21 +189,17 @@ class CompletionRenderer(Renderer):
                 top_logprobs=[{t: lp for t, lp, _ in reversed(top)} for _, top in rows], text_offset=offsets)
         return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=o.finish_reason)
 
-    def _wrap(self, choices: list[CompletionChoice], info: UsageInfo | None = None) -> CompletionResponse:
-        return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices, usage=info)
-
     def chunks(self, job: int, out: RequestOutput) -> list[BaseModel]:
-        return [self._wrap([self.choice(job, *delta)]) for delta in self.deltas(job, out)]
+        return [self.chunk([self.choice(job, *delta)]) for delta in self.deltas(job, out)]
 
     def response(self, finals: list[RequestOutput]) -> BaseModel:
         choices = [self.choice(i, i * self.n + o.index, o, 0, 0) for i, out in enumerate(finals) for o in out.outputs]
-        return self._wrap(choices, usage(self.jobs, finals))
-
-    def usage_chunk(self, info: UsageInfo) -> BaseModel:
-        return self._wrap([], info)
+        return self.chunk(choices, self.usage(finals))
 
 
 class ChatRenderer(Renderer):
+    chunk_type = ChatCompletionChunk
+
     def logprobs(self, o: CompletionOutput, start: int) -> ChatLogprobs | None:
         if o.logprobs is None:
             return None
@@ -228,24 +208,18 @@ class ChatRenderer(Renderer):
                          top_logprobs=[TopLogprob(token=t, logprob=l, bytes=b) for t, l, b in top])
             for (text, lp, raw), top in self.logprob_rows(o, start)])
 
-    def _chunk(self, choices: list[ChatStreamChoice], info: UsageInfo | None = None) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices, usage=info)
-
     def opening(self) -> list[BaseModel]:
         """OpenAI's first chunk of each choice carries the role and no content."""
-        return [self._chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+        return [self.chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
                 for i in range(len(self.jobs) * self.n)]
 
     def chunks(self, job: int, out: RequestOutput) -> list[BaseModel]:
-        return [self._chunk([ChatStreamChoice(index=index, delta=DeltaMessage(content=o.text[chars:] or None),
-                                              logprobs=self.logprobs(o, tokens), finish_reason=o.finish_reason)])
+        return [self.chunk([ChatStreamChoice(index=index, delta=DeltaMessage(content=o.text[chars:] or None),
+                                             logprobs=self.logprobs(o, tokens), finish_reason=o.finish_reason)])
                 for index, o, chars, tokens in self.deltas(job, out)]
 
     def response(self, finals: list[RequestOutput]) -> BaseModel:
         choices = [ChatChoice(index=o.index, message=ChatMessageOut(content=o.text), logprobs=self.logprobs(o, 0),
                               finish_reason=o.finish_reason) for o in finals[0].outputs]
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
-                                      usage=usage(self.jobs, finals))
-
-    def usage_chunk(self, info: UsageInfo) -> BaseModel:
-        return self._chunk([], info)
+                                      usage=self.usage(finals))

@@ -1,7 +1,6 @@
 """One HTTP request on the engine: read its body, run its jobs, answer with JSON or server-sent events.
 
-A client that goes away cancels every path that waits on the engine, which aborts its engine requests and
-frees their KV blocks.
+A client that goes away cancels every path that waits on the engine, which aborts its engine requests.
 """
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
 from frontend.api_models import APIError, Job, bad_request
-from frontend.api_render import Renderer, usage
+from frontend.api_render import Renderer
 from frontend.async_llm import AsyncLLM, EngineRequestError
 from frontend.engine_client import EngineDeadError
 from frontend.metrics import Metrics
@@ -112,8 +111,12 @@ class ClientGone(Exception):
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
     """Await `work` unless the client hangs up first; then cancel it, which aborts its engine requests."""
+    async def client_gone() -> None:  # the body has been read: the next message is the disconnect
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
     task = asyncio.ensure_future(work)
-    watch = asyncio.create_task(_client_gone(request))
+    watch = asyncio.create_task(client_gone())
     try:
         await asyncio.wait([task, watch], return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:  # we are cancelled ourselves (shutdown): so is the work
@@ -127,18 +130,9 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
-async def _client_gone(request: Request) -> None:
-    """Returns when the ASGI server reports the disconnect (the body has been read already)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _collect(merged: AsyncIterator[tuple[int, RequestOutput]], count: int) -> list[RequestOutput]:
-    finals: dict[int, RequestOutput] = {}
+async def _collect(merged: AsyncIterator[tuple[int, RequestOutput]]) -> dict[int, RequestOutput]:
     async with aclosing(merged):
-        async for i, out in merged:
-            finals[i] = out
-    return [finals[i] for i in range(count)]
+        return {i: out async for i, out in merged}
 
 
 class EventStream(StreamingResponse):
@@ -174,7 +168,7 @@ async def _events(first: tuple[int, RequestOutput], merged: AsyncIterator[tuple[
                 except StopAsyncIteration:
                     break
             if include_usage:
-                yield _event(renderer.usage_chunk(usage(renderer.jobs, [finals[k] for k in sorted(finals)])))
+                yield _event(renderer.chunk([], renderer.usage(list(finals.values()))))
         except Exception as exc:  # the 200 header is out: the error travels in the stream, as OpenAI's does
             yield _event(engine_error(exc).body())
     yield "data: [DONE]\n\n"
@@ -186,8 +180,9 @@ async def respond(request: Request, engine: AsyncLLM, metrics: Metrics, renderer
     merged = merge([generate(engine, job, metrics) for job in renderer.jobs])
     try:
         if not stream:
-            finals = await until_disconnected(request, _collect(merged, len(renderer.jobs)))
-            return Response(renderer.response(finals).model_dump_json(), media_type="application/json")
+            finals = await until_disconnected(request, _collect(merged))
+            return Response(renderer.response([finals[i] for i in range(len(renderer.jobs))]).model_dump_json(),
+                            media_type="application/json")
         # Wait for the first output before sending 200, so that a refusal (overload, dead engine) is a 503.
         first = await until_disconnected(request, anext(merged))
     except ClientGone:
@@ -195,5 +190,3 @@ async def respond(request: Request, engine: AsyncLLM, metrics: Metrics, renderer
     except Exception as exc:
         raise engine_error(exc) from None
     return EventStream(_events(first, merged, renderer, include_usage))
-
-
