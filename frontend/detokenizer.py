@@ -1,8 +1,4 @@
-"""Incremental detokenization: token ids in, newly completed text out, O(1) amortized per token.
-
-`make_detokenizer` picks the implementation: tokenizers' Rust DecodeStream for a fast tokenizer (one native
-call per token), else a window of two Python-side decodes per token (any tokenizer). Both give the same deltas.
-"""
+"""Incremental detokenization: token ids in, newly completed text out, O(1) amortized per token."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -32,10 +28,8 @@ class IncrementalDetokenizer:
         # Hugging Face's slow tokenizers honour the spaces flag; fast ones (Qwen's) ignore it, as they do in vLLM.
         self._decode_flags = {"skip_special_tokens": skip_special_tokens,
                               "spaces_between_special_tokens": spaces_between_special_tokens}
-        context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
-        self._ids = context  # the context plus every output token (output ids are cheap to keep)
-        self._prefix_offset = 0
-        self._read_offset = len(context)
+        self._ids = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])  # the context, then every output token
+        self._prefix_offset, self._read_offset = 0, len(self._ids)
         self._pieces: list[str] = []
 
     def step(self, new_token_ids: list[int]) -> str:
@@ -49,12 +43,11 @@ class IncrementalDetokenizer:
 
     @property
     def text(self) -> str:
-        """All output text emitted so far."""
         return "".join(self._pieces)
 
     def _emit(self, hold_incomplete: bool) -> str:
-        prefix_text = self._decode(self._prefix_offset, self._read_offset)
-        new_text = self._decode(self._prefix_offset, len(self._ids))
+        prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset:])
         if len(new_text) <= len(prefix_text) or (hold_incomplete and new_text.endswith(_INCOMPLETE)):
             return ""  # nothing new (a skipped special token), or the last character's bytes are not all here
         delta = new_text[len(prefix_text):]
@@ -62,10 +55,8 @@ class IncrementalDetokenizer:
         self._pieces.append(delta)
         return delta
 
-    def _decode(self, start: int, end: int) -> str:
-        if start >= end:
-            return ""
-        return self.tokenizer.decode(self._ids[start:end], **self._decode_flags)
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, **self._decode_flags) if ids else ""
 
 
 class StreamDetokenizer:
@@ -81,7 +72,6 @@ class StreamDetokenizer:
         self._pieces: list[str] = []
 
     def step(self, new_token_ids: list[int]) -> str:
-        """Append tokens; return the text they complete ("" while a multi-byte character is still split)."""
         delta = ""
         for token in new_token_ids:
             self._held.append(token)
@@ -92,13 +82,11 @@ class StreamDetokenizer:
         return self._emitted(delta)
 
     def flush(self) -> str:
-        """At the end of a request: the text still held back (an incomplete character decodes as U+FFFD)."""
         held, self._held = self._held, []
         return self._emitted(self._backend.decode(held, skip_special_tokens=self._skip) if held else "")
 
     @property
     def text(self) -> str:
-        """All output text emitted so far."""
         return "".join(self._pieces)
 
     def _emitted(self, delta: str) -> str:
@@ -109,8 +97,8 @@ class StreamDetokenizer:
 
 def make_detokenizer(tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], skip_special_tokens: bool = True,
                      spaces_between_special_tokens: bool = True) -> IncrementalDetokenizer | StreamDetokenizer:
-    """The stream where it decodes as tokenizer.decode does: a fast tokenizer (which ignores the spaces flag)
-    that does not clean up spaces after decoding; the windowed decode otherwise."""
+    """tokenizers' DecodeStream (one native call per token) where it decodes as tokenizer.decode does: a fast
+    tokenizer (which ignores the spaces flag) that does not clean up spaces; the windowed decode otherwise."""
     if getattr(tokenizer, "backend_tokenizer", None) is not None and not tokenizer.clean_up_tokenization_spaces:
         return StreamDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
     return IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens, spaces_between_special_tokens)

@@ -89,7 +89,8 @@ class EngineClient:
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             text, ids = None, check_prompt(prompt, vocab_size)
         else:
-            raise InvalidParam("prompt", f"prompt must be a str or a list of int token ids, not {type(prompt).__name__}")
+            raise InvalidParam("prompt", "prompt must be a str or a list of int token ids, got "
+                                         f"{type(prompt).__name__}")
         params.check_vocab(vocab_size)
         check_length(len(ids), params.max_tokens, self.max_model_len)
         return text, ids

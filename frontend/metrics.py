@@ -1,9 +1,5 @@
-"""Prometheus metrics under vLLM's names and types, so that vLLM's dashboards and alerts work unchanged.
-
-Engine gauges are refreshed from the engine's stats when /metrics is scraped; request counters and
-latency histograms are fed by the server as each request streams. One registry per server (not the
-process-global one), so that several apps can live in one test process.
-"""
+"""Prometheus metrics under vLLM's names, types and buckets, so that vLLM's dashboards and alerts work unchanged.
+One registry per server (not the process-global one), so that several apps can live in one test process."""
 from __future__ import annotations
 
 import time
@@ -11,7 +7,6 @@ import time
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
                                disable_created_metrics, generate_latest)
 
-# vLLM's bucket edges (seconds), so that histograms from both engines can be compared directly.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -58,7 +53,7 @@ class Metrics:
             self._preemptions_seen = stats["num_preemptions"]
 
     def request(self, prompt_tokens: int) -> RequestTimer:
-        return RequestTimer(self, prompt_tokens)
+        return RequestTimer(self, prompt_tokens)  # fed as the request streams
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -73,7 +68,7 @@ class RequestTimer:
         self.counts: list[int] = []
 
     def on_tokens(self, counts: list[int]) -> None:
-        """Called with each of the request's n outputs' cumulative token counts after each engine step."""
+        """Each of the request's n outputs' cumulative token count, after an engine step."""
         new = [count - seen for count, seen in zip(counts, self.counts or [0] * len(counts))]
         if sum(new) <= 0:
             return

@@ -1,5 +1,5 @@
-"""Resolving an EngineConfig once, in the frontend: the model name becomes a local Hugging Face directory and an
-architecture (ModelConfig), max_model_len gets its value; children receive the result and resolve nothing."""
+"""An EngineConfig resolved once, in the frontend: the model name becomes a Hugging Face directory and a ModelConfig,
+max_model_len gets its value; child processes receive the result and resolve nothing."""
 from __future__ import annotations
 
 import json
@@ -22,11 +22,16 @@ _NO_WEIGHTS = ["*.json", "*.txt", "*.jinja", "*.tiktoken", "*.model"]  # what du
 
 
 def resolve_config(config: EngineConfig) -> EngineConfig:
-    """Resolve the model name once, here, so that child processes start from files and numbers."""
     model_config, model_path = resolve_model(config.model, config.load_format)
     check_tp_size(model_config, config.tensor_parallel_size)
-    if config.trace_dir is not None:
-        _check_writable_dir(config.trace_dir)
+    if config.trace_dir is not None:  # fail at launch, not after the whole run when the trace is written
+        try:
+            os.makedirs(config.trace_dir, exist_ok=True)
+            with tempfile.TemporaryFile(dir=config.trace_dir):
+                pass
+        except OSError as e:
+            raise InvalidParam("trace_dir", f"trace_dir={config.trace_dir!r} cannot be written ({e}): pass a "
+                                            "writable directory") from None
     config.model_config, config.model_path = model_config, model_path
     limit = model_config.max_position_embeddings
     if config.max_model_len is None:
@@ -35,17 +40,6 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
         raise InvalidParam("max_model_len", f"max_model_len={config.max_model_len} is over the model's "
                                             f"max_position_embeddings={limit}: use at most {limit}")
     return config
-
-
-def _check_writable_dir(path: str) -> None:
-    """Fail at launch, not after the whole run, when the trace cannot be written at shutdown."""
-    try:
-        os.makedirs(path, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
-    except OSError as e:
-        raise InvalidParam("trace_dir",
-                           f"trace_dir={path!r} cannot be written ({e}): pass a writable directory") from None
 
 
 def short_model(name: str) -> tuple[str, ModelConfig] | None:
@@ -67,10 +61,8 @@ def short_model(name: str) -> tuple[str, ModelConfig] | None:
 
 
 def resolve_model(name: str, load_format: str = "auto") -> tuple[ModelConfig, str | None]:
-    """Resolve --model: a local dir, an HF repo id (cache, then hub when online) or a Qwen2.5 short name.
-
-    The directory is None only for load_format="dummy" with a short name and no files anywhere.
-    """
+    """--model as a local dir, an HF repo id (cache, then hub when online) or a Qwen2.5 short name; the directory
+    is None only for dummy weights of a short name with no files anywhere."""
     path = Path(name).expanduser()
     if path.is_dir():
         return config_from_dir(path), str(path)
@@ -94,9 +86,11 @@ def _find_on_hub(repo: str, weights: bool, download: bool) -> tuple[str | None, 
     """Look for repo in the HF cache, then download it when allowed and online; say what was tried."""
     from huggingface_hub import constants, snapshot_download  # lazy: only resolution needs the hub client
 
+    # HF_HUB_OFFLINE read at call time: huggingface_hub reads its own constant once, at import.
+    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
     tried = []
     for local_only in (True, False):
-        if not local_only and (not download or _hf_offline()):
+        if not local_only and (not download or offline):
             if download:
                 tried.append("no download was tried because HF_HUB_OFFLINE is set")
             break
@@ -109,11 +103,6 @@ def _find_on_hub(repo: str, weights: bool, download: bool) -> tuple[str | None, 
             tried.append(f"{repo!r} is not in the Hugging Face cache ({constants.HF_HUB_CACHE})" if local_only
                          else f"downloading {repo!r} from the Hugging Face hub failed ({reason})")
     return None, tried
-
-
-def _hf_offline() -> bool:
-    # Read at call time: huggingface_hub reads its own constant once, at import.
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
 
 
 def config_from_dir(model_dir: str | Path) -> ModelConfig:

@@ -1,10 +1,5 @@
-"""The model's Hugging Face tokenizer and chat template; Qwen2.5's real BPE built offline when no files exist.
-
-The offline build reads Qwen's BPE ranks (`qwen.tiktoken`, shipped by the PyPI package `dashscope`; install it
-with `pip install --no-deps dashscope`), recovers the merges, and writes tokenizer.json + tokenizer_config.json
-the way Qwen2.5's repos ship them into a cache directory, so that later loads are an ordinary
-AutoTokenizer.from_pretrained of that directory.
-"""
+"""The model's Hugging Face tokenizer and chat template; with no files, Qwen2.5's real BPE is rebuilt offline from
+Qwen's ranks (dashscope's qwen.tiktoken) into a cache directory that later loads read as a Hugging Face repo."""
 from __future__ import annotations
 
 import base64
@@ -65,29 +60,19 @@ def load_tokenizer(model: str, model_dir: str | None) -> PreTrainedTokenizerBase
 def _from_pretrained(path, **kwargs) -> PreTrainedTokenizerBase:
     """AutoTokenizer's pick, but Qwen2's class is imported directly: AutoTokenizer's import pulls in torch, which
     the frontend never uses and which made the tokenizer, not the engine, the last thing a launch waited for."""
-    if _declared_tokenizer_class(path) in ("Qwen2Tokenizer", "Qwen2TokenizerFast"):
-        return _qwen2_tokenizer_class().from_pretrained(path, **kwargs)
-    from transformers import AutoTokenizer  # imported here: seconds to import, and the engine starts first
+    try:
+        declared = json.loads((Path(path) / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):  # no or odd config: AutoTokenizer decides, as it would anyway
+        declared = None
+    if declared in ("Qwen2Tokenizer", "Qwen2TokenizerFast"):
+        try:  # the tokenizers-backed class of each transformers major, as AutoTokenizer picks it
+            from transformers.models.qwen2.tokenization_qwen2_fast import Qwen2TokenizerFast as Qwen2  # 4
+        except ImportError:
+            from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer as Qwen2  # 5
+        return Qwen2.from_pretrained(path, **kwargs)
+    from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path, **kwargs)
-
-
-def _declared_tokenizer_class(path) -> str | None:
-    try:
-        return json.loads((Path(path) / "tokenizer_config.json").read_text()).get("tokenizer_class")
-    except (OSError, ValueError, AttributeError):  # no or odd config: AutoTokenizer decides, as it would anyway
-        return None
-
-
-def _qwen2_tokenizer_class():
-    """The class AutoTokenizer gives a Qwen2 checkpoint: the tokenizers-backed one of each transformers major."""
-    try:
-        from transformers.models.qwen2.tokenization_qwen2_fast import Qwen2TokenizerFast  # transformers 4
-    except ImportError:
-        from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer  # 5: tokenizers-backed itself
-
-        return Qwen2Tokenizer
-    return Qwen2TokenizerFast
 
 
 def has_tokenizer_files(model_dir: str | os.PathLike) -> bool:
@@ -145,10 +130,8 @@ def read_qwen_ranks() -> dict[bytes, int]:
 
 
 def recover_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
-    """One merge per multi-byte token, in rank order: the two parts BPE reaches using only lower ranks.
-
-    This is how Qwen's merges.txt relates to its ranks (its first merges are 'Ġ Ġ', 'ĠĠ ĠĠ', 'i n', ...).
-    """
+    """One merge per multi-byte token, in rank order: the two parts BPE reaches using only lower ranks (as in
+    Qwen's merges.txt)."""
     merges = []
     for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
         if len(token) == 1:
@@ -203,4 +186,3 @@ def _tokenizer_config() -> dict:
         "pad_token": "<|endoftext|>", "split_special_tokens": False, "tokenizer_class": "Qwen2Tokenizer",
         "unk_token": None,
     }
-
