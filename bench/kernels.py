@@ -73,7 +73,9 @@ def time_linears(c: ModelConfig, rows: list[int]) -> list[dict]:
     kernels around linear()'s pick) beside the one kernels.linear picks."""
     import torch
 
-    from kernels.linear import timed_choice
+    from kernels import linear_plan
+    from kernels.gemv import NormedInput
+    from kernels.linear import choice, run_path
 
     results = []
     for name, (n, k, has_bias, folds) in linear_shapes(c).items():
@@ -81,11 +83,15 @@ def time_linears(c: ModelConfig, rows: list[int]) -> list[dict]:
         bias = torch.randn(n, device="cuda", dtype=torch.bfloat16) if has_bias else None
         for fold in folds:
             for m in rows:
-                choice, unfused, chosen = timed_choice(fold, fold_inputs(fold, m, k), w, bias)
+                inputs = fold_inputs(fold, m, k)
+                x = NormedInput.of(*inputs)[0] if fold.startswith("norm") else inputs[0]
+                config = choice(fold, x, w, bias)
+                op, copies = functools.partial(run_path, fold, x), linear_plan.cold_copies(w, bias)
+                unfused, chosen = linear_plan.op_us(op, copies, None), linear_plan.op_us(op, copies, config)
                 mb = n * k * 2 / 1e6  # MB per µs is TB/s
                 results.append({"linear": name, "fold": fold or "-", "rows": m, "weight_mb": mb,
                                 "unfused_us": unfused, "chosen_us": chosen, "chosen_tb_s": mb / chosen,
-                                "chosen": str(choice) if choice else "unfused (cuBLAS)"})
+                                "chosen": str(config) if config else "unfused (cuBLAS)"})
         del w, bias
     return results
 
