@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Literal, get_type_hints
@@ -31,15 +29,10 @@ _NO_GUIDED = "this server has no guided decoding: ask for the format in the prom
 UNSERVED_FIELDS: dict[str, tuple[tuple, str]] = {
     "response_format": (({"type": "text"},), "json_object and json_schema need guided decoding, which this server "
                                              'does not have; only {"type": "text"} is served'),
-    "tools": (([],), _NO_TOOLS),
-    "functions": (([],), _NO_TOOLS),
-    "tool_choice": (("none",), _NO_TOOLS + '; only "none" is served'),
-    "function_call": (("none",), _NO_TOOLS + '; only "none" is served'),
-    "guided_json": ((), _NO_GUIDED),
-    "guided_regex": ((), _NO_GUIDED),
-    "guided_choice": ((), _NO_GUIDED),
-    "guided_grammar": ((), _NO_GUIDED),
-    "structured_outputs": ((), _NO_GUIDED),
+    **dict.fromkeys(("tools", "functions"), (([],), _NO_TOOLS)),
+    **dict.fromkeys(("tool_choice", "function_call"), (("none",), _NO_TOOLS + '; only "none" is served')),
+    **dict.fromkeys(("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"),
+                    ((), _NO_GUIDED)),
     "suffix": (("",), "text is not inserted before a suffix: send the prompt only"),
     "prompt_logprobs": ((), "prompt logprobs are not computed, only those of generated tokens"),
     "use_beam_search": ((False,), "beam search is not supported: ask for n samples instead"),
@@ -64,22 +57,15 @@ def bad_request(message: str, param: str | None = None, code: str = "invalid_val
     return APIError(400, message, param=param, code=code)
 
 
-def from_invalid_param(exc: InvalidParam, prompt_field: str = "prompt") -> APIError:
-    """A 400 naming the field; the prompt's is `prompt_field` (chat's is messages)."""
-    field = prompt_field if exc.field == "prompt" else exc.field
-    return bad_request(str(exc), field, "context_length_exceeded" if isinstance(exc, ContextTooLong) else
+def from_invalid_param(exc: InvalidParam, prompt_field: str = "prompt", max_tokens_field: str = "max_tokens"
+                       ) -> APIError:
+    """A 400 naming the field the client sent: chat's prompt is its messages, its max_tokens may be
+    max_completion_tokens."""
+    message, field = str(exc), {"prompt": prompt_field, "max_tokens": max_tokens_field}.get(exc.field, exc.field)
+    if exc.field == "max_tokens":
+        message = message.replace("max_tokens", max_tokens_field)
+    return bad_request(message, field, "context_length_exceeded" if isinstance(exc, ContextTooLong) else
                        "invalid_value")
-
-
-@contextmanager
-def param_named(field: str, sent_as: str) -> Iterator[None]:
-    """Errors about `field` name `sent_as`, the field the client sent (max_completion_tokens checked as max_tokens)."""
-    try:
-        yield
-    except APIError as exc:
-        if exc.param == field and sent_as != field:
-            exc.param, exc.message = sent_as, exc.message.replace(field, sent_as)
-        raise
 
 
 def parse_request(model: type[BaseModel], body: bytes) -> BaseModel:
@@ -150,7 +136,7 @@ class _SamplingRequest(_SamplingFields):
         try:
             return SamplingParams(**{**defaults, **explicit, "max_tokens": max_tokens, "logprobs": logprobs})
         except InvalidParam as exc:
-            raise from_invalid_param(exc) from None
+            raise from_invalid_param(exc, max_tokens_field=self.max_tokens_field) from None
 
 
 class CompletionRequest(_SamplingRequest):

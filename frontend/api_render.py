@@ -24,6 +24,18 @@ class UsageInfo(BaseModel):
     total_tokens: int = 0
 
 
+class _Response(BaseModel):
+    id: str
+    created: int
+    model: str
+    usage: UsageInfo | None = None
+
+
+class _Choice(BaseModel):
+    index: int
+    finish_reason: str | None = None
+
+
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
     token_logprobs: list[float | None]
@@ -31,22 +43,16 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
-class CompletionChoice(BaseModel):
-    index: int
+class CompletionChoice(_Choice):
     text: str
     logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
 
 
-class CompletionResponse(BaseModel):
+class CompletionResponse(_Response):
     """A whole completion, and also each streamed chunk (OpenAI uses one shape for both)."""
 
-    id: str
     object: str = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
 
 
 class TopLogprob(BaseModel):
@@ -64,45 +70,28 @@ class ChatLogprobs(BaseModel):
 
 
 class ChatMessageOut(BaseModel):
-    role: str = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: ChatMessageOut
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: str = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo
-
-
-class DeltaMessage(BaseModel):
-    role: str | None = None
+    role: str | None = "assistant"
     content: str | None = None
 
 
-class ChatStreamChoice(BaseModel):
-    index: int
-    delta: DeltaMessage
+class ChatChoice(_Choice):
+    message: ChatMessageOut
     logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatStreamChoice(_Choice):
+    delta: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
+
+
+class ChatCompletionResponse(_Response):
+    object: str = "chat.completion"
+    choices: list[ChatChoice]
+
+
+class ChatCompletionChunk(_Response):
     object: str = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = None
 
 
 def token_bytes(tokenizer: PreTrainedTokenizerBase, token_id: int, text: str) -> list[int]:
@@ -161,8 +150,9 @@ class Renderer:
         completion = sum(len(o.token_ids) for out in finals for o in out.outputs)
         return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
-    def chunk(self, choices: list, usage: UsageInfo | None = None) -> BaseModel:
-        return self.chunk_type(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
+    def chunk(self, choices: list, usage: UsageInfo | None = None, kind: type[BaseModel] | None = None) -> BaseModel:
+        return (kind or self.chunk_type)(id=self.id, created=self.created, model=self.model, choices=choices,
+                                         usage=usage)
 
     def opening(self) -> list[BaseModel]:
         return []
@@ -210,16 +200,15 @@ class ChatRenderer(Renderer):
 
     def opening(self) -> list[BaseModel]:
         """OpenAI's first chunk of each choice carries the role and no content."""
-        return [self.chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+        return [self.chunk([ChatStreamChoice(index=i, delta=ChatMessageOut(content=""))])
                 for i in range(len(self.jobs) * self.n)]
 
     def chunks(self, job: int, out: RequestOutput) -> list[BaseModel]:
-        return [self.chunk([ChatStreamChoice(index=index, delta=DeltaMessage(content=o.text[chars:] or None),
+        return [self.chunk([ChatStreamChoice(index=i, delta=ChatMessageOut(role=None, content=o.text[chars:] or None),
                                              logprobs=self.logprobs(o, tokens), finish_reason=o.finish_reason)])
-                for index, o, chars, tokens in self.deltas(job, out)]
+                for i, o, chars, tokens in self.deltas(job, out)]
 
     def response(self, finals: list[RequestOutput]) -> BaseModel:
         choices = [ChatChoice(index=o.index, message=ChatMessageOut(content=o.text), logprobs=self.logprobs(o, 0),
                               finish_reason=o.finish_reason) for o in finals[0].outputs]
-        return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
-                                      usage=self.usage(finals))
+        return self.chunk(choices, self.usage(finals), ChatCompletionResponse)

@@ -87,8 +87,6 @@ class AsyncLLM:
                 elif isinstance(msg, EngineDead):
                     self._fail(msg.reason)
                     return
-        except asyncio.CancelledError:
-            raise
         except EngineDeadError as e:
             self._fail(str(e))
         except Exception as e:  # a dead receive loop would leave every request waiting forever
@@ -136,8 +134,7 @@ class AsyncLLM:
 
     def _wake(self, states: list[RequestState]) -> None:
         for state in states:
-            event = self._events.get(state.output.request_id)
-            if event is not None:
+            if (event := self._events.get(state.output.request_id)) is not None:
                 event.set()
 
     @property
@@ -186,8 +183,7 @@ class AsyncLLM:
 
     async def abort(self, request_id: str) -> None:
         self._abort_now(request_id)
-        event = self._events.get(request_id)
-        if event is not None:
+        if (event := self._events.get(request_id)) is not None:
             event.set()
 
     async def get_stats(self, timeout: float = 5.0) -> dict:

@@ -30,7 +30,6 @@ class RequestState:
     output: RequestOutput
     params: SamplingParams
     engine_ids: list[str]
-    arrival_ns: int = 0
 
     @property
     def finished(self) -> bool:

@@ -1,7 +1,5 @@
-"""One HTTP request on the engine: read its body, run its jobs, answer with JSON or server-sent events.
-
-A client that goes away cancels every path that waits on the engine, which aborts its engine requests.
-"""
+"""One HTTP request on the engine: read its body, run its jobs, answer with JSON or server-sent events; a client
+that goes away cancels every path that waits on the engine, which aborts its engine requests."""
 from __future__ import annotations
 
 import asyncio
@@ -72,11 +70,6 @@ async def generate(engine: AsyncLLM, job: Job, metrics: Metrics) -> AsyncIterato
 
 async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(stream index, output) as each arrives; closing the merge closes (aborts) every stream."""
-    if len(streams) == 1:
-        async with aclosing(streams[0]) as only:
-            async for out in only:
-                yield 0, out
-        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:

@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from frontend.api_models import (
     APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, Job, TokenizeRequest, bad_request,
-    chat_prompt, from_invalid_param, generation_defaults, param_named, parse_request)
+    chat_prompt, from_invalid_param, generation_defaults, parse_request)
 from frontend.api_render import ChatRenderer, CompletionRenderer
 from frontend.async_llm import AsyncLLM
 from frontend.metrics import Metrics
@@ -30,6 +30,10 @@ from protocol.config import EngineConfig, InvalidParam
 log = logging.getLogger("pico_vllm.server")
 DEAD_EXIT_DELAY_S = 2.0  # after the engine dies, /health answers 503 this long before the process exits
 RENDERERS = {CompletionRequest: CompletionRenderer, ChatCompletionRequest: ChatRenderer}
+try:
+    VERSION = importlib.metadata.version("pico-vllm")
+except importlib.metadata.PackageNotFoundError:
+    VERSION = "0+source"
 
 
 @dataclass(slots=True)
@@ -87,17 +91,22 @@ class ServerState:
                            code="invalid_api_key")
 
 
-def _version() -> str:
-    try:
-        return importlib.metadata.version("pico-vllm")
-    except importlib.metadata.PackageNotFoundError:
-        return "0+source"
-
-
 def build_app(state: ServerState, load_engine: Callable[[], AsyncLLM]) -> FastAPI:
     """The app; `load_engine` runs in a thread at startup so that /health can answer 503 meanwhile."""
-    app = FastAPI(title="Pico-vLLM", version=_version(), lifespan=_lifespan(state, load_engine),
-                  docs_url=None, redoc_url=None, openapi_url=None)
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loader = asyncio.create_task(_load_and_watch(state, load_engine))
+        yield
+        loader.cancel()
+        if state.engine is not None:
+            # Let the requests uvicorn has just cancelled send their Aborts before shutdown() closes the socket.
+            deadline = time.monotonic() + 1.0
+            while state.engine.processor.num_pending and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            state.engine.shutdown()
+
+    app = FastAPI(title="Pico-vLLM", version=VERSION, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
     app.add_exception_handler(APIError, _error)
     app.add_exception_handler(StarletteHTTPException, _error)
     app.add_exception_handler(ClientGone, lambda request, exc: Response(status_code=499))
@@ -110,7 +119,7 @@ def build_app(state: ServerState, load_engine: Callable[[], AsyncLLM]) -> FastAP
 
     @public.get("/version")
     async def version() -> dict:
-        return {"version": _version()}
+        return {"version": VERSION}
 
     app.include_router(public)
     app.include_router(_routes(state), dependencies=[Depends(state.check_key)])
@@ -121,21 +130,6 @@ async def _error(request: Request, exc: Exception) -> JSONResponse:
     if isinstance(exc, StarletteHTTPException):  # unknown routes and wrong methods, in the same error body
         exc = APIError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
     return JSONResponse(exc.body(), status_code=exc.status)
-
-
-def _lifespan(state: ServerState, load_engine: Callable[[], AsyncLLM]):
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        loader = asyncio.create_task(_load_and_watch(state, load_engine))
-        yield
-        loader.cancel()
-        if state.engine is not None:
-            # Let the requests uvicorn has just cancelled send their Aborts before shutdown() closes the socket.
-            deadline = time.monotonic() + 1.0
-            while state.engine.processor.num_pending and time.monotonic() < deadline:
-                await asyncio.sleep(0.01)
-            state.engine.shutdown()
-    return lifespan
 
 
 async def _load_and_watch(state: ServerState, load_engine: Callable[[], AsyncLLM]) -> None:
@@ -207,13 +201,12 @@ async def _generate(state: ServerState, request: Request, kind: type) -> Respons
     """Each prompt of the request is one engine request (its n samples fan out inside AsyncLLM)."""
     req, engine = await state.accept(request, kind)
     rid = f"{kind.id_prefix}-{uuid.uuid4().hex}"
-    with param_named("max_tokens", req.max_tokens_field):
-        params = req.sampling_params(state.defaults)
-        try:
-            jobs = [Job(f"{rid}-{i}", *engine.client.prepare(prompt, params), params)
-                    for i, prompt in enumerate(req.prompts(engine.tokenizer))]
-        except InvalidParam as exc:
-            raise from_invalid_param(exc, kind.prompt_field) from None
+    params = req.sampling_params(state.defaults)
+    try:
+        jobs = [Job(f"{rid}-{i}", *engine.client.prepare(prompt, params), params)
+                for i, prompt in enumerate(req.prompts(engine.tokenizer))]
+    except InvalidParam as exc:
+        raise from_invalid_param(exc, kind.prompt_field, req.max_tokens_field) from None
     renderer = RENDERERS[kind](rid, state.names[0], jobs, engine.tokenizer, req.echo)
     return await respond(request, state.ready_engine(), state.metrics, renderer, req.stream, req.include_usage)
 
