@@ -8,13 +8,13 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from kernels import arrivals, decode_attention
+from kernels import arrivals, decode_attention, sampling
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from kernels.attention_tile import paged_attention_ref
 from kernels.decode_attention import NewTokenKV, rope_store_decode_attention_triton
 from kernels.embedding import embed_rows_triton
 from kernels.kv_store import make_cos_sin, rope_store_kv_ref, rope_store_kv_triton
-from kernels.norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
+from kernels.norm import add_rms_norm_ref, rms_norm_ref, rms_norm_triton
 from kernels.prefill_attention import max_prefill_work, paged_prefill_attention_triton, prefill_work
 from kernels.sampling import gumbel_argmax_ref, gumbel_argmax_triton
 
@@ -69,12 +69,14 @@ def paged_cache(lens: list[int], hkv: int, d: int, width: int) -> tuple[torch.Te
 def test_rms_norm_triton_matches_reference_on_strided_rows():
     x = torch.randn(5, 200)[:, :96]  # row stride 200: a view, like a slice of a larger activation
     w = torch.randn(96)
-    torch.testing.assert_close(rms_norm_triton(x, w, 1e-6), rms_norm_ref(x, w, 1e-6), **TOL)
+    out, new_residual = rms_norm_triton(x, None, w, 1e-6)
+    torch.testing.assert_close(out, rms_norm_ref(x, w, 1e-6), **TOL)
+    assert new_residual is None
 
 
 def test_add_rms_norm_returns_normed_sum_and_new_residual():
     x, res, w = torch.randn(7, 96), torch.randn(7, 96), torch.randn(96)
-    out, new_res = add_rms_norm_triton(x, res, w, 1e-6)
+    out, new_res = rms_norm_triton(x, res, w, 1e-6)
     ref_out, ref_res = add_rms_norm_ref(x, res, w, 1e-6)
     torch.testing.assert_close(new_res, x + res, **TOL)
     torch.testing.assert_close(new_res, ref_res, **TOL)
@@ -85,14 +87,14 @@ def test_add_rms_norm_returns_normed_sum_and_new_residual():
 def test_norms_write_into_a_buffer_of_the_rows_asked_and_refuse_fewer_than_the_input():
     # kernels/linear.py's padded_rows: a GEMM after the norm may run on more rows than the step has.
     x, res, w = torch.randn(5, 96), torch.randn(5, 96), torch.randn(96)
-    out, new_res = add_rms_norm_triton(x, res, w, 1e-6, rows=13)
+    out, new_res = rms_norm_triton(x, res, w, 1e-6, rows=13)
     assert out.shape == (13, 96) and new_res.shape == (5, 96)
     torch.testing.assert_close(out[:5], add_rms_norm_ref(x, res, w, 1e-6)[0], **TOL)
-    assert rms_norm_triton(x, w, 1e-6, rows=8).shape == (8, 96)
+    assert rms_norm_triton(x, None, w, 1e-6, rows=8)[0].shape == (8, 96)
     assert kernels.rms_norm(x, w, 1e-6, rows=8).shape == (8, 96)  # the CPU reference pads the same way
     torch.testing.assert_close(kernels.add_rms_norm(x, res, w, 1e-6, rows=9)[0][:5], out[:5], **TOL)
     with pytest.raises(ValueError, match="rows=4 is under the input's 5"):
-        add_rms_norm_triton(x, res, w, 1e-6, rows=4)
+        rms_norm_triton(x, res, w, 1e-6, rows=4)
 
 
 def test_silu_and_mul_triton_matches_reference():
@@ -241,16 +243,17 @@ def sampling_rows(rows: int, vocab: int) -> tuple[torch.Tensor, ...]:
     return logits, temps, seeds, torch.arange(rows, dtype=torch.int64) * 1000 + 3
 
 
-@pytest.mark.parametrize("vocab,block,chunks", [(1000, 128, 1), (1000, 128, 3), (4099, 256, 5), (300, 512, 2)])
-def test_gumbel_argmax_triton_matches_reference_for_any_chunking(vocab, block, chunks):
+@pytest.mark.parametrize("vocab,block", [(1000, 512), (1000, 128), (1000, 32), (4099, 128), (300, 16)],
+                         ids=["1-chunk", "2-chunks", "8-chunks", "9-chunks", "5-chunks"])
+def test_gumbel_argmax_triton_matches_reference_for_any_chunking(vocab, block, monkeypatch):
+    monkeypatch.setattr(sampling, "_BLOCK", block)
     logits, temps, seeds, positions = sampling_rows(6, vocab)
     ref = gumbel_argmax_ref(logits, temps, seeds, positions)
     assert ref[0] == 7 and ref[3] == logits[3].argmax()  # greedy rows: the first of equal maxima
-    out = gumbel_argmax_triton(logits, temps, seeds, positions, block=block, chunks=chunks)
-    assert torch.equal(out, ref)
+    assert torch.equal(gumbel_argmax_triton(logits, temps, seeds, positions), ref)
 
 
-def test_gumbel_argmax_reads_row_params_through_rows_and_stores_the_last_tokens():
+def test_gumbel_argmax_reads_row_params_through_rows_and_stores_the_last_tokens(monkeypatch):
     # The decode graph's draw: temperatures and seeds from the sampler's [rows, 6] / [rows, 3] tables (strided
     # columns), each token also stored at last_token[row]; every chunk counter back at zero afterwards.
     logits, temps, seeds, positions = sampling_rows(6, 1000)
@@ -258,7 +261,8 @@ def test_gumbel_argmax_reads_row_params_through_rows_and_stores_the_last_tokens(
     floats, ints = torch.zeros(8, 6), torch.zeros(8, 3, dtype=torch.int64)
     floats[rows, 0], ints[rows, 1] = temps, seeds
     last_token = torch.full((9,), -1, dtype=torch.int64)
-    out = gumbel_argmax_triton(logits, floats[:, 0], ints[:, 1], positions, rows, last_token, block=128, chunks=3)
+    monkeypatch.setattr(sampling, "_BLOCK", 128)  # two chunks a row
+    out = gumbel_argmax_triton(logits, floats[:, 0], ints[:, 1], positions, rows, last_token)
     assert torch.equal(out, gumbel_argmax_ref(logits, temps, seeds, positions))
     assert torch.equal(last_token[rows], out) and (last_token[[3, 6, 8]] == -1).all()
     assert not arrivals.arrival_counters(torch.device("cpu"), 6, "test").any()
