@@ -6,12 +6,11 @@ import dataclasses
 import msgpack
 import numpy as np
 
-from protocol.messages import F32, I32, MESSAGE_TYPES
+from protocol.messages import I32, MESSAGE_TYPES
 
 VERSION = 1
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 MAX_NESTING = 1  # a StepPlan's NewRows; deeper nesting is malformed (and would exhaust the stack)
-_DTYPES = {I32: np.dtype("<i4"), F32: np.dtype("<f4")}
 
 
 class ProtocolError(ValueError):
@@ -42,12 +41,8 @@ def decode(frame: bytes) -> object:
 
 def _to_wire(obj, top: bool = False):
     if dataclasses.is_dataclass(obj):
-        out = {"type": type(obj).__name__}
-        if top:
-            out["v"] = VERSION
-        for name in obj.WIRE:
-            out[name] = _to_wire(getattr(obj, name))
-        return out
+        out = {"type": type(obj).__name__, **({"v": VERSION} if top else {})}
+        return out | {name: _to_wire(getattr(obj, name)) for name in obj.WIRE}
     if isinstance(obj, np.ndarray):
         return obj.astype(obj.dtype.newbyteorder("<"), copy=False).tobytes()
     if isinstance(obj, (list, tuple)):
@@ -66,20 +61,17 @@ def _from_wire(obj: dict, depth: int = 0):
     cls = MESSAGE_TYPES.get(name) if isinstance(name, str) else None
     if cls is None:
         raise ProtocolError(f"unknown message type {name!r}: known types are {sorted(MESSAGE_TYPES)}")
-    kwargs = {}
-    for field_name, kind in cls.WIRE.items():
-        if field_name not in obj:
-            raise ProtocolError(f"{name} lacks field {field_name!r}")
-        kwargs[field_name] = _field(name, field_name, kind, obj[field_name], depth)
-    return cls(**kwargs)
+    missing = [f for f in cls.WIRE if f not in obj]
+    if missing:
+        raise ProtocolError(f"{name} lacks field {missing[0]!r}")
+    return cls(**{f: _field(name, f, kind, obj[f], depth) for f, kind in cls.WIRE.items()})
 
 
 def _field(msg: str, name: str, kind, value, depth: int):
-    if kind in _DTYPES:
-        dtype = _DTYPES[kind]
-        if not isinstance(value, bytes) or len(value) % dtype.itemsize:
+    if kind == I32:
+        if not isinstance(value, bytes) or len(value) % 4:
             raise ProtocolError(f"{msg}.{name} must be raw {kind} bytes")
-        return np.frombuffer(value, dtype=dtype)
+        return np.frombuffer(value, dtype="<i4")
     if kind is list and isinstance(value, list):
         return [_from_wire(v, depth + 1) if isinstance(v, dict) and "type" in v else v for v in value]
     if kind is int and isinstance(value, bool):
