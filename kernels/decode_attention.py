@@ -12,7 +12,6 @@ from kernels.arrivals import arrival_counters, last_to_arrive
 from kernels.attention_tile import attend_range, attend_tile, load_kv_tile, paged_attention_ref
 from kernels.kv_store import check_new_kv, rope_factors, rope_store_kv_ref, rotate_half_row
 from kernels.pdl import pdl_enabled, pdl_launch
-from kernels.split_combine import combine_splits
 
 # Split-K: the grid's split count comes from static shapes only (a captured graph must fit every length); each row
 # cuts its own context into that many splits of whole tiles. Past one level of splits (_SPLIT_GROUP at many rows,
@@ -165,6 +164,50 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, table_rows, cont
                         combine_splits(out_ptr, part_acc, part_max, part_sum, b, kv_head, group, num_q_heads, 0, step,
                                        top_count, num_splits, stride_ob, stride_oh, HEAD_DIM, D_PAD, GROUP_P2,
                                        TOP_PAD, TOP_CHUNK, False)
+
+
+@triton.jit
+def combine_splits(out_ptr, part_acc, part_max, part_sum, b, kv_head, group, num_q_heads, first, step, count,
+                   num_splits, stride_ob, stride_oh, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                   GROUP_P2: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr, TO_PARTIAL: tl.constexpr):
+    # The count partials at slots first, first + step, ... of the KV head's query heads, by log-sum-exp in slot
+    # order (a result does not depend on which program came last); normalised into out_ptr, or (TO_PARTIAL) left as
+    # a partial in slot first. Loads are .cg: other SMs wrote the partials, and an L1 line here could be stale.
+    offs_g = tl.arange(0, GROUP_P2)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    heads = kv_head * group + offs_g
+    g_mask = offs_g < group
+    d_mask = offs_d < HEAD_DIM
+    rows = (b * num_q_heads + heads).to(tl.int64) * num_splits + first  # [GROUP_P2]: a head's slot first
+    gs_mask = g_mask[:, None] & (offs_s < count)[None, :]
+    m = tl.load(part_max + rows[:, None] + offs_s[None, :] * step, mask=gs_mask, other=float("-inf"),
+                cache_modifier=".cg")
+    m_all = tl.max(m, axis=1)
+    m_all = tl.where(m_all == float("-inf"), 0.0, m_all)  # padded heads: avoid -inf - -inf
+    weight = tl.where(gs_mask, tl.exp2(m - m_all[:, None]), 0.0)
+    l = tl.load(part_sum + rows[:, None] + offs_s[None, :] * step, mask=gs_mask, other=0.0, cache_modifier=".cg")
+    total = tl.sum(l * weight, axis=1)
+    acc = tl.zeros([GROUP_P2, D_PAD], tl.float32)
+    for s0 in range(0, count, CHUNK):  # [heads, CHUNK, head_dim] of the accumulators a step
+        offs_c = s0 + tl.arange(0, CHUNK)
+        gc_mask = g_mask[:, None] & (offs_c < count)[None, :]
+        part = rows[:, None] + offs_c[None, :] * step
+        w = tl.where(gc_mask, tl.exp2(tl.load(part_max + part, mask=gc_mask, other=float("-inf"),
+                                              cache_modifier=".cg") - m_all[:, None]), 0.0)
+        a = tl.load(part_acc + part[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+                    mask=gc_mask[:, :, None] & d_mask[None, None, :], other=0.0, cache_modifier=".cg")
+        acc += tl.sum(a * w[:, :, None], axis=1)
+    if TO_PARTIAL:
+        # Slot first is read above and overwritten here: every thread finishes its loads first.
+        tl.debug_barrier()
+        tl.store(part_max + rows, m_all, mask=g_mask)
+        tl.store(part_sum + rows, total, mask=g_mask)
+        tl.store(part_acc + rows[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None] & d_mask[None, :])
+    else:
+        out = acc / tl.where(total > 0, total, 1.0)[:, None]
+        tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
 
 
 @triton.jit

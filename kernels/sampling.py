@@ -41,23 +41,6 @@ def _srl(x: torch.Tensor, s: int) -> torch.Tensor:
     return (x >> s) & ((1 << (64 - s)) - 1)
 
 
-def _mix64_ref(z: torch.Tensor) -> torch.Tensor:
-    z = (z ^ _srl(z, 30)) * _i64(MIX1)
-    z = (z ^ _srl(z, 27)) * _i64(MIX2)
-    return z ^ _srl(z, 31)
-
-
-def _row_key32_ref(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    key = _mix64_ref(seeds * _i64(GOLDEN) + positions)
-    return (key ^ _srl(key, 32)) & _LOW32
-
-
-def _mix32_ref(x: torch.Tensor) -> torch.Tensor:
-    x = ((x ^ (x >> 16)) * int(MIX32_1.value)) & _LOW32
-    x = ((x ^ (x >> 15)) * int(MIX32_2.value)) & _LOW32
-    return x ^ (x >> 16)
-
-
 def uniform_from_bits(top_bits: torch.Tensor) -> torch.Tensor:
     """23 random bits -> (j + 0.5) / 2**23, exact in float32, never 0 or 1 (with 24 bits, u could round to 1.0 and
     its Gumbel noise be +inf)."""
@@ -65,10 +48,16 @@ def uniform_from_bits(top_bits: torch.Tensor) -> torch.Tensor:
 
 
 def hashed_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """u[n, v] in (0, 1), a pure function of (seeds[n], positions[n], v) for v < vocab."""
+    """u[n, v] in (0, 1), a pure function of (seeds[n], positions[n], v) for v < vocab: the kernel's hash."""
+    z = seeds * _i64(GOLDEN) + positions  # splitmix64: int64 products wrap as the uint64 ones
+    for shift, mix in ((30, MIX1), (27, MIX2)):
+        z = (z ^ _srl(z, shift)) * _i64(mix)
+    z = z ^ _srl(z, 31)
     vocab_keys = torch.arange(vocab, dtype=torch.int64, device=seeds.device) * int(GOLDEN32.value)
-    z = _mix32_ref((_row_key32_ref(seeds, positions)[:, None] + vocab_keys[None, :]) & _LOW32)
-    return uniform_from_bits(z >> 9)
+    x = (((z ^ _srl(z, 32)) & _LOW32)[:, None] + vocab_keys[None, :]) & _LOW32  # lowbias32 of key + index
+    for shift, mix in ((16, MIX32_1), (15, MIX32_2)):
+        x = ((x ^ (x >> shift)) * int(mix.value)) & _LOW32
+    return uniform_from_bits((x ^ (x >> 16)) >> 9)
 
 
 def gumbel_argmax_ref(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor,
