@@ -1,10 +1,9 @@
-"""OpenAI response bodies, and how a request's engine outputs become them (whole, or as stream chunks)."""
+"""OpenAI response bodies (as JSON-ready dicts) from a request's engine outputs, whole or as stream chunks."""
 from __future__ import annotations
 
 import time
 from typing import TYPE_CHECKING
 
-from pydantic import BaseModel
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from frontend.api_models import Job
@@ -16,82 +15,6 @@ if TYPE_CHECKING:
 # Byte-level BPE vocabularies (Qwen2's) write each byte as one printable character; this maps them back.
 _BYTE_OF_CHAR = {char: byte for byte, char in bytes_to_unicode().items()}
 Entry = tuple[str, float, list[int]]  # a logprob entry: (token text, logprob, the token's own UTF-8 bytes)
-
-
-class UsageInfo(BaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-
-
-class _Response(BaseModel):
-    id: str
-    created: int
-    model: str
-    usage: UsageInfo | None = None
-
-
-class _Choice(BaseModel):
-    index: int
-    finish_reason: str | None = None
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str]
-    token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float] | None]
-    text_offset: list[int]
-
-
-class CompletionChoice(_Choice):
-    text: str
-    logprobs: CompletionLogprobs | None = None
-
-
-class CompletionResponse(_Response):
-    """A whole completion, and also each streamed chunk (OpenAI uses one shape for both)."""
-
-    object: str = "text_completion"
-    choices: list[CompletionChoice]
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob]
-
-
-class ChatLogprobs(BaseModel):
-    content: list[TokenLogprob] | None = None
-
-
-class ChatMessageOut(BaseModel):
-    role: str | None = "assistant"
-    content: str | None = None
-
-
-class ChatChoice(_Choice):
-    message: ChatMessageOut
-    logprobs: ChatLogprobs | None = None
-
-
-class ChatStreamChoice(_Choice):
-    delta: ChatMessageOut
-    logprobs: ChatLogprobs | None = None
-
-
-class ChatCompletionResponse(_Response):
-    object: str = "chat.completion"
-    choices: list[ChatChoice]
-
-
-class ChatCompletionChunk(_Response):
-    object: str = "chat.completion.chunk"
-    choices: list[ChatStreamChoice]
 
 
 def token_bytes(tokenizer: PreTrainedTokenizerBase, token_id: int, text: str) -> list[int]:
@@ -110,7 +33,7 @@ class Renderer:
     grows (stop strings are held back, never retracted), so a delta is a suffix past what was sent.
     """
 
-    chunk_type: type[BaseModel]
+    object: str  # of a stream chunk
 
     def __init__(self, response_id: str, model: str, jobs: list[Job], tokenizer, echo: bool = False):
         self.id, self.model, self.jobs, self.tokenizer, self.echo = response_id, model, jobs, tokenizer, echo
@@ -144,24 +67,24 @@ class Renderer:
         return [(entry(token, lps[token]), [entry(t, lp) for t, lp in sorted(lps.items(), key=lambda kv: -kv[1])[:k]])
                 for token, lps in zip(o.token_ids[start:], o.logprobs[start:])]
 
-    def usage(self, finals: list[RequestOutput]) -> UsageInfo:
+    def usage(self, finals: list[RequestOutput]) -> dict:
         """Prompt tokens once per prompt (not per sample); completion tokens of every sample."""
         prompt = sum(len(job.token_ids) for job in self.jobs)
         completion = sum(len(o.token_ids) for out in finals for o in out.outputs)
-        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-    def chunk(self, choices: list, usage: UsageInfo | None = None, kind: type[BaseModel] | None = None) -> BaseModel:
-        return (kind or self.chunk_type)(id=self.id, created=self.created, model=self.model, choices=choices,
-                                         usage=usage)
+    def chunk(self, choices: list[dict], usage: dict | None = None, object: str | None = None) -> dict:
+        return {"id": self.id, "object": object or self.object, "created": self.created, "model": self.model,
+                "choices": choices, "usage": usage}
 
-    def opening(self) -> list[BaseModel]:
+    def opening(self) -> list[dict]:
         return []
 
 
 class CompletionRenderer(Renderer):
-    chunk_type = CompletionResponse
+    object = "text_completion"  # a whole completion too: OpenAI uses one shape for both
 
-    def choice(self, job: int, index: int, o: CompletionOutput, chars: int, tokens: int) -> CompletionChoice:
+    def choice(self, job: int, index: int, o: CompletionOutput, chars: int, tokens: int) -> dict:
         prompt = self.jobs[job]
         echo = "" if not self.echo else prompt.text if prompt.text is not None else \
             self.tokenizer.decode(prompt.token_ids)
@@ -174,41 +97,40 @@ class CompletionRenderer(Renderer):
                 offsets.append(pos)
                 pos += len(token_text)
             # reversed: of top tokens that decode to the same text, the likeliest is written last and kept
-            logprobs = CompletionLogprobs(
-                tokens=[entry[0] for entry, _ in rows], token_logprobs=[entry[1] for entry, _ in rows],
-                top_logprobs=[{t: lp for t, lp, _ in reversed(top)} for _, top in rows], text_offset=offsets)
-        return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=o.finish_reason)
+            logprobs = {"tokens": [entry[0] for entry, _ in rows], "token_logprobs": [entry[1] for entry, _ in rows],
+                        "top_logprobs": [{t: lp for t, lp, _ in reversed(top)} for _, top in rows],
+                        "text_offset": offsets}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": o.finish_reason}
 
-    def chunks(self, job: int, out: RequestOutput) -> list[BaseModel]:
+    def chunks(self, job: int, out: RequestOutput) -> list[dict]:
         return [self.chunk([self.choice(job, *delta)]) for delta in self.deltas(job, out)]
 
-    def response(self, finals: list[RequestOutput]) -> BaseModel:
+    def response(self, finals: list[RequestOutput]) -> dict:
         choices = [self.choice(i, i * self.n + o.index, o, 0, 0) for i, out in enumerate(finals) for o in out.outputs]
         return self.chunk(choices, self.usage(finals))
 
 
 class ChatRenderer(Renderer):
-    chunk_type = ChatCompletionChunk
+    object = "chat.completion.chunk"
 
-    def logprobs(self, o: CompletionOutput, start: int) -> ChatLogprobs | None:
+    def logprobs(self, o: CompletionOutput, start: int) -> dict | None:
         if o.logprobs is None:
             return None
-        return ChatLogprobs(content=[
-            TokenLogprob(token=text, logprob=lp, bytes=raw,
-                         top_logprobs=[TopLogprob(token=t, logprob=l, bytes=b) for t, l, b in top])
-            for (text, lp, raw), top in self.logprob_rows(o, start)])
+        return {"content": [{"token": text, "logprob": lp, "bytes": raw, "top_logprobs": [
+            {"token": t, "logprob": l, "bytes": b} for t, l, b in top]}
+            for (text, lp, raw), top in self.logprob_rows(o, start)]}
 
-    def opening(self) -> list[BaseModel]:
+    def opening(self) -> list[dict]:
         """OpenAI's first chunk of each choice carries the role and no content."""
-        return [self.chunk([ChatStreamChoice(index=i, delta=ChatMessageOut(content=""))])
-                for i in range(len(self.jobs) * self.n)]
+        return [self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}]) for i in range(len(self.jobs) * self.n)]
 
-    def chunks(self, job: int, out: RequestOutput) -> list[BaseModel]:
-        return [self.chunk([ChatStreamChoice(index=i, delta=ChatMessageOut(role=None, content=o.text[chars:] or None),
-                                             logprobs=self.logprobs(o, tokens), finish_reason=o.finish_reason)])
+    def chunks(self, job: int, out: RequestOutput) -> list[dict]:
+        return [self.chunk([{"index": i, "delta": {"role": None, "content": o.text[chars:] or None},
+                             "logprobs": self.logprobs(o, tokens), "finish_reason": o.finish_reason}])
                 for i, o, chars, tokens in self.deltas(job, out)]
 
-    def response(self, finals: list[RequestOutput]) -> BaseModel:
-        choices = [ChatChoice(index=o.index, message=ChatMessageOut(content=o.text), logprobs=self.logprobs(o, 0),
-                              finish_reason=o.finish_reason) for o in finals[0].outputs]
-        return self.chunk(choices, self.usage(finals), ChatCompletionResponse)
+    def response(self, finals: list[RequestOutput]) -> dict:
+        choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text},
+                    "logprobs": self.logprobs(o, 0), "finish_reason": o.finish_reason} for o in finals[0].outputs]
+        return self.chunk(choices, self.usage(finals), "chat.completion")

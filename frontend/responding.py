@@ -11,7 +11,6 @@ from typing import TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel
 
 from frontend.api_models import APIError, Job, bad_request
 from frontend.api_render import Renderer
@@ -140,8 +139,8 @@ class EventStream(StreamingResponse):
             await self.body_iterator.aclose()
 
 
-def _event(data: BaseModel | dict) -> str:
-    return f"data: {data.model_dump_json() if isinstance(data, BaseModel) else json.dumps(data)}\n\n"
+def _event(data: dict) -> str:
+    return f"data: {json.dumps(data)}\n\n"
 
 
 async def _events(first: tuple[int, RequestOutput], merged: AsyncIterator[tuple[int, RequestOutput]],
@@ -174,7 +173,7 @@ async def respond(request: Request, engine: AsyncLLM, metrics: Metrics, renderer
     try:
         if not stream:
             finals = await until_disconnected(request, _collect(merged))
-            return Response(renderer.response([finals[i] for i in range(len(renderer.jobs))]).model_dump_json(),
+            return Response(json.dumps(renderer.response([finals[i] for i in range(len(renderer.jobs))])),
                             media_type="application/json")
         # Wait for the first output before sending 200, so that a refusal (overload, dead engine) is a 503.
         first = await until_disconnected(request, anext(merged))
