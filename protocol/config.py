@@ -33,9 +33,6 @@ class ModelConfig:
     torch_dtype: str = "bfloat16"
     eos_token_ids: list[int] = field(default_factory=list)
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
     @classmethod
     def from_dict(cls, d: dict) -> ModelConfig:
         return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
@@ -67,33 +64,11 @@ class EngineConfig:
     model_config: ModelConfig | None = None
 
     def __post_init__(self) -> None:
-        require(self.device in ("auto", "cpu", "cuda"), "device", self.device, "use 'auto', 'cpu' or 'cuda'")
-        require(self.dtype in ("auto", "float32", "float16", "bfloat16"), "dtype", self.dtype,
-               "use 'auto', 'float32', 'float16' or 'bfloat16'")
-        require(self.load_format in ("auto", "safetensors", "dummy"), "load_format", self.load_format,
-               "use 'auto', 'safetensors' or 'dummy'")
-        require(1 <= self.max_num_seqs <= 1024, "max_num_seqs", self.max_num_seqs, "use 1..1024")
-        require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", self.max_num_batched_tokens,
-               "use a positive number")
-        require(self.block_size in (8, 16, 32, 64, 128), "block_size", self.block_size,
-               "use 8, 16, 32, 64 or 128")
-        require(self.num_kv_blocks is None or self.num_kv_blocks >= 2, "num_kv_blocks", self.num_kv_blocks,
-               "use at least 2, or leave it unset to size the cache from memory")
-        require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
-               self.gpu_memory_utilization, "use a fraction in (0, 1]")
-        require(self.tensor_parallel_size >= 1, "tensor_parallel_size", self.tensor_parallel_size,
-               "use 1 or more")
-        require(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", self.max_model_len,
-               "use a positive number")
-        require(self.step_timeout > 0, "step_timeout", self.step_timeout, "use a positive number of seconds")
-        require(isinstance(self.seed, int) and 0 <= self.seed < 2**63, "seed", self.seed,
-                "use an integer in [0, 2**63)")
-        require(self.max_waiting_requests >= 1, "max_waiting_requests", self.max_waiting_requests, "use 1 or more")
+        for name, valid, fix in _ENGINE_RULES:
+            require(valid(getattr(self, name)), name, getattr(self, name), fix)
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d["model_config"] = self.model_config.to_dict() if self.model_config else None
-        return d
+        return asdict(self)  # model_config too, as a dict
 
     @classmethod
     def from_dict(cls, d: dict) -> EngineConfig:
@@ -102,6 +77,24 @@ class EngineConfig:
         cfg = cls(**d)
         cfg.model_config = ModelConfig.from_dict(mc) if mc else None
         return cfg
+
+
+_ENGINE_RULES = (  # field, valid, fix
+    ("device", lambda v: v in ("auto", "cpu", "cuda"), "use 'auto', 'cpu' or 'cuda'"),
+    ("dtype", lambda v: v in ("auto", "float32", "float16", "bfloat16"),
+     "use 'auto', 'float32', 'float16' or 'bfloat16'"),
+    ("load_format", lambda v: v in ("auto", "safetensors", "dummy"), "use 'auto', 'safetensors' or 'dummy'"),
+    ("max_num_seqs", lambda v: 1 <= v <= 1024, "use 1..1024"),
+    ("max_num_batched_tokens", lambda v: v >= 1, "use a positive number"),
+    ("block_size", lambda v: v in (8, 16, 32, 64, 128), "use 8, 16, 32, 64 or 128"),
+    ("num_kv_blocks", lambda v: v is None or v >= 2, "use at least 2, or leave it unset to size the cache from memory"),
+    ("gpu_memory_utilization", lambda v: 0.0 < v <= 1.0, "use a fraction in (0, 1]"),
+    ("tensor_parallel_size", lambda v: v >= 1, "use 1 or more"),
+    ("max_model_len", lambda v: v is None or v >= 1, "use a positive number"),
+    ("step_timeout", lambda v: v > 0, "use a positive number of seconds"),
+    ("seed", lambda v: isinstance(v, int) and 0 <= v < 2**63, "use an integer in [0, 2**63)"),
+    ("max_waiting_requests", lambda v: v >= 1, "use 1 or more"),
+)
 
 
 class InvalidParam(ValueError):
@@ -117,7 +110,7 @@ class ContextTooLong(InvalidParam):
 
 
 def require(ok: bool, name: str, value: object, fix: str) -> None:
-    """Raise InvalidParam naming the bad value and its fix (the one error shape of every config)."""
+    """Raise InvalidParam naming the bad value and its fix (the one error shape of every check)."""
     if not ok:
         raise InvalidParam(name, f"{name}={value!r} is invalid: {fix}")
 

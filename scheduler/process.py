@@ -13,6 +13,7 @@ import signal
 import sys
 import time
 from collections import deque
+from dataclasses import asdict
 
 import zmq
 
@@ -176,7 +177,7 @@ class SchedulerServer:
         return {"num_kv_blocks": sched.block_manager.num_blocks, "max_model_len": sched.max_model_len,
                 "vocab_size": sched.vocab_size, "eos_token_ids": sorted(sched.eos_token_ids),
                 "block_size": self.config.block_size, "model": self.config.model,
-                "model_path": self.config.model_path, "model_config": mc.to_dict(), "startup": self.worker_startup}
+                "model_path": self.config.model_path, "model_config": asdict(mc), "startup": self.worker_startup}
 
     # ---- frontends -------------------------------------------------------------------------------
 
