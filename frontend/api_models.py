@@ -97,8 +97,6 @@ _SamplingFields = create_model("_SamplingFields", __base__=_Lenient, **{
 
 
 class _SamplingRequest(_SamplingFields):
-    """Fields shared by both endpoints."""
-
     prompt_field: ClassVar[str] = "prompt"
     id_prefix: ClassVar[str] = "cmpl"
     model: str | None = None

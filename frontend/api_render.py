@@ -2,28 +2,14 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
-
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from frontend.api_models import Job
 from frontend.outputs import CompletionOutput, RequestOutput
 
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
-
 # Byte-level BPE vocabularies (Qwen2's) write each byte as one printable character; this maps them back.
 _BYTE_OF_CHAR = {char: byte for byte, char in bytes_to_unicode().items()}
 Entry = tuple[str, float, list[int]]  # a logprob entry: (token text, logprob, the token's own UTF-8 bytes)
-
-
-def token_bytes(tokenizer: PreTrainedTokenizerBase, token_id: int, text: str) -> list[int]:
-    """The token's own bytes (OpenAI's `bytes`): a token holding part of a character decodes to U+FFFD, but a
-    client joining the bytes of consecutive tokens gets the character."""
-    piece = tokenizer.convert_ids_to_tokens(token_id) if "\ufffd" in text else None
-    if isinstance(piece, str) and piece and all(c in _BYTE_OF_CHAR for c in piece):
-        return [_BYTE_OF_CHAR[c] for c in piece]
-    return list(text.encode())  # whole characters, or not a byte-level vocabulary
 
 
 class Renderer:
@@ -60,8 +46,13 @@ class Renderer:
     def logprob_rows(self, o: CompletionOutput, start: int) -> list[tuple[Entry, list[Entry]]]:
         """(the sampled token's entry, the top-k entries) for the tokens from `start` on."""
         def entry(token_id: int, logprob: float) -> Entry:
+            # A token holding part of a character decodes to U+FFFD; its own bytes, joined with the next token's,
+            # give the character. Whole characters, or a vocabulary that is not byte-level: the text's bytes.
             text = self.tokenizer.decode([token_id])
-            return text, logprob, token_bytes(self.tokenizer, token_id, text)
+            piece = self.tokenizer.convert_ids_to_tokens(token_id) if "\ufffd" in text else None
+            if isinstance(piece, str) and piece and all(c in _BYTE_OF_CHAR for c in piece):
+                return text, logprob, [_BYTE_OF_CHAR[c] for c in piece]
+            return text, logprob, list(text.encode())
 
         k = self.jobs[0].params.logprobs or 0
         return [(entry(token, lps[token]), [entry(t, lp) for t, lp in sorted(lps.items(), key=lambda kv: -kv[1])[:k]])

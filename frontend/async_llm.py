@@ -47,11 +47,6 @@ class AsyncLLM:
             client.procs.on_death(self._on_death_from_thread)
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> AsyncLLM:
-        """Start an engine for a config that resolve_config has already resolved."""
-        return cls(client=EngineClient(config))
-
-    @classmethod
     def connect(cls, address: str, timeout: float = READY_TIMEOUT_S) -> AsyncLLM:
         """Attach to a headless engine (`launch.py --headless --engine-address ADDR`); EngineDeadError when it
         has not answered within `timeout` seconds (an engine still loading a model answers once it is up)."""
@@ -81,7 +76,7 @@ class AsyncLLM:
     async def _recv_loop(self) -> None:
         try:
             while True:
-                msg = await self._next_message()
+                msg = self.client.decode(await self._next_frame())
                 if isinstance(msg, TokenBatch):
                     self._apply(msg)
                 elif isinstance(msg, EngineDead):
@@ -92,15 +87,15 @@ class AsyncLLM:
         except Exception as e:  # a dead receive loop would leave every request waiting forever
             self._fail(f"the frontend's receive loop failed: {type(e).__name__}: {e}")
 
-    async def _next_message(self):
+    async def _next_frame(self) -> bytes:
         """Our own engine's death is reported by the launcher's watcher; a silent remote one is probed with GetStats
         (answered even mid-step) while requests wait, and declared dead after REMOTE_SILENCE_S."""
         if self.client.procs is not None:
-            return self.client.decode(await self._asock.recv())
+            return await self._asock.recv()
         silent_since = time.monotonic()
         while True:
             try:
-                return self.client.decode(await asyncio.wait_for(self._asock.recv(), PROBE_AFTER_S))
+                return await asyncio.wait_for(self._asock.recv(), PROBE_AFTER_S)
             except asyncio.TimeoutError:
                 if not self.processor.num_pending:
                     silent_since = time.monotonic()

@@ -114,6 +114,9 @@ def config_from_dir(model_dir: str | Path) -> ModelConfig:
     _check_supported(cfg, path)
     hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     rope = cfg.get("rope_parameters") or {}
+    gen = Path(model_dir) / "generation_config.json"  # its EOS ids win over config.json's
+    eos = json.loads(gen.read_text()).get("eos_token_id") if gen.is_file() else None
+    eos = cfg.get("eos_token_id") if eos is None else eos
     return ModelConfig(
         hidden_size=hidden, intermediate_size=cfg["intermediate_size"],
         num_hidden_layers=cfg["num_hidden_layers"], num_attention_heads=heads,
@@ -124,7 +127,7 @@ def config_from_dir(model_dir: str | Path) -> ModelConfig:
         max_position_embeddings=cfg.get("max_position_embeddings", 32768),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
-        eos_token_ids=_eos_ids(Path(model_dir), cfg),
+        eos_token_ids=[] if eos is None else [int(e) for e in eos] if isinstance(eos, list) else [int(eos)],
     )
 
 
@@ -145,13 +148,3 @@ def _check_supported(cfg: dict, path: Path) -> None:
     kind = scaling.get("rope_type") or scaling.get("type") or "default"
     if kind != "default":
         raise ValueError(f"{path}: rope scaling {kind!r} is not supported: remove rope_scaling from config.json")
-
-
-def _eos_ids(model_dir: Path, cfg: dict) -> list[int]:
-    gen = model_dir / "generation_config.json"
-    eos = json.loads(gen.read_text()).get("eos_token_id") if gen.is_file() else None
-    if eos is None:
-        eos = cfg.get("eos_token_id")
-    if eos is None:
-        return []
-    return [int(e) for e in eos] if isinstance(eos, list) else [int(eos)]

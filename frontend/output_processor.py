@@ -5,9 +5,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from frontend.detokenizer import IncrementalDetokenizer, StreamDetokenizer, make_detokenizer
+from frontend.detokenizer import IncrementalDetokenizer, StopMatcher, StreamDetokenizer, make_detokenizer
 from frontend.outputs import CompletionOutput, RequestOutput
-from frontend.stop_strings import StopMatcher
 from protocol.messages import AddRequest, TokenBatch, i32
 from protocol.sampling import SamplingParams
 
@@ -118,7 +117,7 @@ class OutputProcessor:
             self._requests.pop(state.output.request_id, None)
 
     def abort(self, request_id: str) -> list[str]:
-        """End a request here; return its engine ids so the caller tells the engine."""
+        """Return its engine ids, for the caller to tell the engine."""
         state = self._requests.get(request_id)
         if state is None:
             return []

@@ -22,6 +22,7 @@ from frontend.api_models import (
     chat_prompt, from_invalid_param, generation_defaults, parse_request)
 from frontend.api_render import ChatRenderer, CompletionRenderer
 from frontend.async_llm import AsyncLLM
+from frontend.engine_client import EngineClient
 from frontend.metrics import Metrics
 from frontend.model_resolution import resolve_config
 from frontend.responding import ClientGone, read_body, respond
@@ -136,16 +137,13 @@ async def _load_and_watch(state: ServerState, load_engine: Callable[[], AsyncLLM
     """Load the engine; then, should it die, exit non-zero so that a supervisor restarts the server."""
     try:
         state.engine = await asyncio.to_thread(load_engine)
+        log.info("engine ready; serving %s", state.names)
+        while state.engine.is_alive:  # AsyncLLM offers no awaitable for death; a cheap poll suffices
+            await asyncio.sleep(0.5)
+        log.error("the engine died (%s); exiting in %.0f s", state.engine.dead_reason, DEAD_EXIT_DELAY_S)
+        await asyncio.sleep(DEAD_EXIT_DELAY_S)
     except Exception as exc:
         log.error("the engine failed to start: %s", exc)
-        state.exit_code = 1
-        state.stop()
-        return
-    log.info("engine ready; serving %s", state.names)
-    while state.engine.is_alive:  # AsyncLLM offers no awaitable for death; a cheap poll suffices
-        await asyncio.sleep(0.5)
-    log.error("the engine died (%s); exiting in %.0f s", state.engine.dead_reason, DEAD_EXIT_DELAY_S)
-    await asyncio.sleep(DEAD_EXIT_DELAY_S)
     state.exit_code = 1
     state.stop()
 
@@ -216,7 +214,7 @@ def run_server(config: EngineConfig, options: ServerOptions) -> int:
     ends by the signal, status 143), or until the engine fails to start or dies (1)."""
     config = resolve_config(config)
     state = ServerState(options, config.model, generation_defaults(config.model_path))
-    app = build_app(state, lambda: AsyncLLM.from_config(config))
+    app = build_app(state, lambda: AsyncLLM(client=EngineClient(config)))
     server = uvicorn.Server(uvicorn.Config(app, host=options.host, port=options.port, loop="uvloop",
                                            timeout_graceful_shutdown=options.shutdown_timeout))
     state.stop = lambda: setattr(server, "should_exit", True)

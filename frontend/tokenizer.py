@@ -34,13 +34,11 @@ QWEN25_ADDED_TOKENS = [(t, True) for t in (
     "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
     "<|repo_name|>", "<|file_sep|>")]
 
-INSTRUCT_SYSTEM_PROMPT = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
-BASE_SYSTEM_PROMPT = "You are a helpful assistant."
-
 
 def qwen25_chat_template(instruct: bool = True) -> str:
     """The chat template a Qwen2.5 repo ships (Instruct or base: they differ in the default system prompt)."""
-    system = INSTRUCT_SYSTEM_PROMPT if instruct else BASE_SYSTEM_PROMPT
+    system = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant." if instruct else \
+        "You are a helpful assistant."
     return CHAT_TEMPLATE_FILE.read_text().replace("@SYSTEM@", system)
 
 
@@ -85,8 +83,18 @@ def load_qwen25_tokenizer(instruct: bool = True, cache_dir: str | os.PathLike | 
                           ) -> PreTrainedTokenizerBase:
     """Qwen2.5's tokenizer rebuilt from Qwen's BPE ranks (built once, then read from the disk cache)."""
     path = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    if not has_tokenizer_files(path):
-        _build_into(path)
+    if not has_tokenizer_files(path):  # built in a temporary sibling, then renamed: never half a cache
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))
+        try:
+            build_qwen25_tokenizer(read_qwen_ranks()).save(str(tmp / "tokenizer.json"))
+            (tmp / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(), indent=2, ensure_ascii=False))
+            os.replace(tmp, path)
+        except OSError:
+            if not has_tokenizer_files(path):  # not merely another process winning the rename race
+                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     if instruct:
         return _from_pretrained(path)
     # The base repos end documents with <|endoftext|>, not the chat turn's <|im_end|>.
@@ -95,21 +103,6 @@ def load_qwen25_tokenizer(instruct: bool = True, cache_dir: str | os.PathLike | 
 
 def default_cache_dir() -> Path:
     return cache_root() / _CACHE_SUBDIR
-
-
-def _build_into(path: Path) -> None:
-    """Write the tokenizer files into a temporary sibling, then rename: readers never see half a cache."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))
-    try:
-        build_qwen25_tokenizer(read_qwen_ranks()).save(str(tmp / "tokenizer.json"))
-        (tmp / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(), indent=2, ensure_ascii=False))
-        os.replace(tmp, path)
-    except OSError:
-        if not has_tokenizer_files(path):  # not merely another process winning the rename race
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def read_qwen_ranks() -> dict[bytes, int]:

@@ -35,20 +35,16 @@ def summarize(events: list[dict]) -> str:
     for (proc, name), durs in sorted(spans.items()):
         p50, p90, p99 = np.percentile(durs, [50, 90, 99])
         lines.append(f"{proc:<12} {name:<22} {len(durs):>7} {p50:>10.1f} {p90:>10.1f} {p99:>10.1f}")
-    lines.append(_gpu_idle_line(events))
-    return "\n".join(lines) + "\n"
-
-
-def _gpu_idle_line(events: list[dict]) -> str:
     decode = sorted((e["args"]["step"], e["ts"], e["ts"] + e["dur"]) for e in events
                     if e.get("ph") == "X" and e["name"] == DECODE_GPU_SPAN)
     # Only back-to-back decode steps count: a prefill step between two of them is work, not idle time.
     pairs = [(a, b) for a, b in zip(decode, decode[1:]) if b[0] == a[0] + 1]
     if not pairs:
-        return "gpu idle between decode steps: n/a (no two consecutive GPU-timed decode steps)"
-    gaps = np.array([max(0.0, b[1] - a[2]) for a, b in pairs])
-    busy = sum(b[2] - b[1] for _, b in pairs)
-    share = 100.0 * gaps.sum() / (gaps.sum() + busy)
-    p50, p99 = np.percentile(gaps, [50, 99])
-    return (f"gpu idle between decode steps: {share:.2f}% of decode time, gap p50 {p50:.1f} us, "
-            f"p99 {p99:.1f} us over {len(gaps)} gaps")
+        lines.append("gpu idle between decode steps: n/a (no two consecutive GPU-timed decode steps)")
+    else:
+        gaps = np.array([max(0.0, b[1] - a[2]) for a, b in pairs])
+        share = 100.0 * gaps.sum() / (gaps.sum() + sum(b[2] - b[1] for _, b in pairs))
+        p50, p99 = np.percentile(gaps, [50, 99])
+        lines.append(f"gpu idle between decode steps: {share:.2f}% of decode time, gap p50 {p50:.1f} us, "
+                     f"p99 {p99:.1f} us over {len(gaps)} gaps")
+    return "\n".join(lines) + "\n"
