@@ -162,14 +162,19 @@ class Scheduler:
             total = req.num_computed_tokens + 1  # once every step in flight has sampled: plan no unusable token
             if total - req.num_prompt_tokens >= req.max_tokens or total >= self.max_model_len:
                 continue
-            while not bm.may_append(req, req.num_computed_tokens + 1):
-                victim = self.running[-1]
-                self._preempt(victim)
+            while not bm.may_append(req, total):
+                victim = self.running[-1]  # freed whole, recomputed later from prompt + generated tokens
+                self._release(victim)
+                victim.status = Status.WAITING
+                victim.num_computed_tokens = victim.num_row_tokens = 0
+                victim.num_preemptions += 1
+                self.num_preemptions += 1
+                self.waiting.appendleft(victim)
                 preempted = True
                 if victim is req:
                     break
             if req.status is Status.RUNNING:
-                new_blocks = bm.append_slot(req, req.num_computed_tokens + 1)
+                new_blocks = bm.append_slot(req, total)
                 if new_blocks:
                     appends.append((req.row, i32(new_blocks)))
                 req.num_computed_tokens += 1
@@ -191,7 +196,14 @@ class Scheduler:
             if not self.block_manager.can_allocate(req):
                 break
             self.waiting.popleft()
-            new_rows.append(self._admit(req))
+            req.row = self._free_rows.pop()
+            self._rows_freed.discard(req.row)  # the NewRow replaces the row's old mirror: no free_rows entry
+            req.num_computed_tokens = self.block_manager.allocate(req)
+            req.num_row_tokens = req.num_tokens
+            req.status = Status.RUNNING
+            bisect.insort(self.running, req, key=lambda r: r.arrival)
+            new_rows.append(NewRow(req.row, i32(req.token_ids), req.num_prompt_tokens, req.num_computed_tokens,
+                                   i32(req.block_table), req.params.to_dict()))
             budget -= self._take_chunk(req, budget, chunks)
         return chunks, new_rows
 
@@ -202,25 +214,6 @@ class Scheduler:
         self.block_manager.cache_blocks(req, req.num_computed_tokens)
         chunks.append((req, n))
         return n
-
-    def _admit(self, req: Request) -> NewRow:
-        req.row = self._free_rows.pop()
-        self._rows_freed.discard(req.row)  # the NewRow replaces the row's old mirror: no free_rows entry
-        req.num_computed_tokens = self.block_manager.allocate(req)
-        req.num_row_tokens = req.num_tokens
-        req.status = Status.RUNNING
-        bisect.insort(self.running, req, key=lambda r: r.arrival)
-        return NewRow(req.row, i32(req.token_ids), req.num_prompt_tokens, req.num_computed_tokens,
-                      i32(req.block_table), req.params.to_dict())
-
-    def _preempt(self, req: Request) -> None:
-        """Free everything; the request is recomputed later from prompt + generated tokens."""
-        self._release(req)
-        req.status = Status.WAITING
-        req.num_computed_tokens = req.num_row_tokens = 0
-        req.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.appendleft(req)
 
     def on_result(self, result: StepResult) -> list[tuple[bytes, TokenBatch]]:
         """Append the sampled tokens, check stops, free finished requests; one TokenBatch per client."""
@@ -240,10 +233,8 @@ class Scheduler:
         del self._in_flight[result.step]
         updates: dict[bytes, list[_Update]] = {}
         for i, (req, epoch, samples) in enumerate(scheduled):
-            if req.status is not Status.RUNNING or req.num_preemptions != epoch:
-                continue  # finished, aborted or preempted since this step was planned
-            if not samples:
-                continue
+            if not samples or req.status is not Status.RUNNING or req.num_preemptions != epoch:
+                continue  # a chunk, or finished, aborted or preempted since this step was planned
             req.token_ids.append(int(tokens[i]))
             reason = ("stop" if req.num_generated >= req.params.min_tokens and req.token_ids[-1] in req.stop_ids
                       else "length" if req.num_generated >= req.max_tokens or req.num_tokens >= self.max_model_len
