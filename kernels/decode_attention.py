@@ -10,7 +10,7 @@ import triton.language as tl
 
 from kernels.arrivals import arrival_counters, last_to_arrive
 from kernels.attention_tile import attend_range, attend_tile, load_kv_tile, paged_attention_ref
-from kernels.kv_store import check_new_kv, rope_factors, rope_store_kv_ref, rotate_half_row
+from kernels.kv_store import check_new_kv, rope_factors, rope_store_kv_ref
 from kernels.pdl import pdl_enabled, pdl_launch
 
 # Split-K: the grid's split count comes from static shapes only (a captured graph must fit every length); each row
@@ -29,12 +29,6 @@ _FEW_ROWS_MAX_PROGRAMS = 256
 _FEW_ROWS_LAUNCH = dict(num_warps=8, num_stages=3)
 _FEW_ROWS_ONE_LEVEL = 32  # a combine level costs its dependent round trips, not its bytes
 _MANY_ROWS_LAUNCH = dict(num_warps=4, num_stages=2)
-
-
-@triton.jit
-def _split_len(ctx, num_splits, BLOCK_N: tl.constexpr):
-    # The fewest whole tiles that cover ctx in num_splits splits (never more than the static partition).
-    return tl.maximum(tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N), 1) * BLOCK_N
 
 
 @triton.jit
@@ -58,7 +52,7 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, table_rows, cont
     num_splits = tl.num_programs(2)
     ctx = tl.load(context_lens + b)
     table_row = tl.load(table_rows + b) if TABLE_ROWS else b
-    split_len = _split_len(ctx, num_splits, BLOCK_N)
+    split_len = tl.maximum(tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N), 1) * BLOCK_N  # the fewest whole tiles
     used = tl.cdiv(ctx, split_len)  # splits that start before ctx: 0 at context 0
     start = split * split_len
     # A split past the row's length does nothing; split 0 runs at context 0 to write zeros.
@@ -89,13 +83,13 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, table_rows, cont
         # The split holding position ctx - 1 stores the step's rotated K and V there, then puts them into its first
         # tile or reads them back in its loop (the barrier makes the stores visible to all its threads).
         q_partner = tl.load(q_rows + partner[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
-        q = rotate_half_row(q, q_partner, cos[None, :], sin[None, :]).to(q_ptr.dtype.element_ty)
+        q = (q.to(tl.float32) * cos[None, :] + q_partner.to(tl.float32) * sin[None, :]).to(q_ptr.dtype.element_ty)
         if (split == used - 1) & (slot >= 0):
             cache_off = (slot // block_size) * stride_cb + kv_head * stride_ch + (slot % block_size) * stride_cs
             k_row = k_new + b.to(tl.int64) * stride_kb + kv_head * stride_kh
-            k = rotate_half_row(tl.load(k_row + offs_d, mask=d_mask, other=0.0),
-                                tl.load(k_row + partner, mask=d_mask, other=0.0), cos, sin)
-            k = k.to(k_cache.dtype.element_ty)
+            k = tl.load(k_row + offs_d, mask=d_mask, other=0.0)
+            k_partner = tl.load(k_row + partner, mask=d_mask, other=0.0)
+            k = (k.to(tl.float32) * cos + k_partner.to(tl.float32) * sin).to(k_cache.dtype.element_ty)
             tl.store(k_cache + cache_off + offs_d, k, mask=d_mask)
             v = tl.load(v_new + b.to(tl.int64) * stride_vb + kv_head * stride_vh + offs_d, mask=d_mask, other=0.0)
             v = v.to(v_cache.dtype.element_ty)

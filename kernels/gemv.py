@@ -97,14 +97,9 @@ def _load_x(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, offs, offs_k, mask, K, stor
 
 
 @triton.jit
-def _rstd(sumsq, K, eps):
-    return 1.0 / tl.sqrt(sumsq / K + eps)
-
-
-@triton.jit
 def _finish(acc, sumsq, bias_ptr, offs_n, N, K, eps, NORM: tl.constexpr, HAS_BIAS: tl.constexpr):
     if NORM:
-        acc = acc * _rstd(sumsq, K, eps)[:, None]
+        acc = acc * (1.0 / tl.sqrt(sumsq / K + eps))[:, None]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
     return acc
@@ -253,7 +248,7 @@ def _split_k_reduce_kernel(part_ptr, sumsq_ptr, bias_ptr, out_ptr, MN, N, K, SPL
         if NORM:
             sumsq += tl.load(sumsq_ptr + s * (MN // N) + offs // N, mask=mask, other=0.0)
     if NORM:
-        acc = acc * _rstd(sumsq, K, eps)
+        acc = acc * (1.0 / tl.sqrt(sumsq / K + eps))
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)

@@ -39,18 +39,13 @@ def rope_store_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
 @triton.jit
 def rope_factors(cos_sin, pos, offs_d, d_mask, HEAD_DIM: tl.constexpr):
     """cos, signed sin and partner index of rotate-half RoPE over a whole [D] row: out = x * cos + x[partner] *
-    signed_sin (rotate_half_row), the sin negative in the first half."""
+    signed_sin, the sin negative in the first half."""
     half = HEAD_DIM // 2
     first = offs_d < half
     idx = tl.where(first, offs_d, offs_d - half)
     cos = tl.load(cos_sin + pos * HEAD_DIM + idx, mask=d_mask, other=0.0)
     sin = tl.load(cos_sin + pos * HEAD_DIM + half + idx, mask=d_mask, other=0.0)
     return cos, tl.where(first, -sin, sin), tl.where(first, offs_d + half, offs_d - half)
-
-
-@triton.jit
-def rotate_half_row(x, x_partner, cos, signed_sin):
-    return x.to(tl.float32) * cos + x_partner.to(tl.float32) * signed_sin
 
 
 @triton.jit

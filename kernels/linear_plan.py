@@ -50,7 +50,8 @@ def planned_config(fold: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tens
     if key not in _CHOICES:
         if torch.cuda.is_current_stream_capturing():
             return None
-        disk_key = _disk_key(key)
+        disk_key = (f"gemv {_stale_when(x.device)} fold {fold!r} rows {key[1]} w {w.shape[0]}x{w.shape[1]} {x.dtype} "
+                    f"bias {bias is not None}")
         kept = _kept_choices().get(disk_key, False)  # False: never timed here; None: the unfused path won
         if kept is False:
             kept = fastest_config(fold, x.shape[0], w, bias, op)
@@ -162,11 +163,6 @@ def cold_copies(w: torch.Tensor, bias: torch.Tensor | None) -> list[tuple[torch.
     return [(w, bias), *clones]
 
 
-def _disk_key(key: tuple) -> str:
-    fold, rows, n, k, dtype, has_bias, device = key
-    return f"gemv {_stale_when(device)} fold {fold!r} rows {rows} w {n}x{k} {dtype} bias {has_bias}"
-
-
 def _stale_when(device: torch.device) -> str:
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     sources = "".join(source_hash(str(Path(__file__).with_name(name))) for name in _SOURCES)
@@ -176,11 +172,6 @@ def _stale_when(device: torch.device) -> str:
 @functools.lru_cache(maxsize=None)
 def source_hash(path: str) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
-
-
-@functools.lru_cache(maxsize=1)
-def _kept_choices() -> dict[str, object]:
-    return load_choices()  # read once a process
 
 
 def load_choices() -> dict[str, object]:
@@ -196,21 +187,21 @@ def load_choices() -> dict[str, object]:
     return data if isinstance(data, dict) else {}
 
 
+_kept_choices = functools.lru_cache(maxsize=1)(load_choices)  # read once a process
+
+
 def save_choice(key: str, value: object) -> None:
     """Add one choice: read, merge, write a temporary sibling, rename (a reader never sees half a file); a racing
     process's new entry may be lost, and is timed again."""
-    path = cache_root() / FILE_NAME
+    path, tmp = cache_root() / FILE_NAME, None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         data = {**load_choices(), key: value}
         fd, tmp = tempfile.mkstemp(prefix=path.name + ".", dir=path.parent)
-    except OSError as e:  # a read-only home must not stop the engine: the choice just is not kept
-        log.warning("could not keep a kernel choice in %s: %s", path, e)
-        return
-    try:
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=1, sort_keys=True)
         os.replace(tmp, path)
-    except OSError as e:
+    except OSError as e:  # a read-only home must not stop the engine: the choice just is not kept
         log.warning("could not keep a kernel choice in %s: %s", path, e)
-        Path(tmp).unlink(missing_ok=True)
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)

@@ -94,14 +94,6 @@ def _log(x, FAST_LOG: tl.constexpr):
     return tl.log(x)
 
 
-@triton.jit
-def _neg_log(u, FAST_LOG: tl.constexpr):
-    # -log(u), accurate relative to its size also near u = 1 (the likely winner), where the fast log's absolute
-    # error would dominate: there -log(1 - t) = t + t^2/2 + t^3/3 to float32 precision for t < 2^-7.
-    t = 1.0 - u
-    return tl.where(t < 0.0078125, t * (1.0 + t * (0.5 + t * 0.33333334)), -_log(u, FAST_LOG))
-
-
 # chunk_len varies with the batch size: specialising on it would compile a kernel mid-serving for new sizes.
 @triton.jit(do_not_specialize=["chunk_len"])
 def _gumbel_argmax_kernel(logits_ptr, stride, rows_ptr, temps_ptr, stride_temp, seeds_ptr, stride_seed, pos_ptr,
@@ -131,7 +123,11 @@ def _gumbel_argmax_kernel(logits_ptr, stride, rows_ptr, temps_ptr, stride_temp, 
         if temp > 0:  # a greedy row skips the hash
             z = _mix32(row_key + cols.to(tl.uint32) * GOLDEN32)
             u = ((z >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # as uniform_from_bits
-            score = score * inv_temp - _log(_neg_log(u, FAST_LOG), FAST_LOG)
+            # -log(u) accurate relative to its size also near u = 1 (the likely winner), where the fast log's
+            # absolute error would dominate: there -log(1 - t) = t + t^2/2 + t^3/3 to float32 precision.
+            t = 1.0 - u
+            neg_log_u = tl.where(t < 0.0078125, t * (1.0 + t * (0.5 + t * 0.33333334)), -_log(u, FAST_LOG))
+            score = score * inv_temp - _log(neg_log_u, FAST_LOG)
         better = score > best_val  # strict: of equal scores the earlier column stays
         best_val = tl.where(better, score, best_val)
         best_idx = tl.where(better, cols, best_idx)
