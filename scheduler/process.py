@@ -185,7 +185,7 @@ class SchedulerServer:
         if identity not in self.clients:  # a new frontend: its first message, whatever it is, is its hello
             self.clients.add(identity)
             self._send(identity, Ready(role="engine", info=self.info))
-        sched = self.scheduler
+        sched, replies = self.scheduler, []
         if isinstance(msg, AddRequest):
             replies = sched.add(msg, identity)
         elif isinstance(msg, Abort):
@@ -195,10 +195,8 @@ class SchedulerServer:
                                              stats=sched.stats()))]
         elif isinstance(msg, Shutdown):
             raise _Exit(0, "a frontend asked to shut down")
-        else:
-            if msg is not None:
-                log.warning("dropped a %s from a frontend: not a frontend message", type(msg).__name__)
-            replies = []
+        elif msg is not None:
+            log.warning("dropped a %s from a frontend: not a frontend message", type(msg).__name__)
         for client, batch in replies:
             self._send(client, batch)
 
@@ -207,8 +205,18 @@ class SchedulerServer:
 
     def _step(self) -> bool:
         """Top up the plans in flight, then wait for the oldest one's result; False when idle."""
-        while len(self.in_flight) < MAX_IN_FLIGHT and self.scheduler.has_work() and self._send_plan():
-            pass
+        sched = self.scheduler
+        while len(self.in_flight) < MAX_IN_FLIGHT and sched.has_work():
+            with self.tracer.span("scheduler.schedule", sched.step + 1):
+                if (plan := sched.schedule()) is None:
+                    break
+                frame = encode(plan)
+                for rank, sock in enumerate(self.plans):
+                    try:
+                        sock.send(frame)
+                    except zmq.Again:
+                        raise _Exit(1, f"worker {rank} took no plan for {self.config.step_timeout} s") from None
+            self.in_flight.append(plan.step)
         if not self.in_flight:
             return False
         step = self.in_flight.popleft()
@@ -217,20 +225,6 @@ class SchedulerServer:
         with self.tracer.span("scheduler.send_tokens", step):
             for client, batch in batches:
                 self._send(client, batch)
-        return True
-
-    def _send_plan(self) -> bool:
-        with self.tracer.span("scheduler.schedule", self.scheduler.step + 1):
-            plan = self.scheduler.schedule()
-            if plan is None:
-                return False
-            frame = encode(plan)
-            for rank, sock in enumerate(self.plans):
-                try:
-                    sock.send(frame)
-                except zmq.Again:
-                    raise _Exit(1, f"worker {rank} took no plan for {self.config.step_timeout} s") from None
-        self.in_flight.append(plan.step)
         return True
 
     def _wait_result(self, step: int) -> list[tuple[bytes, TokenBatch]]:
