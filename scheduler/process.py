@@ -135,18 +135,10 @@ class SchedulerServer:
         blocks: dict[int, int] = {}
         deadline = time.monotonic() + READY_TIMEOUT_S
         while len(blocks) < len(self.plans):
-            self._check_parent()
             if time.monotonic() > deadline:
                 missing = sorted(set(range(len(self.plans))) - set(blocks))
                 raise _Exit(1, f"worker ranks {missing} sent no Ready within {READY_TIMEOUT_S:.0f} s")
-            events = dict(self.poller.poll(POLL_MS))
-            if self.engine in events:
-                self.early.extend(self._recv_clients())
-                if any(isinstance(msg, Shutdown) for _, msg in self.early):
-                    raise _Exit(0, "Shutdown before the workers were ready")
-            msg = self._recv(self.results, "a worker") if self.results in events else None
-            if isinstance(msg, WorkerError):
-                raise _Exit(1, f"worker {msg.rank} failed to start: {msg.reason}")
+            msg = self._poll(POLL_MS)
             if isinstance(msg, Ready) and msg.role == "worker" and 0 <= msg.rank < len(self.plans):
                 num = msg.info.get("num_kv_blocks")
                 if isinstance(num, int) and num >= 2:
@@ -164,9 +156,14 @@ class SchedulerServer:
             for identity, msg in self._recv_clients():
                 self._handle(identity, msg)
         self._check_parent()
-        msg = self._recv(self.results, "a worker") if read_results and self.results in events else None
+        msg = None
+        if read_results and self.results in events:
+            try:
+                msg = _decode(self.results.recv(zmq.NOBLOCK), "a worker")
+            except zmq.Again:
+                pass
         if isinstance(msg, WorkerError):
-            raise _Exit(1, f"worker {msg.rank} failed: {msg.reason}")
+            raise _Exit(1, f"worker {msg.rank} failed{' to start' if self.scheduler is None else ''}: {msg.reason}")
         return msg
 
     def _recv_clients(self) -> list[tuple[bytes, object]]:
@@ -182,6 +179,11 @@ class SchedulerServer:
             out.append((frames[0], _decode(frames[1], "a frontend")))
 
     def _handle(self, identity: bytes, msg) -> None:
+        if self.scheduler is None:  # held until the workers are ready
+            self.early.append((identity, msg))
+            if isinstance(msg, Shutdown):
+                raise _Exit(0, "Shutdown before the workers were ready")
+            return
         if identity not in self.clients:  # a new frontend: its first message, whatever it is, is its hello
             self.clients.add(identity)
             self._send(identity, Ready(role="engine", info=self.info))
@@ -243,12 +245,6 @@ class SchedulerServer:
             elif msg is not None:
                 what = f"StepResult for step {msg.step}" if isinstance(msg, StepResult) else type(msg).__name__
                 log.warning("dropped a %s from a worker while waiting for step %d", what, step)
-
-    def _recv(self, sock: zmq.Socket, source: str):
-        try:
-            return _decode(sock.recv(zmq.NOBLOCK), source)
-        except zmq.Again:
-            return None
 
     def _check_parent(self) -> None:
         if os.getppid() != self.parent:

@@ -68,17 +68,14 @@ class Scheduler:
         self.waiting.append(req)
         return []
 
-    def abort(self, request_ids: list[str], client: bytes | None = None) -> list[tuple[bytes, TokenBatch]]:
-        """Finish the named requests with "abort" (all clients' requests of that id when client is None)."""
-        wanted = {rid for rid in request_ids if isinstance(rid, str)}
-        keys = [k for k in self.requests if k[1] in wanted] if client is None else [(client, r) for r in wanted]
-        updates: dict[bytes, list[_Update]] = {}
-        for key in keys:
-            req = self.requests.get(key)
-            if req is not None:
+    def abort(self, request_ids: list[str], client: bytes) -> list[tuple[bytes, TokenBatch]]:
+        """Finish the client's named live requests with "abort"; unknown ids are ignored."""
+        updates = []
+        for rid in {r for r in request_ids if isinstance(r, str)}:
+            if (req := self.requests.get((client, rid))) is not None:
                 self._finish(req, "abort")
-                updates.setdefault(req.client, []).append(_Update(req.request_id, -1, "abort", None, None))
-        return [(c, self._batch(u)) for c, u in updates.items()]
+                updates.append(_Update(rid, -1, "abort", None, None))
+        return [(client, self._batch(updates))] if updates else []
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
