@@ -7,12 +7,10 @@ from pathlib import Path
 
 import msgpack
 
-CACHE_ENV = "PICO_VLLM_CACHE"
-
 
 def cache_root() -> Path:
     """Where every process keeps what it builds once (tokenizer files, timed kernel choices)."""
-    return Path(os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "pico-vllm"))
+    return Path(os.environ.get("PICO_VLLM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pico-vllm"))
 
 
 @dataclass(slots=True)

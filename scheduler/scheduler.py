@@ -73,7 +73,7 @@ class Scheduler:
         updates = []
         for rid in {r for r in request_ids if isinstance(r, str)}:
             if (req := self.requests.get((client, rid))) is not None:
-                self._finish(req, "abort")
+                self._finish(req)
                 updates.append(_Update(rid, -1, "abort", None, None))
         return [(client, self._batch(updates))] if updates else []
 
@@ -112,12 +112,12 @@ class Scheduler:
         return Request(msg.request_id, client, prompt, n, params, next(self._arrivals), max_tokens,
                        frozenset(params.stop_token_ids))
 
-    def _finish(self, req: Request, reason: str) -> None:
+    def _finish(self, req: Request) -> None:
         if req.status is Status.RUNNING:
             self._release(req)
         elif req.status is Status.WAITING:
             self.waiting.remove(req)
-        req.status, req.finish_reason = Status.FINISHED, reason
+        req.status = Status.FINISHED
         del self.requests[req.key]
 
     def _release(self, req: Request) -> None:
@@ -237,20 +237,18 @@ class Scheduler:
                       else "length" if req.num_generated >= req.max_tokens or req.num_tokens >= self.max_model_len
                       else None)
             if reason is not None:
-                self._finish(req, reason)
+                self._finish(req)
             lp = logprobs(i, req.params.logprobs) if logprobs and req.params.logprobs is not None else None
             updates.setdefault(req.client, []).append(_Update(req.request_id, int(tokens[i]), reason, None, lp))
         return [(c, self._batch(u, result.step)) for c, u in updates.items()]
 
     def _batch(self, updates: list[_Update], step: int | None = None) -> TokenBatch:
         """One client's updates; `step` is the step whose result they come from (default: the last planned)."""
-        with_logprobs = any(u.logprobs is not None for u in updates)
-        return TokenBatch(
-            step=self.step if step is None else step, request_ids=[u.request_id for u in updates],
-            token_ids=i32([u.token for u in updates]),
-            finished={u.request_id: u.finish for u in updates if u.finish is not None},
-            errors={u.request_id: u.error for u in updates if u.error is not None},
-            logprobs=[u.logprobs for u in updates] if with_logprobs else None, stats=self.stats())
+        ids, tokens, finishes, errors, logprobs = zip(*updates)
+        return TokenBatch(self.step if step is None else step, list(ids), i32(tokens),
+                          {r: f for r, f in zip(ids, finishes) if f is not None},
+                          {r: e for r, e in zip(ids, errors) if e is not None},
+                          list(logprobs) if any(lp is not None for lp in logprobs) else None, self.stats())
 
 
 def _split_logprobs(lp: dict | None, n: int):
