@@ -18,7 +18,7 @@ class ProtocolError(ValueError):
 
 
 def encode(msg: object) -> bytes:
-    frame = msgpack.packb(_to_wire(msg, top=True), use_bin_type=True)
+    frame = msgpack.packb({"v": VERSION, **_to_wire(msg)}, use_bin_type=True)
     if len(frame) > MAX_FRAME_BYTES:
         raise ProtocolError(f"{type(msg).__name__} is {len(frame)} bytes, over the {MAX_FRAME_BYTES}-byte cap")
     return frame
@@ -39,10 +39,9 @@ def decode(frame: bytes) -> object:
     return _from_wire(obj)
 
 
-def _to_wire(obj, top: bool = False):
+def _to_wire(obj):
     if dataclasses.is_dataclass(obj):
-        out = {"type": type(obj).__name__, **({"v": VERSION} if top else {})}
-        return out | {name: _to_wire(getattr(obj, name)) for name in obj.WIRE}
+        return {"type": type(obj).__name__, **{name: _to_wire(getattr(obj, name)) for name in obj.WIRE}}
     if isinstance(obj, np.ndarray):
         return obj.astype(obj.dtype.newbyteorder("<"), copy=False).tobytes()
     if isinstance(obj, (list, tuple)):
@@ -61,21 +60,19 @@ def _from_wire(obj: dict, depth: int = 0):
     cls = MESSAGE_TYPES.get(name) if isinstance(name, str) else None
     if cls is None:
         raise ProtocolError(f"unknown message type {name!r}: known types are {sorted(MESSAGE_TYPES)}")
-    missing = [f for f in cls.WIRE if f not in obj]
-    if missing:
-        raise ProtocolError(f"{name} lacks field {missing[0]!r}")
-    return cls(**{f: _field(name, f, kind, obj[f], depth) for f, kind in cls.WIRE.items()})
-
-
-def _field(msg: str, name: str, kind, value, depth: int):
-    if kind == I32:
-        if not isinstance(value, bytes) or len(value) % 4:
-            raise ProtocolError(f"{msg}.{name} must be raw {kind} bytes")
-        return np.frombuffer(value, dtype="<i4")
-    if kind is list and isinstance(value, list):
-        return [_from_wire(v, depth + 1) if isinstance(v, dict) and "type" in v else v for v in value]
-    if kind is int and isinstance(value, bool):
-        raise ProtocolError(f"{msg}.{name} must be int, got bool")
-    if not isinstance(value, kind):
-        raise ProtocolError(f"{msg}.{name} has type {type(value).__name__}, expected {kind}")
-    return value
+    kwargs = {}
+    for field, kind in cls.WIRE.items():
+        if field not in obj:
+            raise ProtocolError(f"{name} lacks field {field!r}")
+        value = kwargs[field] = obj[field]
+        if kind == I32:
+            if not isinstance(value, bytes) or len(value) % 4:
+                raise ProtocolError(f"{name}.{field} must be raw {kind} bytes")
+            kwargs[field] = np.frombuffer(value, dtype="<i4")
+        elif kind is list and isinstance(value, list):
+            kwargs[field] = [_from_wire(v, depth + 1) if isinstance(v, dict) and "type" in v else v for v in value]
+        elif kind is int and isinstance(value, bool):
+            raise ProtocolError(f"{name}.{field} must be int, got bool")
+        elif not isinstance(value, kind):
+            raise ProtocolError(f"{name}.{field} has type {type(value).__name__}, expected {kind}")
+    return cls(**kwargs)
