@@ -43,16 +43,12 @@ def run_scheduler(config_dict: dict, addresses_dict: dict, parent_pid: int | Non
         raise _Exit(0, "the scheduler got SIGTERM")
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    code = serve(EngineConfig.from_dict(config_dict), Addresses(**addresses_dict), parent_pid)
-    if code:
-        sys.exit(code)
+    sys.exit(serve(EngineConfig.from_dict(config_dict), Addresses(**addresses_dict), parent_pid))
 
 
 def serve(config: EngineConfig, addresses: Addresses, parent_pid: int | None = None) -> int:
-    """Serve until Shutdown or until `parent_pid` (the launcher, which may have died while we imported) dies.
-
-    The ipc directory goes too: if the launcher died first, nobody else is left to remove it.
-    """
+    """Serve until Shutdown or `parent_pid` (the launcher, maybe dead while we imported) dies; return the exit code.
+    The ipc directory goes too: if the launcher died first, nobody else is left to remove it."""
     server = SchedulerServer(config, addresses, parent_pid or os.getppid())
     try:
         return server.run()

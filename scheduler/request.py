@@ -33,10 +33,6 @@ class Request:
     num_preemptions: int = 0  # also an epoch: a result planned before a preemption is stale
 
     @property
-    def key(self) -> tuple[bytes, str]:
-        return self.client, self.request_id
-
-    @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 

@@ -64,7 +64,7 @@ class Scheduler:
             req = self._make_request(msg, client)
         except Exception as e:  # untrusted input, checked before any state changes: it fails alone
             return [(client, self._batch([_Update(msg.request_id, -1, "error", str(e), None)]))]
-        self.requests[req.key] = req
+        self.requests[req.client, req.request_id] = req
         self.waiting.append(req)
         return []
 
@@ -118,7 +118,7 @@ class Scheduler:
         elif req.status is Status.WAITING:
             self.waiting.remove(req)
         req.status = Status.FINISHED
-        del self.requests[req.key]
+        del self.requests[req.client, req.request_id]
 
     def _release(self, req: Request) -> None:
         self.running.remove(req)
