@@ -11,7 +11,6 @@ import itertools
 import random
 from collections import deque
 from operator import attrgetter
-from typing import NamedTuple
 
 import numpy as np
 
@@ -20,20 +19,6 @@ from protocol.messages import OVERLOADED, AddRequest, NewRow, StepPlan, StepResu
 from protocol.sampling import SamplingParams, check_length, check_prompt
 from scheduler.block_manager import BlockManager
 from scheduler.request import Request, Status
-
-
-class _Scheduled(NamedTuple):
-    req: Request
-    epoch: int  # req.num_preemptions when planned
-    samples: bool  # the step finishes the row's known tokens, so its sampled token is real
-
-
-class _Update(NamedTuple):
-    request_id: str
-    token: int  # -1: none, only a finish
-    finish: str | None
-    error: str | None
-    logprobs: list | None
 
 
 class Scheduler:
@@ -54,7 +39,8 @@ class Scheduler:
         self.num_preemptions = 0
         self._free_rows = list(range(config.max_num_seqs - 1, -1, -1))
         self._rows_freed: set[int] = set()  # for the next plan's free_rows, unless a NewRow reuses one first
-        self._in_flight: dict[int, list[_Scheduled]] = {}
+        # step -> (request, its num_preemptions then, whether the step samples a real token for it) per row
+        self._in_flight: dict[int, list[tuple[Request, int, bool]]] = {}
         self._arrivals = itertools.count()
         self._rng = random.Random(config.seed)
 
@@ -63,7 +49,7 @@ class Scheduler:
         try:
             req = self._make_request(msg, client)
         except Exception as e:  # untrusted input, checked before any state changes: it fails alone
-            return [(client, self._batch([_Update(msg.request_id, -1, "error", str(e), None)]))]
+            return [(client, self._batch([(msg.request_id, -1, "error", str(e), None)]))]
         self.requests[req.client, req.request_id] = req
         self.waiting.append(req)
         return []
@@ -74,7 +60,7 @@ class Scheduler:
         for rid in {r for r in request_ids if isinstance(r, str)}:
             if (req := self.requests.get((client, rid))) is not None:
                 self._finish(req)
-                updates.append(_Update(rid, -1, "abort", None, None))
+                updates.append((rid, -1, "abort", None, None))
         return [(client, self._batch(updates))] if updates else []
 
     def has_work(self) -> bool:
@@ -140,8 +126,7 @@ class Scheduler:
             return None
         self.step += 1
         scheduled = [(req, 1) for req in decodes] + chunks
-        self._in_flight[self.step] = [
-            _Scheduled(req, req.num_preemptions, not req.is_prefill) for req, _ in scheduled]
+        self._in_flight[self.step] = [(req, req.num_preemptions, not req.is_prefill) for req, _ in scheduled]
         plan = StepPlan(self.step, i32([req.row for req, _ in scheduled]), i32([n for _, n in scheduled]),
                         new_rows, appends, i32(sorted(self._rows_freed)), self.config.trace_dir is not None)
         self._rows_freed.clear()
@@ -222,13 +207,13 @@ class Scheduler:
         if tokens.shape != (len(scheduled),):
             raise ValueError(f"StepResult for step {result.step} has {tokens.shape} token ids for "
                              f"{len(scheduled)} scheduled rows")
-        sampled = tokens[[s.samples for s in scheduled]]
+        sampled = tokens[[samples for _, _, samples in scheduled]]
         if ((sampled < 0) | (sampled >= self.vocab_size)).any():
             raise ValueError(f"StepResult for step {result.step} samples token ids {sampled.tolist()} outside "
                              f"the vocabulary [0, {self.vocab_size})")
         logprobs = _split_logprobs(result.logprobs, len(scheduled))
         del self._in_flight[result.step]
-        updates: dict[bytes, list[_Update]] = {}
+        updates: dict[bytes, list[tuple]] = {}
         for i, (req, epoch, samples) in enumerate(scheduled):
             if not samples or req.status is not Status.RUNNING or req.num_preemptions != epoch:
                 continue  # a chunk, or finished, aborted or preempted since this step was planned
@@ -239,11 +224,11 @@ class Scheduler:
             if reason is not None:
                 self._finish(req)
             lp = logprobs(i, req.params.logprobs) if logprobs and req.params.logprobs is not None else None
-            updates.setdefault(req.client, []).append(_Update(req.request_id, int(tokens[i]), reason, None, lp))
+            updates.setdefault(req.client, []).append((req.request_id, int(tokens[i]), reason, None, lp))
         return [(c, self._batch(u, result.step)) for c, u in updates.items()]
 
-    def _batch(self, updates: list[_Update], step: int | None = None) -> TokenBatch:
-        """One client's updates; `step` is the step whose result they come from (default: the last planned)."""
+    def _batch(self, updates: list[tuple], step: int | None = None) -> TokenBatch:
+        """One client's (request id, token or -1, finish, error, logprobs) updates, from `step` (default: the last)."""
         ids, tokens, finishes, errors, logprobs = zip(*updates)
         return TokenBatch(self.step if step is None else step, list(ids), i32(tokens),
                           {r: f for r, f in zip(ids, finishes) if f is not None},
