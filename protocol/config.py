@@ -70,11 +70,8 @@ class EngineConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> EngineConfig:
-        d = dict(d)
-        mc = d.pop("model_config", None)
-        cfg = cls(**d)
-        cfg.model_config = ModelConfig.from_dict(mc) if mc else None
-        return cfg
+        mc = d.get("model_config")
+        return cls(**{**d, "model_config": ModelConfig.from_dict(mc) if mc else None})
 
 
 _ENGINE_RULES = (  # field, valid, fix

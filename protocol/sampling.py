@@ -37,9 +37,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # keep the stop string (or stop token's text) ending the text
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
         for name, valid, fix in _RULES:
             require(valid(getattr(self, name)), name, getattr(self, name), fix)

@@ -65,16 +65,13 @@ class SchedulerServer:
         self.ctx = zmq.Context()
         self.engine = self._bind(zmq.ROUTER, addresses.engine)
         self.plans = [self._bind(zmq.PUSH, addr) for addr in addresses.plans]
-        for sock in self.plans:  # a dead worker must not block the loop forever
-            sock.setsockopt(zmq.SNDTIMEO, int(config.step_timeout * 1000))
         self.results = self._bind(zmq.PULL, addresses.results)
         self.poller = zmq.Poller()
-        self.poller.register(self.engine, zmq.POLLIN)
-        self.poller.register(self.results, zmq.POLLIN)
+        for sock in (self.engine, self.results):
+            self.poller.register(sock, zmq.POLLIN)
         self.clients: set[bytes] = set()  # every frontend identity seen; each got Ready once
         self.tracer = Tracer("scheduler", config.trace_dir)
         self.scheduler: Scheduler | None = None
-        self.info: dict = {}
         self.worker_startup: dict = {}  # rank 0's seconds per start-up phase, passed on to frontends
         self.early: list[tuple[bytes, object]] = []  # frontend messages from before the workers were ready
         self.in_flight: deque[int] = deque()  # steps sent and not yet answered, oldest first
@@ -85,6 +82,8 @@ class SchedulerServer:
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)  # the codec's cap, enforced before buffering
         if kind == zmq.ROUTER:  # set before bind, so that every peer's pipe gets it
             sock.setsockopt(zmq.SNDHWM, 0)  # past its high-water mark a ROUTER drops frames: a slow client's tokens
+        if kind == zmq.PUSH:  # a dead worker must not block the loop forever
+            sock.setsockopt(zmq.SNDTIMEO, int(self.config.step_timeout * 1000))
         sock.bind(address)
         return sock
 
