@@ -1,8 +1,5 @@
-"""Every message that crosses a process boundary; PROTOCOL.md documents their wire form.
-
-Arrays are numpy int32 in memory and raw little-endian bytes on the wire; each class's `WIRE` (built from its
-annotations) names the type of every field so the codec can check it.
-"""
+"""Every message that crosses a process boundary (PROTOCOL.md has their wire form). Each class's `WIRE`, built
+from its annotations, names every field's type for the codec; arrays are numpy int32, raw bytes on the wire."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
@@ -103,7 +100,7 @@ class WorkerError:
 
 
 _KINDS = {"np.ndarray": I32, "int": int, "str": str, "bool": bool, "dict": dict, "list": list,
-          "dict | None": (dict, type(None)), "list | None": (list, type(None))}
+          "dict | None": (dict, type(None)), "list | None": (list, type(None))}  # annotation -> wire check
 MESSAGE_TYPES: dict[str, type] = {cls.__name__: cls for cls in (
     AddRequest, Abort, Shutdown, GetStats, TokenBatch, Ready, EngineDead, NewRow, StepPlan, StepResult, WorkerError)}
 for _cls in MESSAGE_TYPES.values():
