@@ -1,8 +1,6 @@
-"""Arrival counters: the last program of a kernel to finish its part of a result combines the parts, instead of
-a second kernel. One int32 buffer per device serves every kernel, call and graph replay (one stream): all counters
-are zero between calls, the last arriver resetting each. It grows only on an eager call (a capture would bake in
-the allocation); a grown-out buffer stays alive for the graphs on it.
-"""
+"""Arrival counters: the last program to finish its part of a result combines the parts, instead of a second
+kernel. One int32 buffer per device serves every call and replay (one stream): the last arriver resets each counter
+to zero. It grows only on an eager call; a grown-out buffer stays alive for the graphs on it."""
 from __future__ import annotations
 
 import torch

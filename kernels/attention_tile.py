@@ -29,8 +29,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 @triton.jit
 def load_kv_tile(k_cache, v_cache, block_table_row, offs_n, n_mask, kv_head, stride_cb, stride_ch, stride_cs,
                  block_size, offs_d, d_mask):
-    """K and V of tokens offs_n[BLOCK_N] of one sequence and one KV head, each [BLOCK_N, D_PAD]; a tile may span
-    several cache blocks, and masked-off tokens never read their (maybe padded) table entry."""
+    """K and V [BLOCK_N, D_PAD] of tokens offs_n of one KV head; masked-off tokens never read their table entry."""
     block_ids = tl.load(block_table_row + offs_n // block_size, mask=n_mask, other=0).to(tl.int64)
     rows = block_ids * stride_cb + (offs_n % block_size) * stride_cs + kv_head * stride_ch
     offsets = rows[:, None] + offs_d[None, :]
@@ -52,8 +51,7 @@ def _dot(a, b):
 
 @triton.jit
 def attend_tile(q, k, v, mask, m_i, l_i, acc, qk_scale, APPLY_MASK: tl.constexpr):
-    """One flash-attention step: q[M, D] against k, v[N, D] where mask[M, N] (if APPLY_MASK); base-2 running
-    max m_i and sum l_i of each row, unnormalised float32 output acc[M, D]."""
+    """One online-softmax step of q[M, D] over k, v[N, D] (base-2 running max m_i and sum l_i, unnormalised acc)."""
     qk = _dot(q, tl.trans(k)) * qk_scale  # qk_scale folds in log2(e): exp2 below is the cheap exp
     if APPLY_MASK:
         qk = tl.where(mask, qk, float("-inf"))
@@ -71,8 +69,7 @@ def attend_tile(q, k, v, mask, m_i, l_i, acc, qk_scale, APPLY_MASK: tl.constexpr
 def attend_range(q, q_pos, m_i, l_i, acc, k_cache, v_cache, block_table_row, kv_head, lo, hi, stride_cb,
                  stride_ch, stride_cs, block_size, offs_d, d_mask, qk_scale, BLOCK_N: tl.constexpr,
                  CAUSAL: tl.constexpr):
-    """Rows of q (at positions q_pos) attend to context tokens [lo, hi); CAUSAL masks keys past a row's
-    position and the tail past hi, otherwise every key of every tile is visible (no mask work)."""
+    """Rows of q (at positions q_pos) attend to tokens [lo, hi); CAUSAL masks keys past a row's position and hi."""
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < hi

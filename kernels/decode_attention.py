@@ -10,7 +10,7 @@ import triton.language as tl
 
 from kernels.arrivals import arrival_counters, last_to_arrive
 from kernels.attention_tile import attend_range, attend_tile, load_kv_tile, paged_attention_ref
-from kernels.kv_store import check_new_kv, rope_factors, rope_store_kv_ref
+from kernels.kv_store import check_cache_layout, rope_factors, rope_store_kv_ref
 from kernels.pdl import pdl_enabled, pdl_launch
 
 # Split-K: the grid's split count comes from static shapes only (a captured graph must fit every length); each row
@@ -237,8 +237,7 @@ def _partition_size(batch: int, num_kv_heads: int, max_context: int) -> int:
 
 @dataclass(frozen=True)
 class NewTokenKV:
-    """A decode step's own K and V ([B, Hkv, D], before RoPE), which the attention kernel rotates at positions[b]
-    and stores into slot_mapping[b] (-1: not stored) itself."""
+    """A decode step's own K and V [B, Hkv, D], rotated at positions[b] and stored at slot_mapping[b] (-1: not)."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -251,7 +250,7 @@ def rope_store_decode_attention_triton(q: torch.Tensor, new_kv: NewTokenKV, k_ca
                                        v_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
                                        scale: float, table_rows: torch.Tensor | None = None) -> torch.Tensor:
     """Split-K flash decoding in one kernel, its splits combined by the last to arrive."""
-    check_new_kv(new_kv.k, new_kv.v, k_cache, v_cache, q, new_kv.cos_sin)
+    check_cache_layout(k_cache, v_cache, q, new_kv.k, new_kv.v, new_kv.cos_sin)
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads

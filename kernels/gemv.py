@@ -1,9 +1,6 @@
-"""Linears of a few rows (decode): a Triton GEMV with the residual add + RMSNorm before it folded into its loads
-(out[n] = rstd * sum_k W[n, k] * norm_w[k] * s[k], one pass over K) and SwiGLU after gate_up into its stores.
-
-The dot kernel reads each weight tile once for up to 16 rows, K split over programs and summed in a fixed order (a
-graph replay equals the eager run); the one-row kernel holds all of K in a program, its programs may walk blocks.
-"""
+"""Linears of a few rows: a Triton GEMV with the residual add + RMSNorm before it folded into its loads (out[n] =
+rstd * sum_k W[n, k] * norm_w[k] * s[k], one pass over K) and SwiGLU after gate_up into its stores. The dot kernel
+sums split-K partials in a fixed order (a replay equals the eager run); the one-row kernel holds all of K."""
 from __future__ import annotations
 
 import functools

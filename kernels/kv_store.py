@@ -1,8 +1,5 @@
-"""Writing K/V into the paged cache, fused with neox-style RoPE on q and k.
-
-Cache layout per layer: [num_blocks, num_kv_heads, block_size, head_dim]; slot = block * block_size + offset;
-slot -1 marks a padded lane that must not be written.
-"""
+"""Writing K/V into the paged cache [num_blocks, num_kv_heads, block_size, head_dim], fused with neox-style RoPE
+on q and k; slot = block * block_size + offset, and slot -1 (a padded lane) is not written."""
 from __future__ import annotations
 
 import torch
@@ -90,17 +87,16 @@ def _kv_store_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, s
                   kv_heads, HALF, KV_HEADS_PAD, HALF_PAD, False)
 
 
-def check_cache_layout(k_cache: torch.Tensor, v_cache: torch.Tensor, q: torch.Tensor) -> None:
+def check_cache_layout(k_cache: torch.Tensor, v_cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None = None,
+                       v: torch.Tensor | None = None, cos_sin: torch.Tensor | None = None) -> None:
+    """What the kernels address: the caches and q, and the step's own k, v and cos_sin table where given."""
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
         raise ValueError(f"k_cache/v_cache need equal strides and a contiguous head_dim, got {k_cache.stride()} "
                          f"and {v_cache.stride()}; allocate both with torch.empty of one shape")
     if q.stride(-1) != 1:
         raise ValueError(f"q needs a unit stride on head_dim, got strides {q.stride()}; pass q.contiguous()")
-
-
-def check_new_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q: torch.Tensor,
-                 cos_sin: torch.Tensor) -> None:
-    check_cache_layout(k_cache, v_cache, q)
+    if k is None:
+        return
     if k.stride(-1) != 1 or v.stride(-1) != 1 or k.shape[-1] % 2:
         raise ValueError(f"k/v need a unit stride on an even head_dim, got strides {k.stride()}, {v.stride()} "
                          f"and head_dim {k.shape[-1]}")
@@ -114,7 +110,7 @@ def check_new_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
 def rope_store_kv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                          cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          slot_mapping: torch.Tensor) -> torch.Tensor:
-    check_new_kv(k, v, k_cache, v_cache, q, cos_sin)
+    check_cache_layout(k_cache, v_cache, q, k, v, cos_sin)
     num_tokens, num_kv_heads, head_dim = k.shape
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _kv_store_kernel[(num_tokens,)](

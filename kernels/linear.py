@@ -1,9 +1,6 @@
-"""Which path runs a linear: for a few rows on the GPU, the Triton GEMV (kernels/gemv.py) with the ops around it
-folded in, wherever kernels/linear_plan.py timed it faster; otherwise the unfused path, those ops' own kernels
-around the plain linear's pick (cuBLAS, on padded rows where that is faster, or the GEMV).
-
-A fold names what the GEMV takes in: "" (the plain linear), "norm" (a NormedInput), "swiglu" or "norm+swiglu".
-"""
+"""Which path runs a linear: the Triton GEMV with the ops around it folded in ("" none, "norm" for a NormedInput,
+"swiglu", "norm+swiglu") where kernels/linear_plan.py timed it faster, else those ops' own kernels around the
+plain linear's pick (cuBLAS, on padded rows where faster, or the GEMV)."""
 from __future__ import annotations
 
 import functools

@@ -33,11 +33,8 @@ PAD_MAX_ROWS = 256  # max_num_seqs' default: the largest decode graph, hence the
 FILE_NAME = "kernel-choices-v1.json"
 _SOURCES = ("linear.py", "linear_plan.py", "gemv.py")  # beside this file
 
-# An op by a config (None: the unfused path), on one weight and bias: what the plan times.
-Op = Callable[[torch.Tensor, torch.Tensor | None, GemvConfig | None], object]
-
+Op = Callable[[torch.Tensor, torch.Tensor | None, GemvConfig | None], object]  # (w, bias, config; None: unfused)
 log = logging.getLogger("pico_vllm.kernels")
-
 _CHOICES: dict[tuple, GemvConfig | None] = {}  # (fold, rows bucket, N, K, dtype, has bias, device) -> config
 _GEMM_TIMES: dict[tuple, dict[int, float]] = {}  # (N, K, dtype, has bias, device) -> {rows: µs of F.linear}
 

@@ -15,13 +15,6 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return weight * normed.to(x.dtype)
 
 
-def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                     residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(s), s) for s = x + residual in the input dtype (into residual_out if given)."""
-    new_residual = torch.add(x, residual, out=residual_out)
-    return rms_norm_ref(new_residual, weight, eps), new_residual
-
-
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, stride_x, stride_res, stride_out,
                      stride_new_res, hidden, eps, ADD_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
@@ -72,16 +65,12 @@ def _out_rows(n: int, rows: int | None) -> int:
 
 def _padded(out: torch.Tensor, rows: int | None) -> torch.Tensor:
     # The reference's output in a buffer of `rows` rows, as the Triton launch allocates it.
-    if rows is None or rows == out.shape[0]:
-        return out
-    full = out.new_empty((_out_rows(out.shape[0], rows), *out.shape[1:]))
-    full[:out.shape[0]] = out
-    return full
+    extra = _out_rows(out.shape[0], rows) - out.shape[0]
+    return torch.cat([out, out.new_empty((extra, *out.shape[1:]))]) if extra else out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, rows: int | None = None) -> torch.Tensor:
-    """x[T, H] -> RMSNorm(x) * weight. rows: the output has that many rows (>= T), those past T unset, so that a
-    GEMM after it may run on more rows than T (kernels/linear_plan.py's padded_rows)."""
+    """x[T, H] -> RMSNorm(x) * weight, in a buffer of `rows` rows (>= T, those past T unset) if given."""
     if x.is_cuda:
         return rms_norm_triton(x, None, weight, eps, rows)[0]
     return _padded(rms_norm_ref(x, weight, eps), rows)
@@ -90,9 +79,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, rows: int | None
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                  rows: int | None = None,
                  residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x + residual), x + residual), fused in one pass on CUDA; rows pads the first as rms_norm does;
-    the second is written into residual_out if given (contiguous, x's shape)."""
+    """(rms_norm(x + residual, rows=rows), x + residual), the latter into residual_out if given; one pass on CUDA."""
     if x.is_cuda:
         return rms_norm_triton(x, residual, weight, eps, rows, residual_out)
-    normed, new_residual = add_rms_norm_ref(x, residual, weight, eps, residual_out)
-    return _padded(normed, rows), new_residual
+    new_residual = torch.add(x, residual, out=residual_out)  # in the input dtype, as the kernel rounds it
+    return _padded(rms_norm_ref(new_residual, weight, eps), rows), new_residual

@@ -1,9 +1,6 @@
-"""Paged attention for prefill: a varlen flat batch of new queries, causal over cached context + themselves.
-
-One program per (work item, KV head); a work item is a sequence and one block of its queries (prefill_work). The
-grid is the list's length, so a step's launch does not depend on its sequences (a CUDA graph can hold it: items
-past the step's own are -1) and a decode row in a prompt step costs one program.
-"""
+"""Paged attention for prefill: a varlen flat batch of new queries, causal over cached context + themselves. One
+program per (work item, KV head), a work item being a sequence and one block of its queries (prefill_work): a
+step's grid does not depend on its sequences (a CUDA graph pads it with items -1)."""
 from __future__ import annotations
 
 import math
@@ -115,8 +112,7 @@ def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                             context_lens: torch.Tensor, scale: float, work: torch.Tensor) -> torch.Tensor:
-    """Sequence b's queries q[cu[b]:cu[b+1]] are the last of its context_lens[b] cached tokens; causal. work lists
-    the kernel's programs (prefill_work); the CPU reference walks the sequences itself."""
+    """Sequence b's queries q[cu[b]:cu[b+1]] are the last of its context_lens[b] cached tokens, causal."""
     if q.is_cuda:
         return paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
                                               scale, work)

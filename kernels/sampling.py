@@ -152,8 +152,7 @@ def gumbel_argmax_triton(logits: torch.Tensor, temps: torch.Tensor, seeds: torch
         raise ValueError(f"gumbel_argmax needs a unit stride on the vocab dim, got {logits.stride()}")
     n, vocab, block = *logits.shape, _BLOCK
     # Compute-bound: programs enough to fill the GPU at batch 1, and at least 8 chunks a row at any batch.
-    chunks = max(1, min(triton.cdiv(vocab, 4 * block), max(8, triton.cdiv(2 * num_sms(logits.device), n))))
-    chunks = min(chunks, _MAX_CHUNKS)
+    chunks = min(triton.cdiv(vocab, 4 * block), max(8, triton.cdiv(2 * num_sms(logits.device), n)), _MAX_CHUNKS)
     chunk = triton.cdiv(triton.cdiv(vocab, chunks), block) * block
     chunks = triton.cdiv(vocab, chunk)
     best_val = torch.empty((n, chunks), dtype=torch.float32, device=logits.device)
