@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, Literal, get_type_hints
+from typing import TYPE_CHECKING, ClassVar, Literal, NamedTuple, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model, model_validator
 
@@ -229,10 +229,8 @@ class DetokenizeRequest(_Lenient):
     tokens: list[int]
 
 
-@dataclass(slots=True)
-class Job:
+class Job(NamedTuple):
     """One engine request of a client's request: its prompt, ready to submit."""
-
     request_id: str
     text: str | None  # the prompt as the client wrote it (for echo); None for token ids
     token_ids: list[int]
@@ -242,7 +240,5 @@ class Job:
 def generation_defaults(model_dir: str | None) -> dict:
     """Sampling defaults from the checkpoint's generation_config.json (empty when there is none)."""
     path = Path(model_dir or "") / "generation_config.json"
-    if not model_dir or not path.is_file():
-        return {}
-    config = json.loads(path.read_text())
+    config = json.loads(path.read_text()) if model_dir and path.is_file() else {}
     return {k: config[k] for k in GENERATION_DEFAULT_KEYS if config.get(k) is not None}

@@ -5,7 +5,7 @@ import time
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from frontend.api_models import Job
-from frontend.outputs import CompletionOutput, RequestOutput
+from frontend.output_processor import CompletionOutput, RequestOutput
 
 # Byte-level BPE vocabularies (Qwen2's) write each byte as one printable character; this maps them back.
 _BYTE_OF_CHAR = {char: byte for byte, char in bytes_to_unicode().items()}
@@ -13,11 +13,9 @@ Entry = tuple[str, float, list[int]]  # a logprob entry: (token text, logprob, t
 
 
 class Renderer:
-    """Turns a request's engine outputs into its response, or into stream chunks of what is new.
-
-    Choice index = prompt index * n + sample index. AsyncLLM's outputs are cumulative and their text only
-    grows (stop strings are held back, never retracted), so a delta is a suffix past what was sent.
-    """
+    """A request's engine outputs as its response, or as stream chunks of what is new. Choice index = prompt index
+    * n + sample index. Outputs are cumulative and their text only grows (stop strings are held back, never
+    retracted), so a delta is a suffix past what was sent."""
 
     object: str  # of a stream chunk
 

@@ -12,8 +12,7 @@ import zmq.asyncio
 
 from frontend.engine_client import EngineClient, EngineDeadError, Prompt
 from frontend.model_resolution import resolve_config
-from frontend.output_processor import OutputProcessor, RequestState
-from frontend.outputs import RequestOutput
+from frontend.output_processor import OutputProcessor, RequestOutput, RequestState
 from protocol.codec import encode
 from protocol.config import EngineConfig
 from protocol.messages import READY_TIMEOUT_S, Abort, EngineDead, GetStats, TokenBatch
@@ -48,8 +47,7 @@ class AsyncLLM:
 
     @classmethod
     def connect(cls, address: str, timeout: float = READY_TIMEOUT_S) -> AsyncLLM:
-        """Attach to a headless engine (`launch.py --headless --engine-address ADDR`); EngineDeadError when it
-        has not answered within `timeout` seconds (an engine still loading a model answers once it is up)."""
+        """Attach to a headless engine (launch.py --headless --engine-address ADDR); EngineDeadError after timeout."""
         return cls(client=EngineClient(address=address, ready_timeout=timeout))
 
     def _ensure_started(self) -> None:
@@ -168,7 +166,7 @@ class AsyncLLM:
                     return
         finally:
             self._events.pop(request_id, None)
-            if not state.finished:
+            if not state.output.finished:
                 self._abort_now(request_id)
 
     def _abort_now(self, request_id: str) -> None:

@@ -44,13 +44,10 @@ _ENGINE_FLAGS = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="launch.py",
-        description="Serve a Qwen2-family model with an OpenAI-compatible API (default), run one prompt "
-                    "(--prompt), or run the engine alone for other frontends (--headless).")
+    p = argparse.ArgumentParser(prog="launch.py", description="Serve a Qwen2-family model with an OpenAI-compatible "
+                                "API (default), run one prompt (--prompt), or run the engine alone (--headless).")
     model = p.add_argument_group("model")
-    model.add_argument("--model", required=True,
-                       help="HF directory, HF hub id, or a short name such as qwen2.5-1.5b")
+    model.add_argument("--model", required=True, help="HF directory, HF hub id, or a short name such as qwen2.5-1.5b")
     model.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                        help="names the API answers to (the first is reported); default: --model")
     engine = p.add_argument_group("engine and KV cache")
@@ -91,12 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerOptions]:
     """The engine config and the server options; a bad value exits with a usage message (status 2)."""
+    return _parse(argv)[:2]
+
+
+def _parse(argv: list[str] | None) -> tuple[EngineConfig, ServerOptions, argparse.Namespace, argparse.ArgumentParser]:
     parser = build_parser()
-    return _split(parser, parser.parse_args(argv))
-
-
-def _split(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> tuple[EngineConfig, ServerOptions]:
-    args = vars(ns)
+    args = vars(ns := parser.parse_args(argv))
     try:
         config = EngineConfig(**{name: args[name] for name in _DEFAULTS if name in args})
         options = ServerOptions(**{name: args[name] for name in _SERVER_DEFAULTS})
@@ -104,15 +101,13 @@ def _split(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> tuple[Eng
         require(options.shutdown_timeout >= 0, "shutdown_timeout", options.shutdown_timeout, "use 0 or more seconds")
     except ValueError as exc:
         parser.error(str(exc))
-    return config, options
+    return config, options, ns, parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """launch.py's entry: one prompt, a headless engine, or the OpenAI server (the default)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    parser = build_parser()
-    ns = parser.parse_args(argv)
-    config, options = _split(parser, ns)
+    config, options, ns, parser = _parse(argv)
     try:
         if ns.prompt is not None:
             return run_prompt(config, ns.prompt, ns.max_tokens, ns.temperature)
@@ -142,8 +137,7 @@ def check_port_free(host: str, port: int, flags: str) -> None:
 
 def run_prompt(config: EngineConfig, prompt: str, max_tokens: int, temperature: float) -> int:
     with LLM(**{f.name: getattr(config, f.name) for f in fields(config)}) as llm:
-        out = llm.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=temperature),
-                           use_tqdm=False)
+        out = llm.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=temperature), use_tqdm=False)
     print(out[0].outputs[0].text)
     return 0
 

@@ -16,12 +16,9 @@ _INCOMPLETE = "\ufffd"  # what decode gives for an incomplete UTF-8 sequence at 
 
 
 class IncrementalDetokenizer:
-    """Turns a request's output tokens into text deltas, holding back a character split across tokens.
-
-    Invariant: ids[prefix_offset:read_offset] is text already emitted (kept as left context), and
-    ids[read_offset:] is not emitted yet. Each step decodes only ids[prefix_offset:], a window that is as long
-    as the context plus the tokens held back, not the whole sequence.
-    """
+    """Output tokens as text deltas, holding back a character split across tokens. Invariant:
+    ids[prefix_offset:read_offset] is text already emitted (kept as left context), ids[read_offset:] is not; a step
+    decodes only ids[prefix_offset:], the context plus the tokens held back, not the whole sequence."""
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True,
                  spaces_between_special_tokens: bool = True) -> None:
@@ -80,20 +77,17 @@ class StreamDetokenizer:
             if piece is not None:
                 delta += piece
                 self._held.clear()
-        return self._emitted(delta)
+        self._pieces.append(delta)
+        return delta
 
     def flush(self) -> str:
         held, self._held = self._held, []
-        return self._emitted(self._backend.decode(held, skip_special_tokens=self._skip) if held else "")
+        self._pieces.append(self._backend.decode(held, skip_special_tokens=self._skip) if held else "")
+        return self._pieces[-1]
 
     @property
     def text(self) -> str:
         return "".join(self._pieces)
-
-    def _emitted(self, delta: str) -> str:
-        if delta:
-            self._pieces.append(delta)
-        return delta
 
 
 def make_detokenizer(tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], skip_special_tokens: bool = True,
@@ -107,12 +101,10 @@ def make_detokenizer(tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[
 
 class StopMatcher:
     """Cuts the streamed text at the earliest stop string: before it, or after it when kept (vLLM's
-    include_stop_str_in_output, which then holds nothing back).
-
-    Invariant: `_tail` is the last (longest stop - 1) characters seen, and its last `_held` are not emitted yet: the
-    longest suffix that is a proper prefix of some stop string (0 when stops are kept). A stop counts when it ends
-    in a new delta; it cannot start before the held characters, or a longer suffix would have been held.
-    """
+    include_stop_str_in_output, which then holds nothing back). Invariant: `_tail` is the last (longest stop - 1)
+    characters seen, and its last `_held` are not emitted yet: the longest suffix that is a proper prefix of some
+    stop string (0 when stops are kept). A stop counts when it ends in a new delta; it cannot start before the held
+    characters, or a longer suffix would have been held."""
 
     def __init__(self, stops: list[str] | None, keep_stop: bool = False) -> None:
         self.stops = [s for s in (stops or []) if s]

@@ -1,20 +1,23 @@
 """The frontend's side of the engine (started here or remote): socket, handshake, tokenizer, prompt checks."""
 from __future__ import annotations
 
+import glob
+import json
 import logging
+import os
 import time
 import uuid
 
+import numpy as np
 import zmq
 
 from frontend.launcher import EngineProcesses
 from frontend.tokenizer import load_tokenizer
-from frontend.trace_summary import merge_traces
 from protocol.codec import ProtocolError, decode, encode
 from protocol.config import EngineConfig, InvalidParam, ModelConfig
 from protocol.messages import READY_TIMEOUT_S, EngineDead, GetStats, Ready, Shutdown
 from protocol.sampling import SamplingParams, check_length, check_prompt
-from protocol.tracing import Tracer
+from protocol.tracing import DECODE_GPU_SPAN, Tracer
 
 log = logging.getLogger("pico_vllm.frontend")
 SHUTDOWN_LINGER_MS = 1000  # time for our last message (Shutdown) to leave when we close
@@ -141,3 +144,36 @@ class EngineClient:
             self.tracer.flush()
             merge_traces(self.trace_dir)  # every child has flushed its own file by now
             self.trace_dir = None
+
+
+def merge_traces(trace_dir: str) -> None:
+    """Every process's trace file joined into trace.json (Perfetto opens it), and summary.txt: per process and
+    stage, count and p50/p90/p99 in µs; then the GPU idle time between decode steps."""
+    events: list[dict] = []
+    for path in sorted(glob.glob(os.path.join(trace_dir, "*-*.json"))):
+        with open(path) as f:
+            events += json.load(f)["traceEvents"]
+    with open(os.path.join(trace_dir, "trace.json"), "w") as f:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ns"}, f)
+    spans: dict[tuple[str, str], list[float]] = {}
+    for e in events:
+        if e.get("ph") == "X":
+            spans.setdefault((e["cat"], e["name"]), []).append(e["dur"])
+    lines = [f"{'process':<12} {'stage':<22} {'count':>7} {'p50 us':>10} {'p90 us':>10} {'p99 us':>10}"]
+    for (proc, name), durs in sorted(spans.items()):
+        p50, p90, p99 = np.percentile(durs, [50, 90, 99])
+        lines.append(f"{proc:<12} {name:<22} {len(durs):>7} {p50:>10.1f} {p90:>10.1f} {p99:>10.1f}")
+    decode = sorted((e["args"]["step"], e["ts"], e["ts"] + e["dur"]) for e in events
+                    if e.get("ph") == "X" and e["name"] == DECODE_GPU_SPAN)
+    # Only back-to-back decode steps count: a prefill step between two of them is work, not idle time.
+    pairs = [(a, b) for a, b in zip(decode, decode[1:]) if b[0] == a[0] + 1]
+    if not pairs:
+        lines.append("gpu idle between decode steps: n/a (no two consecutive GPU-timed decode steps)")
+    else:
+        gaps = np.array([max(0.0, b[1] - a[2]) for a, b in pairs])
+        share = 100.0 * gaps.sum() / (gaps.sum() + sum(b[2] - b[1] for _, b in pairs))
+        p50, p99 = np.percentile(gaps, [50, 99])
+        lines.append(f"gpu idle between decode steps: {share:.2f}% of decode time, gap p50 {p50:.1f} us, "
+                     f"p99 {p99:.1f} us over {len(gaps)} gaps")
+    with open(os.path.join(trace_dir, "summary.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")

@@ -2,6 +2,7 @@
 `python -m scheduler|worker` reading its arguments as msgpack on stdin: the caller's `__main__` is never re-imported."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -32,11 +33,9 @@ def start_child(module: str, args: bytes) -> subprocess.Popen:
     env = {**os.environ, **_CHILD_ENV, "PYTHONPATH": path}
     safe_path = ["-P"] if sys.version_info >= (3, 11) else []
     proc = subprocess.Popen([sys.executable, *safe_path, "-m", module], stdin=subprocess.PIPE, env=env)
-    try:
+    with contextlib.suppress(BrokenPipeError):  # it died at once: the watcher reports its exit code
         proc.stdin.write(args)
         proc.stdin.close()
-    except BrokenPipeError:  # it died at once: the watcher reports its exit code
-        pass
     return proc
 
 

@@ -10,8 +10,7 @@ from tqdm import tqdm
 
 from frontend.engine_client import EngineClient, EngineDeadError, Prompt
 from frontend.model_resolution import resolve_config
-from frontend.output_processor import OutputProcessor, RequestState
-from frontend.outputs import RequestOutput
+from frontend.output_processor import OutputProcessor, RequestOutput, RequestState
 from protocol.config import EngineConfig
 from protocol.messages import Abort, GetStats, TokenBatch
 from protocol.sampling import SamplingParams
@@ -88,7 +87,7 @@ class LLM:
             changed, to_abort = self.processor.process(msg)
         if to_abort:
             self.client.send(Abort(to_abort))
-        return [state for state in changed if state.finished]
+        return [state for state in changed if state.output.finished]
 
     def stats(self) -> dict:
         """Fresh engine counters (a round trip to the scheduler)."""

@@ -46,18 +46,15 @@ def short_model(name: str) -> tuple[str, ModelConfig] | None:
     """The HF repo id and built-in config of a short name like 'qwen2.5-1.5b[-base]', else None."""
     key = name.lower()
     base = key.endswith("-base")
-    key = key.removesuffix("-base")
-    if not key.startswith("qwen2.5-") or key[len("qwen2.5-"):] not in _QWEN25_SIZES:
+    size = key.removesuffix("-base").removeprefix("qwen2.5-")
+    if not key.startswith("qwen2.5-") or size not in _QWEN25_SIZES:
         return None
-    size = key[len("qwen2.5-"):]
     hidden, inter, layers, heads, kv_heads, tied = _QWEN25_SIZES[size]
     config = ModelConfig(
         hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
         num_key_value_heads=kv_heads, head_dim=128, vocab_size=152064 if size == "7b" else 151936,
-        tie_word_embeddings=tied, eos_token_ids=list(_BASE_EOS if base else _INSTRUCT_EOS),
-    )
-    repo = f"Qwen/Qwen2.5-{size.upper()}" + ("" if base else "-Instruct")
-    return repo, config
+        tie_word_embeddings=tied, eos_token_ids=list(_BASE_EOS if base else _INSTRUCT_EOS))
+    return f"Qwen/Qwen2.5-{size.upper()}" + ("" if base else "-Instruct"), config
 
 
 def resolve_model(name: str, load_format: str = "auto") -> tuple[ModelConfig, str | None]:
@@ -95,9 +92,8 @@ def _find_on_hub(repo: str, weights: bool, download: bool) -> tuple[str | None, 
                 tried.append("no download was tried because HF_HUB_OFFLINE is set")
             break
         try:
-            path = snapshot_download(repo, local_files_only=local_only,
-                                     allow_patterns=None if weights else _NO_WEIGHTS)
-            return path, tried
+            return snapshot_download(repo, local_files_only=local_only,
+                                     allow_patterns=None if weights else _NO_WEIGHTS), tried
         except Exception as e:  # any hub failure (missing repo, network, bad id) is one attempt of the list
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
             tried.append(f"{repo!r} is not in the Hugging Face cache ({constants.HF_HUB_CACHE})" if local_only
@@ -127,16 +123,14 @@ def config_from_dir(model_dir: str | Path) -> ModelConfig:
         max_position_embeddings=cfg.get("max_position_embeddings", 32768),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
-        eos_token_ids=[] if eos is None else [int(e) for e in eos] if isinstance(eos, list) else [int(eos)],
-    )
+        eos_token_ids=[] if eos is None else [int(e) for e in eos] if isinstance(eos, list) else [int(eos)])
 
 
 def _check_supported(cfg: dict, path: Path) -> None:
     archs = cfg.get("architectures") or ["Qwen2ForCausalLM"]
     if cfg.get("model_type") != "qwen2" or "Qwen2ForCausalLM" not in archs:
-        raise ValueError(
-            f"{path}: architecture {archs} (model_type={cfg.get('model_type')!r}) is not supported: "
-            "Pico-vLLM runs Qwen2ForCausalLM (model_type 'qwen2') models only, e.g. Qwen2.5")
+        raise ValueError(f"{path}: architecture {archs} (model_type={cfg.get('model_type')!r}) is not supported: "
+                         "Pico-vLLM runs Qwen2ForCausalLM (model_type 'qwen2') models only, e.g. Qwen2.5")
     if cfg.get("use_sliding_window"):
         raise ValueError(f"{path}: use_sliding_window=true is not supported: use a model without it")
     if cfg.get("quantization_config"):

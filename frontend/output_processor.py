@@ -1,14 +1,38 @@
-"""The engine's TokenBatches into RequestOutputs (detokenize, stop strings); a request's n samples are n engine
-requests. Shared by LLM and AsyncLLM."""
+"""What a caller gets back (RequestOutput, one CompletionOutput per sample), made from the engine's TokenBatches
+(detokenize, stop strings); a request's n samples are n engine requests. Shared by LLM and AsyncLLM."""
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from frontend.detokenizer import IncrementalDetokenizer, StopMatcher, StreamDetokenizer, make_detokenizer
-from frontend.outputs import CompletionOutput, RequestOutput
 from protocol.messages import AddRequest, TokenBatch, i32
 from protocol.sampling import SamplingParams
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop", "length", "abort" (or "error" with RequestOutput.error)
+    logprobs: list[dict[int, float]] | None = None  # per token: {token id: logprob} of sampled + top-k
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    error: str | None = None  # set when the engine failed the request
+    num_cached_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -29,10 +53,6 @@ class RequestState:
     output: RequestOutput
     params: SamplingParams
     engine_ids: list[str]
-
-    @property
-    def finished(self) -> bool:
-        return self.output.finished
 
 
 class OutputProcessor:
@@ -66,8 +86,7 @@ class OutputProcessor:
 
     def process(self, batch: TokenBatch) -> tuple[list[RequestState], list[str]]:
         """Apply one batch; return the requests it changed and engine ids to abort (stop strings hit)."""
-        changed: dict[str, RequestState] = {}
-        to_abort: list[str] = []
+        changed, to_abort = {}, []
         for i, engine_id in enumerate(batch.request_ids):
             sample = self._samples.get(engine_id)
             if sample is None or sample.out.finished:

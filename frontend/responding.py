@@ -1,5 +1,5 @@
-"""One HTTP request on the engine: read its body, run its jobs, answer with JSON or server-sent events; a client
-that goes away cancels every path that waits on the engine, which aborts its engine requests."""
+"""One HTTP request's jobs on the engine, answered with JSON or server-sent events; a client that goes away
+cancels every path that waits on the engine, which aborts its engine requests."""
 from __future__ import annotations
 
 import asyncio
@@ -17,27 +17,11 @@ from frontend.api_render import Renderer
 from frontend.async_llm import AsyncLLM, EngineRequestError
 from frontend.engine_client import EngineDeadError
 from frontend.metrics import Metrics
-from frontend.outputs import RequestOutput
+from frontend.output_processor import RequestOutput
 from protocol.messages import OVERLOADED
 
 T = TypeVar("T")
 log = logging.getLogger("pico_vllm.server")
-MAX_BODY_BYTES = 4 << 20  # a 128k-token prompt is well under 1 MB of text; far larger bodies are abuse
-
-
-async def read_body(request: Request) -> bytes:
-    """The body, refused (413) past MAX_BODY_BYTES before it is all buffered."""
-    declared = request.headers.get("content-length", "")
-    too_large = APIError(413, f"request body is over {MAX_BODY_BYTES} bytes", code="request_too_large")
-    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise too_large
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise too_large
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def engine_error(exc: Exception) -> APIError:
@@ -54,33 +38,24 @@ def engine_error(exc: Exception) -> APIError:
     return APIError(500, f"engine fault: {type(exc).__name__}: {exc}", code="engine_error")
 
 
-async def generate(engine: AsyncLLM, job: Job, metrics: Metrics) -> AsyncIterator[RequestOutput]:
-    """One engine request's outputs, timed for /metrics; closing this early aborts the request."""
-    timer = metrics.request(len(job.token_ids))
-    out = None
-    try:
-        async with aclosing(engine.generate(job.token_ids, job.params, job.request_id)) as outputs:
-            async for out in outputs:
-                timer.on_tokens([len(o.token_ids) for o in out.outputs])
-                yield out
-    finally:
-        timer.finish([o.finish_reason or "abort" for o in out.outputs] if out else ["abort"] * job.params.n)
-
-
-async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(stream index, output) as each arrives; closing the merge closes (aborts) every stream."""
+async def generate(engine: AsyncLLM, jobs: list[Job], metrics: Metrics) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(job index, output) as each arrives, timed for /metrics; closing this early aborts every job."""
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+    async def pump(i: int, job: Job) -> None:
+        timer, out = metrics.request(len(job.token_ids)), None
         try:
-            async with aclosing(stream):
-                async for out in stream:
+            async with aclosing(engine.generate(job.token_ids, job.params, job.request_id)) as outputs:
+                async for out in outputs:
+                    timer.on_tokens([len(o.token_ids) for o in out.outputs])
                     queue.put_nowait((i, out, None))
             queue.put_nowait((i, None, None))
         except Exception as exc:  # handed to the consumer, which raises it
             queue.put_nowait((i, None, exc))
+        finally:
+            timer.finish([o.finish_reason or "abort" for o in out.outputs] if out else ["abort"] * job.params.n)
 
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    tasks = [asyncio.create_task(pump(i, job)) for i, job in enumerate(jobs)]
     try:
         remaining = len(tasks)
         while remaining:
@@ -169,7 +144,7 @@ async def _events(first: tuple[int, RequestOutput], merged: AsyncIterator[tuple[
 async def respond(request: Request, engine: AsyncLLM, metrics: Metrics, renderer: Renderer, stream: bool,
                   include_usage: bool) -> Response:
     """Run the renderer's jobs on the engine; answer with one JSON body or an event stream."""
-    merged = merge([generate(engine, job, metrics) for job in renderer.jobs])
+    merged = generate(engine, renderer.jobs, metrics)
     try:
         if not stream:
             finals = await until_disconnected(request, _collect(merged))

@@ -25,10 +25,11 @@ from frontend.async_llm import AsyncLLM
 from frontend.engine_client import EngineClient
 from frontend.metrics import Metrics
 from frontend.model_resolution import resolve_config
-from frontend.responding import ClientGone, read_body, respond
+from frontend.responding import ClientGone, respond
 from protocol.config import EngineConfig, InvalidParam
 
 log = logging.getLogger("pico_vllm.server")
+MAX_BODY_BYTES = 4 << 20  # a 128k-token prompt is well under 1 MB of text; far larger bodies are abuse
 DEAD_EXIT_DELAY_S = 2.0  # after the engine dies, /health answers 503 this long before the process exits
 RENDERERS = {CompletionRequest: CompletionRenderer, ChatCompletionRequest: ChatRenderer}
 try:
@@ -71,13 +72,22 @@ class ServerState:
                            param="model", code="model_not_found")
 
     def model_card(self, name: str) -> dict:
-        max_len = self.engine.max_model_len if self.engine is not None else None
         return {"id": name, "object": "model", "created": 0, "owned_by": "pico-vllm", "root": self.names[0],
-                "max_model_len": max_len}
+                "max_model_len": self.engine.max_model_len if self.engine is not None else None}
 
     async def accept(self, request: Request, model: type[BaseModel]) -> tuple:
-        """The validated request, for a model this server serves, and the engine ready to take it."""
-        req = parse_request(model, await read_body(request))
+        """The validated request, for a model this server serves, and the engine ready to take it. The body is
+        refused (413) past MAX_BODY_BYTES before it is all buffered."""
+        declared = request.headers.get("content-length", "")
+        too_large = APIError(413, f"request body is over {MAX_BODY_BYTES} bytes", code="request_too_large")
+        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            raise too_large
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > MAX_BODY_BYTES:
+                raise too_large
+        req = parse_request(model, body)
         self.check_model(req.model)
         return req, self.ready_engine()
 
@@ -88,8 +98,7 @@ class ServerState:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
+            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
 
 
 def build_app(state: ServerState, load_engine: Callable[[], AsyncLLM]) -> FastAPI:

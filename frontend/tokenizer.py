@@ -20,7 +20,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 CHAT_TEMPLATE_FILE = Path(__file__).with_name("qwen25_chat_template.jinja")  # '@SYSTEM@': the default system prompt
-_CACHE_SUBDIR = "qwen2.5-tokenizer-v1"  # bump the suffix when what we write changes
 
 # Qwen2's pre-tokenizer: like GPT-4's but digits split one per token.
 QWEN2_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
@@ -46,13 +45,28 @@ def load_tokenizer(model: str, model_dir: str | None) -> PreTrainedTokenizerBase
     """The tokenizer (with chat template) of `model`, read from model_dir; Qwen2.5 short names work offline."""
     if model_dir is not None and has_tokenizer_files(model_dir):
         return _from_pretrained(model_dir)
-    name = model.lower()
-    if short_model(name) is not None:
-        return load_qwen25_tokenizer(instruct=not name.endswith("-base"))
-    where = f"in {model_dir!r}" if model_dir is not None else "(no model directory)"
-    raise ValueError(f"no tokenizer for model {model!r}: found no tokenizer.json, vocab.json + merges.txt or "
-                     f"tokenizer.model {where}, and there is no offline fallback for it; use a model directory "
-                     f"with tokenizer files or a Qwen2.5 short name such as qwen2.5-1.5b")
+    if short_model(model) is None:
+        where = f"in {model_dir!r}" if model_dir is not None else "(no model directory)"
+        raise ValueError(f"no tokenizer for model {model!r}: found no tokenizer.json, vocab.json + merges.txt or "
+                         f"tokenizer.model {where}, and there is no offline fallback for it; use a model directory "
+                         f"with tokenizer files or a Qwen2.5 short name such as qwen2.5-1.5b")
+    path = default_cache_dir()  # Qwen2.5's tokenizer, rebuilt from Qwen's BPE ranks once
+    if not has_tokenizer_files(path):  # built in a temporary sibling, then renamed: never half a cache
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))
+        try:
+            build_qwen25_tokenizer(read_qwen_ranks()).save(str(tmp / "tokenizer.json"))
+            (tmp / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(), indent=2, ensure_ascii=False))
+            os.replace(tmp, path)
+        except OSError:
+            if not has_tokenizer_files(path):  # not merely another process winning the rename race
+                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    if not model.lower().endswith("-base"):
+        return _from_pretrained(path)
+    # The base repos end documents with <|endoftext|>, not the chat turn's <|im_end|>.
+    return _from_pretrained(path, eos_token="<|endoftext|>", chat_template=qwen25_chat_template(False))
 
 
 def _from_pretrained(path, **kwargs) -> PreTrainedTokenizerBase:
@@ -79,30 +93,8 @@ def has_tokenizer_files(model_dir: str | os.PathLike) -> bool:
             or ((d / "vocab.json").is_file() and (d / "merges.txt").is_file()))
 
 
-def load_qwen25_tokenizer(instruct: bool = True, cache_dir: str | os.PathLike | None = None
-                          ) -> PreTrainedTokenizerBase:
-    """Qwen2.5's tokenizer rebuilt from Qwen's BPE ranks (built once, then read from the disk cache)."""
-    path = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    if not has_tokenizer_files(path):  # built in a temporary sibling, then renamed: never half a cache
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))
-        try:
-            build_qwen25_tokenizer(read_qwen_ranks()).save(str(tmp / "tokenizer.json"))
-            (tmp / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(), indent=2, ensure_ascii=False))
-            os.replace(tmp, path)
-        except OSError:
-            if not has_tokenizer_files(path):  # not merely another process winning the rename race
-                raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    if instruct:
-        return _from_pretrained(path)
-    # The base repos end documents with <|endoftext|>, not the chat turn's <|im_end|>.
-    return _from_pretrained(path, eos_token="<|endoftext|>", chat_template=qwen25_chat_template(False))
-
-
 def default_cache_dir() -> Path:
-    return cache_root() / _CACHE_SUBDIR
+    return cache_root() / "qwen2.5-tokenizer-v1"  # bump the suffix when what we write changes
 
 
 def read_qwen_ranks() -> dict[bytes, int]:
@@ -155,8 +147,7 @@ def build_qwen25_tokenizer(ranks: dict[bytes, int]) -> Tokenizer:
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     tok.add_tokens([AddedToken(t, special=s, normalized=False) for t, s in QWEN25_ADDED_TOKENS])
@@ -177,5 +168,4 @@ def _tokenizer_config() -> dict:
         "bos_token": None, "chat_template": qwen25_chat_template(True), "clean_up_tokenization_spaces": False,
         "eos_token": "<|im_end|>", "errors": "replace", "model_max_length": 131072,
         "pad_token": "<|endoftext|>", "split_special_tokens": False, "tokenizer_class": "Qwen2Tokenizer",
-        "unk_token": None,
-    }
+        "unk_token": None}

@@ -7,7 +7,7 @@ import pytest
 
 from frontend.api_models import APIError, ChatCompletionRequest, CompletionRequest, parse_request
 from frontend.output_processor import OutputProcessor
-from frontend.outputs import CompletionOutput
+from frontend.output_processor import CompletionOutput
 from protocol.messages import TokenBatch, i32
 from protocol.sampling import SamplingParams
 
