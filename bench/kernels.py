@@ -73,7 +73,9 @@ def time_linears(c: ModelConfig, rows: list[int]) -> list[dict]:
     kernels around linear()'s pick) beside the one kernels.linear picks."""
     import torch
 
-    from kernels.linear import timed_choice
+    from kernels import linear_plan
+    from kernels.gemv import NormedInput
+    from kernels.linear import choice, run_path
 
     results = []
     for name, (n, k, has_bias, folds) in linear_shapes(c).items():
@@ -81,11 +83,15 @@ def time_linears(c: ModelConfig, rows: list[int]) -> list[dict]:
         bias = torch.randn(n, device="cuda", dtype=torch.bfloat16) if has_bias else None
         for fold in folds:
             for m in rows:
-                choice, unfused, chosen = timed_choice(fold, fold_inputs(fold, m, k), w, bias)
+                inputs = fold_inputs(fold, m, k)
+                x = NormedInput.of(*inputs)[0] if fold.startswith("norm") else inputs[0]
+                config = choice(fold, x, w, bias)
+                op, copies = functools.partial(run_path, fold, x), linear_plan.cold_copies(w, bias)
+                unfused, chosen = linear_plan.op_us(op, copies, None), linear_plan.op_us(op, copies, config)
                 mb = n * k * 2 / 1e6  # MB per µs is TB/s
                 results.append({"linear": name, "fold": fold or "-", "rows": m, "weight_mb": mb,
                                 "unfused_us": unfused, "chosen_us": chosen, "chosen_tb_s": mb / chosen,
-                                "chosen": str(choice) if choice else "unfused (cuBLAS)"})
+                                "chosen": str(config) if config else "unfused (cuBLAS)"})
         del w, bias
     return results
 
@@ -93,22 +99,28 @@ def time_linears(c: ModelConfig, rows: list[int]) -> list[dict]:
 def time_attention(c: ModelConfig, cases: list[tuple[int, int, int]], block_size: int) -> list[dict]:
     import torch
 
-    from kernels import paged_decode_attention
+    from kernels import NewTokenKV, make_cos_sin, rope_store_decode_attention
+    from kernels.decode_attention import few_rows_launch
     from kernels.linear_plan import graph_us
 
     results = []
     for batch, context, max_len in cases:
-        per_row = -(-context // block_size)
-        k_cache = torch.randn(batch * per_row, c.num_key_value_heads, block_size, c.head_dim, device="cuda",
-                              dtype=torch.bfloat16)
+        per_row, hkv, d = -(-context // block_size), c.num_key_value_heads, c.head_dim
+        k_cache = torch.randn(batch * per_row, hkv, block_size, d, device="cuda", dtype=torch.bfloat16)
         v_cache = torch.randn_like(k_cache)
         tables = torch.zeros(batch, -(-max_len // block_size), dtype=torch.int32, device="cuda")
         tables[:, :per_row] = torch.randperm(batch * per_row, device="cuda").int().view(batch, per_row)
         lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-        q = torch.randn(batch, c.num_attention_heads, c.head_dim, device="cuda", dtype=torch.bfloat16)
-        us = graph_us([functools.partial(paged_decode_attention, q, k_cache, v_cache, tables, lens,
-                                         c.head_dim ** -0.5)])
-        kv_gb = 2 * batch * context * c.num_key_value_heads * c.head_dim * 2 / 1e9  # K and V read, bf16
+        q = torch.randn(batch, c.num_attention_heads, d, device="cuda", dtype=torch.bfloat16)
+        # As a decode step runs it: the step's own K/V rotated and stored at position context - 1, and a few rows'
+        # block tables read through their rows.
+        slots = tables[:, (context - 1) // block_size].long() * block_size + (context - 1) % block_size
+        new_kv = NewTokenKV(torch.randn_like(q[:, :hkv]), torch.randn_like(q[:, :hkv]), lens.long() - 1,
+                            make_cos_sin(context, d, 1e6, "cuda"), slots)
+        rows = torch.arange(batch, device="cuda") if few_rows_launch(batch, hkv) else None
+        us = graph_us([functools.partial(rope_store_decode_attention, q, new_kv, k_cache, v_cache, tables, lens,
+                                         d ** -0.5, rows)])
+        kv_gb = 2 * batch * context * hkv * d * 2 / 1e9  # K and V read, bf16
         results.append({"batch": batch, "context": context, "max_model_len": max_len, "us": us,
                         "kv_tb_s": kv_gb / us * 1e3})
         del k_cache, v_cache

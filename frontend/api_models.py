@@ -1,21 +1,13 @@
-"""OpenAI-compatible request models, OpenAI-style error bodies, and request -> engine inputs.
-
-Everything a client sends is checked here, before the engine sees it: types by pydantic, values by
-SamplingParams, prompts against the vocabulary and the context length. A failure is an APIError that the
-server turns into {"error": {"message", "type", "param", "code"}}; messages never echo the whole input.
-"""
+"""OpenAI-compatible requests, checked before the engine sees them, and OpenAI-style error bodies."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal, NamedTuple, get_type_hints
 
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, create_model, model_validator
 
-from frontend.inputs import prepare_prompt
 from protocol.config import ContextTooLong, InvalidParam
 from protocol.sampling import MAX_LOGPROBS, SamplingParams
 
@@ -29,87 +21,66 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "
 GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
 # The request fields named as SamplingParams' (each endpoint sets max_tokens and logprobs in its own way).
 SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams) if f.name not in ("max_tokens", "logprobs"))
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default; chat defaults to the context
 _NO_TOOLS = "this server does not parse tool calls: describe the tools in the prompt, or leave them out"
 _NO_GUIDED = "this server has no guided decoding: ask for the format in the prompt instead"
-# Fields that change what a client gets but that this server cannot honour: a 400 naming the field, never
-# ignored (the client would take unconstrained text for what it asked for). Fields that change nothing
-# (`user`, `metadata`) stay ignored. name -> (values served as if absent, besides null; why the rest are refused)
+# Fields this server cannot honour are refused with a 400, never ignored (the client would take unconstrained
+# text for what it asked for). name -> (values served as if absent, besides null; why the rest are refused)
 UNSERVED_FIELDS: dict[str, tuple[tuple, str]] = {
     "response_format": (({"type": "text"},), "json_object and json_schema need guided decoding, which this server "
                                              'does not have; only {"type": "text"} is served'),
-    "tools": (([],), _NO_TOOLS),
-    "functions": (([],), _NO_TOOLS),
-    "tool_choice": (("none",), _NO_TOOLS + '; only "none" is served'),
-    "function_call": (("none",), _NO_TOOLS + '; only "none" is served'),
-    "guided_json": ((), _NO_GUIDED),
-    "guided_regex": ((), _NO_GUIDED),
-    "guided_choice": ((), _NO_GUIDED),
-    "guided_grammar": ((), _NO_GUIDED),
-    "structured_outputs": ((), _NO_GUIDED),
+    **dict.fromkeys(("tools", "functions"), (([],), _NO_TOOLS)),
+    **dict.fromkeys(("tool_choice", "function_call"), (("none",), _NO_TOOLS + '; only "none" is served')),
+    **dict.fromkeys(("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"),
+                    ((), _NO_GUIDED)),
     "suffix": (("",), "text is not inserted before a suffix: send the prompt only"),
     "prompt_logprobs": ((), "prompt logprobs are not computed, only those of generated tokens"),
     "use_beam_search": ((False,), "beam search is not supported: ask for n samples instead"),
 }
 
 
-# ---- errors --------------------------------------------------------------------------------------------
-
 class APIError(Exception):
     """A request that cannot be served, with the HTTP status and OpenAI error fields to answer it with."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
         super().__init__(message)
-        self.status = status
-        self.message = truncate(message)
-        self.param = param
-        self.code = code
+        self.status, self.param, self.code = status, param, code
+        cut = len(message) - MAX_ERROR_CHARS  # an error body never carries a client's whole input back
+        self.message = message if cut <= 0 else message[:MAX_ERROR_CHARS] + f"... ({cut} more characters)"
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "server_error"),
                           "param": self.param, "code": self.code}}
 
 
-def truncate(text: str, limit: int = MAX_ERROR_CHARS) -> str:
-    """Cut a message so that an error body never carries a client's whole (maybe huge) input back."""
-    return text if len(text) <= limit else text[:limit] + f"... ({len(text) - limit} more characters)"
-
-
 def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
     return APIError(400, message, param=param, code=code)
 
 
-def from_validation_error(exc: ValidationError) -> APIError:
-    """The first few pydantic errors as one 400; the input values themselves are left out."""
-    errors = exc.errors(include_url=False, include_input=False, include_context=False)
+def from_invalid_param(exc: InvalidParam, prompt_field: str = "prompt", max_tokens_field: str = "max_tokens"
+                       ) -> APIError:
+    """A 400 naming the field the client sent: chat's prompt is its messages, its max_tokens may be
+    max_completion_tokens."""
+    message, field = str(exc), {"prompt": prompt_field, "max_tokens": max_tokens_field}.get(exc.field, exc.field)
+    if exc.field == "max_tokens":
+        message = message.replace("max_tokens", max_tokens_field)
+    return bad_request(message, field, "context_length_exceeded" if isinstance(exc, ContextTooLong) else
+                       "invalid_value")
+
+
+def parse_request(model: type[BaseModel], body: bytes) -> BaseModel:
+    """Bytes -> validated request; bad UTF-8, bad JSON and wrong types all become one 400 (the inputs left out)."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False, include_input=False, include_context=False)
     if errors and errors[0]["type"] == "json_invalid":
-        return bad_request(f"request body is not valid JSON: {errors[0]['msg']}", code="invalid_json")
-    parts = [f"{_loc(e['loc']) or 'body'}: {e['msg']}" for e in errors[:3]]
+        raise bad_request(f"request body is not valid JSON: {errors[0]['msg']}", code="invalid_json")
+    parts = [f"{'.'.join(str(x) for x in e['loc']) or 'body'}: {e['msg']}" for e in errors[:3]]
     more = f" (and {len(errors) - 3} more errors)" if len(errors) > 3 else ""
     param = str(errors[0]["loc"][0]) if errors and errors[0]["loc"] else None  # the top-level field
-    return bad_request("; ".join(parts) + more, param=param, code="invalid_type")
+    raise bad_request("; ".join(parts) + more, param=param, code="invalid_type")
 
-
-def from_invalid_param(exc: InvalidParam, code: str = "invalid_value") -> APIError:
-    return bad_request(str(exc), exc.field, "context_length_exceeded" if isinstance(exc, ContextTooLong) else code)
-
-
-@contextmanager
-def param_named(field: str, sent_as: str) -> Iterator[None]:
-    """Errors about `field` name `sent_as` instead: the field the client sent (chat's max_completion_tokens is
-    checked as max_tokens, but a client that sent max_completion_tokens must be told about that one)."""
-    try:
-        yield
-    except APIError as exc:
-        if exc.param == field and sent_as != field:
-            exc.param, exc.message = sent_as, exc.message.replace(field, sent_as)
-        raise
-
-
-def _loc(loc: tuple) -> str | None:
-    return ".".join(str(x) for x in loc) or None
-
-
-# ---- requests ------------------------------------------------------------------------------------------
 
 class _Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use
@@ -120,45 +91,50 @@ class StreamOptions(_Lenient):
     include_usage: bool | None = False
 
 
-class _SamplingRequest(_Lenient):
-    """Fields shared by both endpoints; None means "the client was silent", so defaults can apply."""
+# SamplingParams' fields, each None when the client is silent (so that the model's defaults can apply).
+_SamplingFields = create_model("_SamplingFields", __base__=_Lenient, **{
+    name: (hint | None, None) for name, hint in get_type_hints(SamplingParams).items() if name in SAMPLING_FIELDS})
 
+
+class _SamplingRequest(_SamplingFields):
+    prompt_field: ClassVar[str] = "prompt"
+    id_prefix: ClassVar[str] = "cmpl"
     model: str | None = None
     max_tokens: int | None = None
-    n: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool | None = None
-    min_tokens: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[int, float] | None = None  # OpenAI sends the token ids as strings: pydantic makes ints
-    skip_special_tokens: bool | None = None  # this and the next two: vLLM's extensions, with its defaults
-    spaces_between_special_tokens: bool | None = None
-    include_stop_str_in_output: bool | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
 
     @model_validator(mode="before")
     @classmethod
     def _refuse_unserved(cls, data: object) -> object:
-        """Reads the raw body: extra="ignore" would drop these fields unseen. An APIError is not a ValueError,
-        so pydantic lets it through to the client as it is."""
+        """Reads the raw body, as extra="ignore" drops these unseen; an APIError passes pydantic to the client."""
         for name, (served, why) in UNSERVED_FIELDS.items():
             value = data.get(name) if isinstance(data, dict) else None
             if value is not None and value not in served:
                 raise bad_request(f"{name} is not supported: {why}", name, code="unsupported_parameter")
         return data
 
+    @model_validator(mode="after")
+    def _check_stream_options(self) -> _SamplingRequest:
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed with stream=true", "stream_options")
+        return self
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and bool(self.stream_options.include_usage)
+
+    @property
+    def max_tokens_field(self) -> str:
+        return "max_tokens"
+
+    def _params(self, defaults: dict, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """The request's explicit fields over the model's generation defaults over SamplingParams' own."""
+        explicit = {name: getattr(self, name) for name in SAMPLING_FIELDS if getattr(self, name) is not None}
+        try:
+            return SamplingParams(**{**defaults, **explicit, "max_tokens": max_tokens, "logprobs": logprobs})
+        except InvalidParam as exc:
+            raise from_invalid_param(exc, max_tokens_field=self.max_tokens_field) from None
 
 
 class CompletionRequest(_SamplingRequest):
@@ -166,6 +142,23 @@ class CompletionRequest(_SamplingRequest):
     logprobs: int | None = None
     echo: bool | None = False
     best_of: int | None = None  # only best_of <= n is served: samples are not ranked
+
+    def sampling_params(self, defaults: dict) -> SamplingParams:
+        if self.echo and self.logprobs is not None:
+            raise bad_request("echo with logprobs is not supported: prompt logprobs are not computed", "echo")
+        if self.best_of is not None and self.best_of > (self.n or 1):
+            raise bad_request(f"best_of={self.best_of} over n={self.n or 1} is not supported: samples are not "
+                              "ranked; ask for n samples instead", "best_of")
+        max_tokens = self.max_tokens if self.max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS
+        return self._params(defaults, max_tokens, self.logprobs)
+
+    def prompts(self, tokenizer: PreTrainedTokenizerBase) -> list[str | list[int]]:
+        """The four prompt shapes of /v1/completions as a list of prompts (each one engine request)."""
+        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+            return [self.prompt]
+        if not self.prompt:
+            raise bad_request("prompt is empty: send a non-empty string or list of token ids", "prompt")
+        return self.prompt
 
 
 class TextPart(_Lenient):
@@ -184,6 +177,9 @@ class ChatMessage(_Lenient):
 
 
 class ChatCompletionRequest(_SamplingRequest):
+    prompt_field: ClassVar[str] = "messages"
+    id_prefix: ClassVar[str] = "chatcmpl"
+    echo: ClassVar[bool] = False  # the prompt is never echoed in a chat
     messages: list[ChatMessage]
     chat_template_kwargs: dict | None = None  # vLLM's: template variables, e.g. Qwen3's {"enable_thinking": false}
     max_completion_tokens: int | None = None
@@ -192,51 +188,20 @@ class ChatCompletionRequest(_SamplingRequest):
 
     @property
     def max_tokens_field(self) -> str:
-        """The token limit's field: max_completion_tokens (OpenAI's newer name) wins when both are sent."""
+        """max_completion_tokens (OpenAI's newer name) wins when both are sent."""
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
+    def sampling_params(self, defaults: dict) -> SamplingParams:
+        """logprobs (bool) and top_logprobs (count) become the engine's one number of top logprobs."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+        if self.logprobs and self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"top_logprobs={self.top_logprobs} is invalid: use 0..{MAX_LOGPROBS}", "top_logprobs")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._params(defaults, getattr(self, self.max_tokens_field), logprobs)
 
-class TokenizeRequest(_Lenient):
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-
-
-class DetokenizeRequest(_Lenient):
-    model: str | None = None
-    tokens: list[int]
-
-
-def parse_request(model: type[BaseModel], body: bytes) -> BaseModel:
-    """Bytes -> validated request; bad UTF-8, bad JSON and wrong types all become one 400."""
-    try:
-        return model.model_validate_json(body)
-    except ValidationError as exc:
-        raise from_validation_error(exc) from None
-
-
-# ---- request -> engine inputs -----------------------------------------------------------------------------
-
-@dataclass(slots=True)
-class Job:
-    """One engine request of a client's request: its prompt, ready to submit."""
-
-    request_id: str
-    token_ids: list[int]
-    params: SamplingParams
-    text: str | None = None  # the prompt as the client wrote it (for echo); None for token ids
-
-
-def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
-    """The four prompt shapes of /v1/completions as a list of prompts (each one engine request)."""
-    raw = req.prompt
-    if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
-        return [raw]
-    if not raw:
-        raise bad_request("prompt is empty: send a non-empty string or list of token ids", "prompt")
-    return raw
+    def prompts(self, tokenizer: PreTrainedTokenizerBase) -> list[list[int]]:
+        return [chat_prompt(self.messages, tokenizer, template_kwargs=self.chat_template_kwargs)]
 
 
 def chat_prompt(messages: list[ChatMessage], tokenizer: PreTrainedTokenizerBase,
@@ -253,49 +218,29 @@ def chat_prompt(messages: list[ChatMessage], tokenizer: PreTrainedTokenizerBase,
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def prepare(request_id: str, tokenizer: PreTrainedTokenizerBase, prompt: str | list[int], params: SamplingParams,
-            max_model_len: int, vocab_size: int, prompt_field: str = "prompt") -> Job:
-    """The engine's own prompt checks (empty, vocabulary, context length), as 400s naming the field (the prompt's
-    is `prompt_field`: chat's is messages)."""
-    try:
-        text, ids = prepare_prompt(tokenizer, prompt, params, max_model_len, vocab_size)
-    except InvalidParam as exc:
-        error = from_invalid_param(exc)
-        error.param = prompt_field if exc.field == "prompt" else exc.field
-        raise error from None
-    return Job(request_id, ids, params, text)
+class TokenizeRequest(_Lenient):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
 
 
-def check_stream_options(req: _SamplingRequest) -> None:
-    if req.stream_options is not None and not req.stream:
-        raise bad_request("stream_options is only allowed with stream=true", "stream_options")
+class DetokenizeRequest(_Lenient):
+    model: str | None = None
+    tokens: list[int]
 
 
-def chat_logprobs(req: ChatCompletionRequest) -> int | None:
-    """Chat's logprobs (bool) + top_logprobs (count) as the engine's one number of top logprobs."""
-    if req.top_logprobs is not None and not req.logprobs:
-        raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
-    if not req.logprobs:
-        return None
-    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
-        raise bad_request(f"top_logprobs={req.top_logprobs} is invalid: use 0..{MAX_LOGPROBS}", "top_logprobs")
-    return req.top_logprobs or 0
-
-
-def sampling_params(req: _SamplingRequest, defaults: dict, max_tokens: int | None,
-                    logprobs: int | None) -> SamplingParams:
-    """The request's explicit fields over the model's generation defaults over SamplingParams' own."""
-    explicit = {name: getattr(req, name) for name in SAMPLING_FIELDS if getattr(req, name) is not None}
-    try:
-        return SamplingParams(**{**defaults, **explicit, "max_tokens": max_tokens, "logprobs": logprobs})
-    except InvalidParam as exc:
-        raise from_invalid_param(exc) from None
+class Job(NamedTuple):
+    """One engine request of a client's request: its prompt, ready to submit."""
+    request_id: str
+    text: str | None  # the prompt as the client wrote it (for echo); None for token ids
+    token_ids: list[int]
+    params: SamplingParams
 
 
 def generation_defaults(model_dir: str | None) -> dict:
     """Sampling defaults from the checkpoint's generation_config.json (empty when there is none)."""
     path = Path(model_dir or "") / "generation_config.json"
-    if not model_dir or not path.is_file():
-        return {}
-    config = json.loads(path.read_text())
+    config = json.loads(path.read_text()) if model_dir and path.is_file() else {}
     return {k: config[k] for k in GENERATION_DEFAULT_KEYS if config.get(k) is not None}

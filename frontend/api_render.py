@@ -1,141 +1,26 @@
-"""OpenAI response bodies, and how a request's engine outputs become them (whole, or as stream chunks)."""
+"""OpenAI response bodies (as JSON-ready dicts) from a request's engine outputs, whole or as stream chunks."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
-
-from pydantic import BaseModel
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from frontend.api_models import Job
-from frontend.outputs import CompletionOutput, RequestOutput
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+from frontend.output_processor import CompletionOutput, RequestOutput
 
 # Byte-level BPE vocabularies (Qwen2's) write each byte as one printable character; this maps them back.
 _BYTE_OF_CHAR = {char: byte for byte, char in bytes_to_unicode().items()}
 Entry = tuple[str, float, list[int]]  # a logprob entry: (token text, logprob, the token's own UTF-8 bytes)
 
 
-# ---- responses ---------------------------------------------------------------------------------------------
-
-class UsageInfo(BaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str]
-    token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float] | None]
-    text_offset: list[int]
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class CompletionResponse(BaseModel):
-    """A whole completion, and also each streamed chunk (OpenAI uses one shape for both)."""
-
-    id: str
-    object: str = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob]
-
-
-class ChatLogprobs(BaseModel):
-    content: list[TokenLogprob] | None = None
-
-
-class ChatMessageOut(BaseModel):
-    role: str = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: ChatMessageOut
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: str = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo
-
-
-class DeltaMessage(BaseModel):
-    role: str | None = None
-    content: str | None = None
-
-
-class ChatStreamChoice(BaseModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: str = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = None
-
-
-# ---- engine outputs -> responses ---------------------------------------------------------------------------
-
-def token_bytes(tokenizer: PreTrainedTokenizerBase, token_id: int, text: str) -> list[int]:
-    """The token's own bytes: a token holding part of a character decodes to U+FFFD, but its bytes are the
-    real ones, so that a client joining the bytes of consecutive tokens gets the character (OpenAI's `bytes`)."""
-    if "\ufffd" not in text:
-        return list(text.encode())
-    piece = tokenizer.convert_ids_to_tokens(token_id)
-    if isinstance(piece, str) and piece and all(c in _BYTE_OF_CHAR for c in piece):
-        return [_BYTE_OF_CHAR[c] for c in piece]
-    return list(text.encode())  # not a byte-level vocabulary: the decoded text is all there is
-
-
-def usage(jobs: list[Job], finals: list[RequestOutput]) -> UsageInfo:
-    """Prompt tokens once per prompt (not per sample); completion tokens of every sample."""
-    prompt = sum(len(job.token_ids) for job in jobs)
-    completion = sum(len(o.token_ids) for out in finals for o in out.outputs)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
-
-
 class Renderer:
-    """Turns a request's engine outputs into its response, or into stream chunks of what is new.
+    """A request's engine outputs as its response, or as stream chunks of what is new. Choice index = prompt index
+    * n + sample index. Outputs are cumulative and their text only grows (stop strings are held back, never
+    retracted), so a delta is a suffix past what was sent."""
 
-    Choice index = prompt index * n + sample index. AsyncLLM's outputs are cumulative and their text only
-    grows (stop strings are held back, never retracted), so a delta is a suffix past what was sent.
-    """
+    object: str  # of a stream chunk
 
-    def __init__(self, response_id: str, model: str, jobs: list[Job], tokenizer):
-        self.id, self.model, self.jobs, self.tokenizer = response_id, model, jobs, tokenizer
+    def __init__(self, response_id: str, model: str, jobs: list[Job], tokenizer, echo: bool = False):
+        self.id, self.model, self.jobs, self.tokenizer, self.echo = response_id, model, jobs, tokenizer, echo
         self.created = int(time.time())
         self.n = jobs[0].params.n
         self._sent: dict[int, tuple[int, int]] = {}  # choice -> (chars, tokens) already streamed
@@ -158,36 +43,37 @@ class Renderer:
 
     def logprob_rows(self, o: CompletionOutput, start: int) -> list[tuple[Entry, list[Entry]]]:
         """(the sampled token's entry, the top-k entries) for the tokens from `start` on."""
+        def entry(token_id: int, logprob: float) -> Entry:
+            # A token holding part of a character decodes to U+FFFD; its own bytes, joined with the next token's,
+            # give the character. Whole characters, or a vocabulary that is not byte-level: the text's bytes.
+            text = self.tokenizer.decode([token_id])
+            piece = self.tokenizer.convert_ids_to_tokens(token_id) if "\ufffd" in text else None
+            if isinstance(piece, str) and piece and all(c in _BYTE_OF_CHAR for c in piece):
+                return text, logprob, [_BYTE_OF_CHAR[c] for c in piece]
+            return text, logprob, list(text.encode())
+
         k = self.jobs[0].params.logprobs or 0
-        rows = []
-        for token, lps in zip(o.token_ids[start:], o.logprobs[start:]):
-            top = sorted(lps.items(), key=lambda kv: kv[1], reverse=True)[:k]
-            rows.append((self._entry(token, lps[token]), [self._entry(t, lp) for t, lp in top]))
-        return rows
+        return [(entry(token, lps[token]), [entry(t, lp) for t, lp in sorted(lps.items(), key=lambda kv: -kv[1])[:k]])
+                for token, lps in zip(o.token_ids[start:], o.logprobs[start:])]
 
-    def _entry(self, token_id: int, logprob: float) -> Entry:
-        text = self.tokenizer.decode([token_id])
-        return text, logprob, token_bytes(self.tokenizer, token_id, text)
+    def usage(self, finals: list[RequestOutput]) -> dict:
+        """Prompt tokens once per prompt (not per sample); completion tokens of every sample."""
+        prompt = sum(len(job.token_ids) for job in self.jobs)
+        completion = sum(len(o.token_ids) for out in finals for o in out.outputs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-    def opening(self) -> list[BaseModel]:
+    def chunk(self, choices: list[dict], usage: dict | None = None, object: str | None = None) -> dict:
+        return {"id": self.id, "object": object or self.object, "created": self.created, "model": self.model,
+                "choices": choices, "usage": usage}
+
+    def opening(self) -> list[dict]:
         return []
-
-    def chunks(self, job: int, out: RequestOutput) -> list[BaseModel]:
-        raise NotImplementedError
-
-    def response(self, finals: list[RequestOutput]) -> BaseModel:
-        raise NotImplementedError
-
-    def usage_chunk(self, info: UsageInfo) -> BaseModel:
-        raise NotImplementedError
 
 
 class CompletionRenderer(Renderer):
-    def __init__(self, response_id: str, model: str, jobs: list[Job], tokenizer, echo: bool):
-        super().__init__(response_id, model, jobs, tokenizer)
-        self.echo = echo
+    object = "text_completion"  # a whole completion too: OpenAI uses one shape for both
 
-    def choice(self, job: int, index: int, o: CompletionOutput, chars: int, tokens: int) -> CompletionChoice:
+    def choice(self, job: int, index: int, o: CompletionOutput, chars: int, tokens: int) -> dict:
         prompt = self.jobs[job]
         echo = "" if not self.echo else prompt.text if prompt.text is not None else \
             self.tokenizer.decode(prompt.token_ids)
@@ -200,52 +86,40 @@ class CompletionRenderer(Renderer):
                 offsets.append(pos)
                 pos += len(token_text)
             # reversed: of top tokens that decode to the same text, the likeliest is written last and kept
-            logprobs = CompletionLogprobs(
-                tokens=[entry[0] for entry, _ in rows], token_logprobs=[entry[1] for entry, _ in rows],
-                top_logprobs=[{t: lp for t, lp, _ in reversed(top)} for _, top in rows], text_offset=offsets)
-        return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=o.finish_reason)
+            logprobs = {"tokens": [entry[0] for entry, _ in rows], "token_logprobs": [entry[1] for entry, _ in rows],
+                        "top_logprobs": [{t: lp for t, lp, _ in reversed(top)} for _, top in rows],
+                        "text_offset": offsets}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": o.finish_reason}
 
-    def _wrap(self, choices: list[CompletionChoice], info: UsageInfo | None = None) -> CompletionResponse:
-        return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices, usage=info)
+    def chunks(self, job: int, out: RequestOutput) -> list[dict]:
+        return [self.chunk([self.choice(job, *delta)]) for delta in self.deltas(job, out)]
 
-    def chunks(self, job: int, out: RequestOutput) -> list[BaseModel]:
-        return [self._wrap([self.choice(job, *delta)]) for delta in self.deltas(job, out)]
-
-    def response(self, finals: list[RequestOutput]) -> BaseModel:
+    def response(self, finals: list[RequestOutput]) -> dict:
         choices = [self.choice(i, i * self.n + o.index, o, 0, 0) for i, out in enumerate(finals) for o in out.outputs]
-        return self._wrap(choices, usage(self.jobs, finals))
-
-    def usage_chunk(self, info: UsageInfo) -> BaseModel:
-        return self._wrap([], info)
+        return self.chunk(choices, self.usage(finals))
 
 
 class ChatRenderer(Renderer):
-    def logprobs(self, o: CompletionOutput, start: int) -> ChatLogprobs | None:
+    object = "chat.completion.chunk"
+
+    def logprobs(self, o: CompletionOutput, start: int) -> dict | None:
         if o.logprobs is None:
             return None
-        return ChatLogprobs(content=[
-            TokenLogprob(token=text, logprob=lp, bytes=raw,
-                         top_logprobs=[TopLogprob(token=t, logprob=l, bytes=b) for t, l, b in top])
-            for (text, lp, raw), top in self.logprob_rows(o, start)])
+        return {"content": [{"token": text, "logprob": lp, "bytes": raw, "top_logprobs": [
+            {"token": t, "logprob": l, "bytes": b} for t, l, b in top]}
+            for (text, lp, raw), top in self.logprob_rows(o, start)]}
 
-    def _chunk(self, choices: list[ChatStreamChoice], info: UsageInfo | None = None) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices, usage=info)
-
-    def opening(self) -> list[BaseModel]:
+    def opening(self) -> list[dict]:
         """OpenAI's first chunk of each choice carries the role and no content."""
-        return [self._chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
-                for i in range(len(self.jobs) * self.n)]
+        return [self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}]) for i in range(len(self.jobs) * self.n)]
 
-    def chunks(self, job: int, out: RequestOutput) -> list[BaseModel]:
-        return [self._chunk([ChatStreamChoice(index=index, delta=DeltaMessage(content=o.text[chars:] or None),
-                                              logprobs=self.logprobs(o, tokens), finish_reason=o.finish_reason)])
-                for index, o, chars, tokens in self.deltas(job, out)]
+    def chunks(self, job: int, out: RequestOutput) -> list[dict]:
+        return [self.chunk([{"index": i, "delta": {"role": None, "content": o.text[chars:] or None},
+                             "logprobs": self.logprobs(o, tokens), "finish_reason": o.finish_reason}])
+                for i, o, chars, tokens in self.deltas(job, out)]
 
-    def response(self, finals: list[RequestOutput]) -> BaseModel:
-        choices = [ChatChoice(index=o.index, message=ChatMessageOut(content=o.text), logprobs=self.logprobs(o, 0),
-                              finish_reason=o.finish_reason) for o in finals[0].outputs]
-        return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
-                                      usage=usage(self.jobs, finals))
-
-    def usage_chunk(self, info: UsageInfo) -> BaseModel:
-        return self._chunk([], info)
+    def response(self, finals: list[RequestOutput]) -> dict:
+        choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text},
+                    "logprobs": self.logprobs(o, 0), "finish_reason": o.finish_reason} for o in finals[0].outputs]
+        return self.chunk(choices, self.usage(finals), "chat.completion")

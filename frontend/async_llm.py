@@ -10,17 +10,13 @@ from collections.abc import AsyncIterator
 
 import zmq.asyncio
 
-from frontend.engine_client import EngineClient, EngineDeadError
-from frontend.inputs import Prompt, prepare_prompt
+from frontend.engine_client import EngineClient, EngineDeadError, Prompt
 from frontend.model_resolution import resolve_config
-from frontend.output_processor import OutputProcessor, RequestState
-from frontend.outputs import RequestOutput
+from frontend.output_processor import OutputProcessor, RequestOutput, RequestState
 from protocol.codec import encode
 from protocol.config import EngineConfig
 from protocol.messages import READY_TIMEOUT_S, Abort, EngineDead, GetStats, TokenBatch
 from protocol.sampling import SamplingParams
-
-
 
 PROBE_AFTER_S = 1.0  # silence, with requests pending, before a remote engine is asked for its stats
 REMOTE_SILENCE_S = 10.0  # silence after which a remote engine is taken for dead
@@ -33,26 +29,8 @@ class EngineRequestError(RuntimeError):
 class AsyncLLM:
     """`AsyncLLM(model, **engine options)` starts an engine; `AsyncLLM.connect(address)` attaches to one."""
 
-    def __init__(self, model: str, **kwargs) -> None:
-        self._setup(EngineClient(resolve_config(EngineConfig(model=model, **kwargs))))
-
-    @classmethod
-    def from_config(cls, config: EngineConfig) -> AsyncLLM:
-        """Start an engine for a config that resolve_config has already resolved."""
-        self = cls.__new__(cls)
-        self._setup(EngineClient(config))
-        return self
-
-    @classmethod
-    def connect(cls, address: str, timeout: float = READY_TIMEOUT_S) -> AsyncLLM:
-        """Attach to a headless engine (`launch.py --headless --engine-address ADDR`); EngineDeadError when it
-        has not answered within `timeout` seconds (an engine still loading a model answers once it is up)."""
-        self = cls.__new__(cls)
-        self._setup(EngineClient(address=address, ready_timeout=timeout))
-        return self
-
-    def _setup(self, client: EngineClient) -> None:
-        self.client = client
+    def __init__(self, model: str | None = None, *, client: EngineClient | None = None, **kwargs) -> None:
+        self.client = client = client or EngineClient(resolve_config(EngineConfig(model=model, **kwargs)))
         self.tokenizer = client.tokenizer
         self.model_config = client.model_config
         self.max_model_len = client.max_model_len
@@ -66,6 +44,11 @@ class AsyncLLM:
         self._stats_waiters: list[asyncio.Future] = []
         if client.procs is not None:
             client.procs.on_death(self._on_death_from_thread)
+
+    @classmethod
+    def connect(cls, address: str, timeout: float = READY_TIMEOUT_S) -> AsyncLLM:
+        """Attach to a headless engine (launch.py --headless --engine-address ADDR); EngineDeadError after timeout."""
+        return cls(client=EngineClient(address=address, ready_timeout=timeout))
 
     def _ensure_started(self) -> None:
         loop = asyncio.get_running_loop()
@@ -86,34 +69,31 @@ class AsyncLLM:
             self._task = self._loop.create_task(self._recv_loop())
 
     def _send(self, msg) -> None:
-        self._asock.send(encode(msg))
+        self._asock.send(encode(msg))  # never client.send: see _ensure_started
 
     async def _recv_loop(self) -> None:
         try:
             while True:
-                msg = await self._next_message()
+                msg = self.client.decode(await self._next_frame())
                 if isinstance(msg, TokenBatch):
                     self._apply(msg)
                 elif isinstance(msg, EngineDead):
                     self._fail(msg.reason)
                     return
-        except asyncio.CancelledError:
-            raise
         except EngineDeadError as e:
             self._fail(str(e))
         except Exception as e:  # a dead receive loop would leave every request waiting forever
             self._fail(f"the frontend's receive loop failed: {type(e).__name__}: {e}")
 
-    async def _next_message(self):
-        """The engine's next message. Our own engine's death is reported by the launcher's watcher; a remote
-        one (connect) that stays silent while requests wait is asked for stats, and declared dead after
-        REMOTE_SILENCE_S without an answer (the scheduler answers GetStats even mid-step)."""
+    async def _next_frame(self) -> bytes:
+        """Our own engine's death is reported by the launcher's watcher; a silent remote one is probed with GetStats
+        (answered even mid-step) while requests wait, and declared dead after REMOTE_SILENCE_S."""
         if self.client.procs is not None:
-            return self.client.decode(await self._asock.recv())
+            return await self._asock.recv()
         silent_since = time.monotonic()
         while True:
             try:
-                return self.client.decode(await asyncio.wait_for(self._asock.recv(), PROBE_AFTER_S))
+                return await asyncio.wait_for(self._asock.recv(), PROBE_AFTER_S)
             except asyncio.TimeoutError:
                 if not self.processor.num_pending:
                     silent_since = time.monotonic()
@@ -124,8 +104,6 @@ class AsyncLLM:
                     self._send(GetStats())
 
     def _apply(self, batch: TokenBatch) -> None:
-        if batch.stats:
-            self.client.latest_stats = batch.stats
         if not batch.request_ids:  # the answer to a GetStats
             waiters, self._stats_waiters = self._stats_waiters, []
             for waiter in waiters:
@@ -149,8 +127,7 @@ class AsyncLLM:
 
     def _wake(self, states: list[RequestState]) -> None:
         for state in states:
-            event = self._events.get(state.output.request_id)
-            if event is not None:
+            if (event := self._events.get(state.output.request_id)) is not None:
                 event.set()
 
     @property
@@ -167,7 +144,7 @@ class AsyncLLM:
         tracer = self.client.tracer
         with tracer.span("frontend.tokenize"):
             params = params or SamplingParams()
-            text, ids = prepare_prompt(self.tokenizer, prompt, params, self.max_model_len, self.model_config.vocab_size)
+            text, ids = self.client.prepare(prompt, params)
         state, msgs = self.processor.add(request_id, text, ids, params)
         event = self._events[request_id] = asyncio.Event()
         try:
@@ -177,24 +154,20 @@ class AsyncLLM:
             while True:
                 await event.wait()
                 event.clear()
-                self._raise_if_failed(state)
-                with tracer.span("frontend.stream"):
-                    out = _snapshot(state.output)
+                if state.output.error is not None:
+                    raise (EngineRequestError if self.dead_reason is None else EngineDeadError)(state.output.error)
+                with tracer.span("frontend.stream"):  # a copy the caller may keep while the live output grows
+                    out = dataclasses.replace(state.output, outputs=[
+                        dataclasses.replace(o, token_ids=list(o.token_ids),
+                                            logprobs=None if o.logprobs is None else list(o.logprobs))
+                        for o in state.output.outputs])
                 yield out
                 if out.finished:  # not state.finished: it may have finished while the caller held `out`
                     return
         finally:
             self._events.pop(request_id, None)
-            if not state.finished:
+            if not state.output.finished:
                 self._abort_now(request_id)
-
-    def _raise_if_failed(self, state: RequestState) -> None:
-        error = state.output.error
-        if error is None:
-            return
-        if self.dead_reason is not None:
-            raise EngineDeadError(error)
-        raise EngineRequestError(error)
 
     def _abort_now(self, request_id: str) -> None:
         engine_ids = self.processor.abort(request_id)
@@ -203,16 +176,11 @@ class AsyncLLM:
 
     async def abort(self, request_id: str) -> None:
         self._abort_now(request_id)
-        event = self._events.get(request_id)
-        if event is not None:
+        if (event := self._events.get(request_id)) is not None:
             event.set()
 
-    def stats(self) -> dict:
-        """The engine's counters as of its latest step (they ride on every TokenBatch)."""
-        return dict(self.client.latest_stats)
-
     async def get_stats(self, timeout: float = 5.0) -> dict:
-        """Fresh engine counters: a round trip to the scheduler (stats() may predate the last abort)."""
+        """Fresh engine counters: a round trip to the scheduler."""
         if self.dead_reason:
             raise EngineDeadError(self.dead_reason)
         self._ensure_started()
@@ -233,9 +201,3 @@ class AsyncLLM:
         self.client.close()
         self.client = None
 
-
-def _snapshot(output: RequestOutput) -> RequestOutput:
-    """A copy the caller may keep while the live output keeps growing."""
-    outs = [dataclasses.replace(o, token_ids=list(o.token_ids),
-                                logprobs=None if o.logprobs is None else list(o.logprobs)) for o in output.outputs]
-    return dataclasses.replace(output, outputs=outs)

@@ -1,9 +1,5 @@
-"""Command line of launch.py: vLLM `serve`'s flags for a one-GPU user, plus one-prompt and headless modes.
-
-Engine flags are EngineConfig's fields under the same names (--max-num-seqs -> max_num_seqs) and take
-their defaults from it, so the CLI, LLM(...) keywords and the config cannot drift apart; the one exception
-is the step budget (SERVE_MAX_NUM_BATCHED_TOKENS).
-"""
+"""launch.py's command line: vLLM `serve`'s flags, plus one-prompt and headless modes. Engine flags are EngineConfig's
+fields under the same names, with its defaults (but the server's step budget), so that they cannot drift apart."""
 from __future__ import annotations
 
 import argparse
@@ -48,18 +44,18 @@ _ENGINE_FLAGS = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="launch.py",
-        description="Serve a Qwen2-family model with an OpenAI-compatible API (default), run one prompt "
-                    "(--prompt), or run the engine alone for other frontends (--headless).")
+    p = argparse.ArgumentParser(prog="launch.py", description="Serve a Qwen2-family model with an OpenAI-compatible "
+                                "API (default), run one prompt (--prompt), or run the engine alone (--headless).")
     model = p.add_argument_group("model")
-    model.add_argument("--model", required=True,
-                       help="HF directory, HF hub id, or a short name such as qwen2.5-1.5b")
+    model.add_argument("--model", required=True, help="HF directory, HF hub id, or a short name such as qwen2.5-1.5b")
     model.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                        help="names the API answers to (the first is reported); default: --model")
-    _add_config_flags(model, _MODEL_FLAGS)
     engine = p.add_argument_group("engine and KV cache")
-    _add_config_flags(engine, _ENGINE_FLAGS)
+    for group, flags in ((model, _MODEL_FLAGS), (engine, _ENGINE_FLAGS)):
+        for flag, kind, help_text in flags:
+            default = _DEFAULTS[flag.lstrip("-").replace("-", "_")]
+            shown = "" if default is None else " (default: %(default)s)"
+            group.add_argument(flag, type=kind, default=default, metavar=_METAVARS[kind], help=help_text + shown)
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=_DEFAULTS["enable_prefix_caching"],
                         help="reuse the KV blocks of prompts that share a prefix (default: on)")
@@ -75,18 +71,6 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--shutdown-timeout", type=float, default=_SERVER_DEFAULTS["shutdown_timeout"], metavar="X",
                         help="on SIGTERM, seconds in-flight requests may take before they are aborted "
                              "(default: %(default)s)")
-    _add_mode_flags(p)
-    return p
-
-
-def _add_config_flags(group: argparse._ArgumentGroup, flags: list[tuple[str, type, str]]) -> None:
-    for flag, kind, help_text in flags:
-        default = _DEFAULTS[_dest(flag)]
-        shown = "" if default is None else " (default: %(default)s)"
-        group.add_argument(flag, type=kind, default=default, metavar=_METAVARS[kind], help=help_text + shown)
-
-
-def _add_mode_flags(p: argparse.ArgumentParser) -> None:
     offline = p.add_argument_group("one prompt, no server")
     offline.add_argument("--prompt", metavar="TEXT", help="complete this text, print the completion and exit")
     offline.add_argument("--max-tokens", type=int, default=16, metavar="N",
@@ -99,20 +83,17 @@ def _add_mode_flags(p: argparse.ArgumentParser) -> None:
     headless.add_argument("--engine-address", default=None, metavar="ADDR",
                           help="ipc://PATH or tcp://HOST:PORT the engine listens on (tcp binds 127.0.0.1 "
                                "unless a host is named; default: a fresh private ipc path)")
-
-
-def _dest(flag: str) -> str:
-    return flag.lstrip("-").replace("-", "_")
+    return p
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerOptions]:
     """The engine config and the server options; a bad value exits with a usage message (status 2)."""
+    return _parse(argv)[:2]
+
+
+def _parse(argv: list[str] | None) -> tuple[EngineConfig, ServerOptions, argparse.Namespace, argparse.ArgumentParser]:
     parser = build_parser()
-    return _split(parser, parser.parse_args(argv))
-
-
-def _split(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> tuple[EngineConfig, ServerOptions]:
-    args = vars(ns)
+    args = vars(ns := parser.parse_args(argv))
     try:
         config = EngineConfig(**{name: args[name] for name in _DEFAULTS if name in args})
         options = ServerOptions(**{name: args[name] for name in _SERVER_DEFAULTS})
@@ -120,15 +101,13 @@ def _split(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> tuple[Eng
         require(options.shutdown_timeout >= 0, "shutdown_timeout", options.shutdown_timeout, "use 0 or more seconds")
     except ValueError as exc:
         parser.error(str(exc))
-    return config, options
+    return config, options, ns, parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """launch.py's entry: one prompt, a headless engine, or the OpenAI server (the default)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    parser = build_parser()
-    ns = parser.parse_args(argv)
-    config, options = _split(parser, ns)
+    config, options, ns, parser = _parse(argv)
     try:
         if ns.prompt is not None:
             return run_prompt(config, ns.prompt, ns.max_tokens, ns.temperature)
@@ -158,8 +137,7 @@ def check_port_free(host: str, port: int, flags: str) -> None:
 
 def run_prompt(config: EngineConfig, prompt: str, max_tokens: int, temperature: float) -> int:
     with LLM(**{f.name: getattr(config, f.name) for f in fields(config)}) as llm:
-        out = llm.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=temperature),
-                           use_tqdm=False)
+        out = llm.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=temperature), use_tqdm=False)
     print(out[0].outputs[0].text)
     return 0
 

@@ -1,8 +1,5 @@
-"""Incremental detokenization: token ids in, newly completed text out, O(1) amortized per token.
-
-`make_detokenizer` picks the implementation: tokenizers' Rust DecodeStream for a fast tokenizer (one native
-call per token), else a window of two Python-side decodes per token (any tokenizer). Both give the same deltas.
-"""
+"""Incremental detokenization (token ids in, newly completed text out, O(1) amortized per token), and the stop
+strings matched on that text: never emitted, nor any part of one that may still complete."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -19,12 +16,9 @@ _INCOMPLETE = "\ufffd"  # what decode gives for an incomplete UTF-8 sequence at 
 
 
 class IncrementalDetokenizer:
-    """Turns a request's output tokens into text deltas, holding back a character split across tokens.
-
-    Invariant: ids[prefix_offset:read_offset] is text already emitted (kept as left context), and
-    ids[read_offset:] is not emitted yet. Each step decodes only ids[prefix_offset:], a window that is as long
-    as the context plus the tokens held back, not the whole sequence.
-    """
+    """Output tokens as text deltas, holding back a character split across tokens. Invariant:
+    ids[prefix_offset:read_offset] is text already emitted (kept as left context), ids[read_offset:] is not; a step
+    decodes only ids[prefix_offset:], the context plus the tokens held back, not the whole sequence."""
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True,
                  spaces_between_special_tokens: bool = True) -> None:
@@ -32,10 +26,8 @@ class IncrementalDetokenizer:
         # Hugging Face's slow tokenizers honour the spaces flag; fast ones (Qwen's) ignore it, as they do in vLLM.
         self._decode_flags = {"skip_special_tokens": skip_special_tokens,
                               "spaces_between_special_tokens": spaces_between_special_tokens}
-        context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
-        self._ids = context  # the context plus every output token (output ids are cheap to keep)
-        self._prefix_offset = 0
-        self._read_offset = len(context)
+        self._ids = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])  # the context, then every output token
+        self._prefix_offset, self._read_offset = 0, len(self._ids)
         self._pieces: list[str] = []
 
     def step(self, new_token_ids: list[int]) -> str:
@@ -49,12 +41,11 @@ class IncrementalDetokenizer:
 
     @property
     def text(self) -> str:
-        """All output text emitted so far."""
         return "".join(self._pieces)
 
     def _emit(self, hold_incomplete: bool) -> str:
-        prefix_text = self._decode(self._prefix_offset, self._read_offset)
-        new_text = self._decode(self._prefix_offset, len(self._ids))
+        prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset:])
         if len(new_text) <= len(prefix_text) or (hold_incomplete and new_text.endswith(_INCOMPLETE)):
             return ""  # nothing new (a skipped special token), or the last character's bytes are not all here
         delta = new_text[len(prefix_text):]
@@ -62,10 +53,8 @@ class IncrementalDetokenizer:
         self._pieces.append(delta)
         return delta
 
-    def _decode(self, start: int, end: int) -> str:
-        if start >= end:
-            return ""
-        return self.tokenizer.decode(self._ids[start:end], **self._decode_flags)
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, **self._decode_flags) if ids else ""
 
 
 class StreamDetokenizer:
@@ -81,7 +70,6 @@ class StreamDetokenizer:
         self._pieces: list[str] = []
 
     def step(self, new_token_ids: list[int]) -> str:
-        """Append tokens; return the text they complete ("" while a multi-byte character is still split)."""
         delta = ""
         for token in new_token_ids:
             self._held.append(token)
@@ -89,28 +77,77 @@ class StreamDetokenizer:
             if piece is not None:
                 delta += piece
                 self._held.clear()
-        return self._emitted(delta)
+        self._pieces.append(delta)
+        return delta
 
     def flush(self) -> str:
-        """At the end of a request: the text still held back (an incomplete character decodes as U+FFFD)."""
         held, self._held = self._held, []
-        return self._emitted(self._backend.decode(held, skip_special_tokens=self._skip) if held else "")
+        self._pieces.append(self._backend.decode(held, skip_special_tokens=self._skip) if held else "")
+        return self._pieces[-1]
 
     @property
     def text(self) -> str:
-        """All output text emitted so far."""
         return "".join(self._pieces)
-
-    def _emitted(self, delta: str) -> str:
-        if delta:
-            self._pieces.append(delta)
-        return delta
 
 
 def make_detokenizer(tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], skip_special_tokens: bool = True,
                      spaces_between_special_tokens: bool = True) -> IncrementalDetokenizer | StreamDetokenizer:
-    """The stream where it decodes as tokenizer.decode does: a fast tokenizer (which ignores the spaces flag)
-    that does not clean up spaces after decoding; the windowed decode otherwise."""
+    """tokenizers' DecodeStream (one native call per token) where it decodes as tokenizer.decode does: a fast
+    tokenizer (which ignores the spaces flag) that does not clean up spaces; the windowed decode otherwise."""
     if getattr(tokenizer, "backend_tokenizer", None) is not None and not tokenizer.clean_up_tokenization_spaces:
         return StreamDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
     return IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens, spaces_between_special_tokens)
+
+
+class StopMatcher:
+    """Cuts the streamed text at the earliest stop string: before it, or after it when kept (vLLM's
+    include_stop_str_in_output, which then holds nothing back). Invariant: `_tail` is the last (longest stop - 1)
+    characters seen, and its last `_held` are not emitted yet: the longest suffix that is a proper prefix of some
+    stop string (0 when stops are kept). A stop counts when it ends in a new delta; it cannot start before the held
+    characters, or a longer suffix would have been held."""
+
+    def __init__(self, stops: list[str] | None, keep_stop: bool = False) -> None:
+        self.stops = [s for s in (stops or []) if s]
+        self.keep_stop = keep_stop
+        self._max_prefix = max((len(s) for s in self.stops), default=1) - 1
+        self._tail = ""
+        self._held = 0
+        self.stopped: str | None = None
+
+    def feed(self, delta: str, check: bool = True) -> tuple[str, str | None]:
+        """(text safe to emit now, the stop string that matched or None). check=False (before min_tokens): no stop
+        ends the text, but a stop's start is still held, so that a later delta can complete it."""
+        if self.stopped is not None:
+            return "", self.stopped
+        text = self._tail + delta
+        start = len(self._tail) - self._held  # the first character not emitted yet
+        cut, hit = self._earliest_stop(text, len(self._tail)) if check else (len(text), None)
+        if hit is not None:
+            self._tail, self._held, self.stopped = "", 0, hit
+            return text[start:cut + len(hit) if self.keep_stop else cut], hit
+        self._held = 0 if self.keep_stop else self._partial_stop_len(text)
+        self._tail = text[max(len(text) - self._max_prefix, 0):]
+        return text[start:len(text) - self._held], None
+
+    def flush(self) -> str:
+        """The held text, when the request ends without a stop string."""
+        held = self._tail[len(self._tail) - self._held:] if self._held else ""
+        self._held = 0
+        return held
+
+    def _earliest_stop(self, text: str, seen: int) -> tuple[int, str | None]:
+        """(start, stop string) of the earliest stop that ends past text[:seen], the text checked before."""
+        cut, hit = len(text), None
+        for stop in self.stops:
+            i = text.find(stop, max(seen - len(stop) + 1, 0), cut + len(stop) - 1)
+            if i != -1 and i < cut:
+                cut, hit = i, stop
+        return cut, hit
+
+    def _partial_stop_len(self, text: str) -> int:
+        """Length of the longest suffix of text that a stop string starts with."""
+        for k in range(min(self._max_prefix, len(text)), 0, -1):
+            tail = text[len(text) - k:]
+            if any(stop.startswith(tail) for stop in self.stops):
+                return k
+        return 0

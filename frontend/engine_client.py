@@ -1,25 +1,27 @@
-"""The frontend's side of the engine: its processes (or a remote address), the socket, the tokenizer.
-
-LLM and AsyncLLM both stand on an EngineClient; they differ only in how they wait for TokenBatches.
-"""
+"""The frontend's side of the engine (started here or remote): socket, handshake, tokenizer, prompt checks."""
 from __future__ import annotations
 
+import glob
+import json
 import logging
+import os
 import time
 import uuid
 
+import numpy as np
 import zmq
 
 from frontend.launcher import EngineProcesses
 from frontend.tokenizer import load_tokenizer
-from frontend.trace_summary import merge_traces
 from protocol.codec import ProtocolError, decode, encode
-from protocol.config import EngineConfig, ModelConfig
-from protocol.messages import READY_TIMEOUT_S, EngineDead, GetStats, Ready, Shutdown, TokenBatch
-from protocol.tracing import Tracer
+from protocol.config import EngineConfig, InvalidParam, ModelConfig
+from protocol.messages import READY_TIMEOUT_S, EngineDead, GetStats, Ready, Shutdown
+from protocol.sampling import SamplingParams, check_length, check_prompt
+from protocol.tracing import DECODE_GPU_SPAN, Tracer
 
 log = logging.getLogger("pico_vllm.frontend")
 SHUTDOWN_LINGER_MS = 1000  # time for our last message (Shutdown) to leave when we close
+Prompt = str | list[int]
 
 
 class EngineDeadError(RuntimeError):
@@ -27,13 +29,11 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineClient:
-    """Starts an engine (a config that resolve_config has resolved) or attaches to one (address given) and performs
-    the handshake."""
+    """Starts an engine from a resolved config, or attaches to one at `address`, and waits for its Ready."""
 
     def __init__(self, config: EngineConfig | None = None, address: str | None = None,
                  ready_timeout: float = READY_TIMEOUT_S) -> None:
         self.procs: EngineProcesses | None = None
-        self.latest_stats: dict = {}
         self.trace_dir = config.trace_dir if config is not None else None
         self.clock: dict[str, float] = {}  # wall-clock marks of the start-up, for bench/startup
         self.tracer = Tracer("frontend", self.trace_dir)
@@ -82,14 +82,27 @@ class EngineClient:
                                   f"`launch.py --headless --engine-address {self.address}` or fix the address")
         raise EngineDeadError(f"engine at {self.address} was not ready after {timeout:.0f} s")
 
+    def prepare(self, prompt: Prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
+        """(text, token ids), checked as the scheduler checks them; InvalidParam names the field and the fix."""
+        vocab_size = self.model_config.vocab_size
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidParam("prompt", "prompt is empty: send at least one character or token id")
+            text, ids = prompt, self.tokenizer.encode(prompt)  # the tokenizer's own specials: Llama 3's BOS
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            text, ids = None, check_prompt(prompt, vocab_size)
+        else:
+            raise InvalidParam("prompt", "prompt must be a str or a list of int token ids, got "
+                                         f"{type(prompt).__name__}")
+        params.check_vocab(vocab_size)
+        check_length(len(ids), params.max_tokens, self.max_model_len)
+        return text, ids
+
     def send(self, msg: object) -> None:
         self.sock.send(encode(msg))
 
-    def recv(self) -> object:
-        """One message, or None when the frame is malformed (logged, never fatal)."""
-        return self.decode(self.sock.recv())
-
     def decode(self, frame: bytes) -> object:
+        """The message, or None for a malformed frame (logged, never fatal)."""
         with self.tracer.span("frontend.receive"):
             try:
                 return decode(frame)
@@ -102,11 +115,9 @@ class EngineClient:
         while not self.sock.poll(500):
             if self.dead_reason:
                 raise EngineDeadError(self.dead_reason)
-        msg = self.recv()
+        msg = self.decode(self.sock.recv())
         if isinstance(msg, EngineDead):
             raise EngineDeadError(msg.reason)
-        if isinstance(msg, TokenBatch) and msg.stats:
-            self.latest_stats = msg.stats
         return msg
 
     @property
@@ -119,8 +130,7 @@ class EngineClient:
         if self.procs is not None and not self.sock.closed:
             try:
                 self.send(Shutdown())
-                # With no linger, close() may drop the Shutdown still queued: the scheduler would then
-                # only stop when terminated, after the whole join timeout. A dead one takes nothing.
+                # With no linger close() may drop the queued Shutdown, and the scheduler waits to be terminated.
                 linger_ms = 0 if self.dead_reason else SHUTDOWN_LINGER_MS
             except zmq.ZMQError:
                 pass
@@ -134,3 +144,36 @@ class EngineClient:
             self.tracer.flush()
             merge_traces(self.trace_dir)  # every child has flushed its own file by now
             self.trace_dir = None
+
+
+def merge_traces(trace_dir: str) -> None:
+    """Every process's trace file joined into trace.json (Perfetto opens it), and summary.txt: per process and
+    stage, count and p50/p90/p99 in µs; then the GPU idle time between decode steps."""
+    events: list[dict] = []
+    for path in sorted(glob.glob(os.path.join(trace_dir, "*-*.json"))):
+        with open(path) as f:
+            events += json.load(f)["traceEvents"]
+    with open(os.path.join(trace_dir, "trace.json"), "w") as f:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ns"}, f)
+    spans: dict[tuple[str, str], list[float]] = {}
+    for e in events:
+        if e.get("ph") == "X":
+            spans.setdefault((e["cat"], e["name"]), []).append(e["dur"])
+    lines = [f"{'process':<12} {'stage':<22} {'count':>7} {'p50 us':>10} {'p90 us':>10} {'p99 us':>10}"]
+    for (proc, name), durs in sorted(spans.items()):
+        p50, p90, p99 = np.percentile(durs, [50, 90, 99])
+        lines.append(f"{proc:<12} {name:<22} {len(durs):>7} {p50:>10.1f} {p90:>10.1f} {p99:>10.1f}")
+    decode = sorted((e["args"]["step"], e["ts"], e["ts"] + e["dur"]) for e in events
+                    if e.get("ph") == "X" and e["name"] == DECODE_GPU_SPAN)
+    # Only back-to-back decode steps count: a prefill step between two of them is work, not idle time.
+    pairs = [(a, b) for a, b in zip(decode, decode[1:]) if b[0] == a[0] + 1]
+    if not pairs:
+        lines.append("gpu idle between decode steps: n/a (no two consecutive GPU-timed decode steps)")
+    else:
+        gaps = np.array([max(0.0, b[1] - a[2]) for a, b in pairs])
+        share = 100.0 * gaps.sum() / (gaps.sum() + sum(b[2] - b[1] for _, b in pairs))
+        p50, p99 = np.percentile(gaps, [50, 99])
+        lines.append(f"gpu idle between decode steps: {share:.2f}% of decode time, gap p50 {p50:.1f} us, "
+                     f"p99 {p99:.1f} us over {len(gaps)} gaps")
+    with open(os.path.join(trace_dir, "summary.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")

@@ -1,10 +1,8 @@
-"""Starts the scheduler and worker processes, watches them, and stops them leaving nothing behind.
-
-Each child is its own program (`python -m scheduler`, `python -m worker`) that reads its arguments as msgpack
-on stdin: nothing of the caller's `__main__` is re-imported, so `LLM(...)` works in any script, pipe or REPL.
-"""
+"""Starts the scheduler and worker processes, watches them, and stops them leaving nothing behind. Each child is
+`python -m scheduler|worker` reading its arguments as msgpack on stdin: the caller's `__main__` is never re-imported."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -35,11 +33,9 @@ def start_child(module: str, args: bytes) -> subprocess.Popen:
     env = {**os.environ, **_CHILD_ENV, "PYTHONPATH": path}
     safe_path = ["-P"] if sys.version_info >= (3, 11) else []
     proc = subprocess.Popen([sys.executable, *safe_path, "-m", module], stdin=subprocess.PIPE, env=env)
-    try:
+    with contextlib.suppress(BrokenPipeError):  # it died at once: the watcher reports its exit code
         proc.stdin.write(args)
         proc.stdin.close()
-    except BrokenPipeError:  # it died at once: the watcher reports its exit code
-        pass
     return proc
 
 
@@ -52,7 +48,7 @@ class EngineProcesses:
         self.dead_reason: str | None = None
         self.procs: dict[str, subprocess.Popen] = {}
         self._stopping = False
-        self._exited = threading.Event()
+        self.exited = threading.Event()  # set when any child exits
         self._lock = threading.Lock()
         self._on_death: list[Callable[[str], None]] = []
 
@@ -73,7 +69,7 @@ class EngineProcesses:
 
     def _watch(self, role: str, proc: subprocess.Popen) -> None:
         code = proc.wait()
-        self._exited.set()
+        self.exited.set()
         with self._lock:
             if self._stopping or self.dead_reason is not None:
                 return
@@ -86,16 +82,9 @@ class EngineProcesses:
     def alive(self) -> bool:
         return self.dead_reason is None and all(p.poll() is None for p in self.procs.values())
 
-    def wait_any_exit(self, timeout: float | None = None) -> bool:
-        """Block until a child exits (headless mode); True if one did."""
-        return self._exited.wait(timeout)
-
     def shutdown(self, timeout: float = 5.0) -> None:
-        """Wait for the children (the client has asked the scheduler to stop), then terminate, then kill.
-
-        After a child died nobody stops the others in order (a worker may be stuck), so they are
-        terminated at once: a supervisor waiting to restart us must not wait for a grace period.
-        """
+        """Wait for the children (the client has asked the scheduler to stop), then terminate, then kill; after a
+        death at once (a worker may be stuck, and a supervisor waiting to restart us must not wait)."""
         with self._lock:
             self._stopping = True
         self._wait_all(0.0 if self.dead_reason else timeout)
@@ -124,7 +113,7 @@ def run_headless(config: EngineConfig, address: str) -> int:
         signal.signal(sig, lambda *_: stop.set())
     procs.start()
     log.info("engine listening at %s", procs.addresses.engine)
-    while not stop.is_set() and not procs.wait_any_exit(0.5):
+    while not stop.is_set() and not procs.exited.wait(0.5):
         pass
     with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as sock:
         sock.setsockopt(zmq.LINGER, 500)

@@ -1,5 +1,4 @@
-"""LLM: the synchronous, offline API. Submits the prompts as fast as the engine's waiting queue takes them
-and lets the engine batch them."""
+"""LLM: the synchronous, offline API; prompts go in as fast as the engine's waiting queue takes them."""
 from __future__ import annotations
 
 import atexit
@@ -9,11 +8,9 @@ from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
-from frontend.engine_client import EngineClient, EngineDeadError
-from frontend.inputs import Prompt, prepare_prompt
+from frontend.engine_client import EngineClient, EngineDeadError, Prompt
 from frontend.model_resolution import resolve_config
-from frontend.output_processor import OutputProcessor, RequestState
-from frontend.outputs import RequestOutput
+from frontend.output_processor import OutputProcessor, RequestOutput, RequestState
 from protocol.config import EngineConfig
 from protocol.messages import Abort, GetStats, TokenBatch
 from protocol.sampling import SamplingParams
@@ -39,17 +36,17 @@ class LLM:
     def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Outputs in input order. A prompt is a str or a list of token ids."""
-        prompts = [prompts] if _is_single(prompts) else list(prompts)
+        single = isinstance(prompts, str) or (isinstance(prompts, list) and bool(prompts)
+                                              and all(isinstance(t, int) for t in prompts))
+        prompts = [prompts] if single else list(prompts)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts: give one or one each")
         params = [sp or SamplingParams() for sp in params]
-        client = self.client
-        with client.tracer.span("frontend.tokenize"):
-            prepared = [(*prepare_prompt(client.tokenizer, p, sp, client.max_model_len, client.model_config.vocab_size),
-                         sp) for p, sp in zip(prompts, params)]
-        states, unsent, unfinished = [], deque(prepared), 0
-        with tqdm(total=len(prepared), desc="generate", disable=not use_tqdm) as bar:
+        with self.client.tracer.span("frontend.tokenize"):
+            unsent = deque((*self.client.prepare(p, sp), sp) for p, sp in zip(prompts, params))
+        states, unfinished = [], 0
+        with tqdm(total=len(unsent), desc="generate", disable=not use_tqdm) as bar:
             while unsent or self.processor.num_pending:
                 unfinished = self._send_while_room(unsent, states, unfinished)
                 finished = self._step()
@@ -61,25 +58,21 @@ class LLM:
         return [state.output for state in states]
 
     def _send_while_room(self, unsent: deque, states: list[RequestState], unfinished: int) -> int:
-        """Submit prompts while the engine's queue surely has room; return the engine requests unfinished.
-
-        Engine requests (n per prompt) sent and not finished bound those waiting in the engine's queue.
-        """
+        """Submit prompts while the engine's queue surely has room (engine requests sent and unfinished bound
+        those waiting in it); return how many are unfinished."""
         def room() -> bool:
             return bool(unsent) and (not unfinished or unfinished + unsent[0][2].n <= self._max_unfinished)
 
         if room():
             with self.client.tracer.span("frontend.send"):
                 while room():
-                    states.append(self._submit(*unsent.popleft()))
-                    unfinished += states[-1].params.n
+                    text, ids, params = unsent.popleft()
+                    state, msgs = self.processor.add(f"llm-{next(self._ids)}", text, ids, params)
+                    for msg in msgs:
+                        self.client.send(msg)
+                    states.append(state)
+                    unfinished += params.n
         return unfinished
-
-    def _submit(self, text: str | None, ids: list[int], params: SamplingParams) -> RequestState:
-        state, msgs = self.processor.add(f"llm-{next(self._ids)}", text, ids, params)
-        for msg in msgs:
-            self.client.send(msg)
-        return state
 
     def _step(self) -> list[RequestState]:
         """Wait for one TokenBatch; return the requests it finished."""
@@ -94,7 +87,7 @@ class LLM:
             changed, to_abort = self.processor.process(msg)
         if to_abort:
             self.client.send(Abort(to_abort))
-        return [state for state in changed if state.finished]
+        return [state for state in changed if state.output.finished]
 
     def stats(self) -> dict:
         """Fresh engine counters (a round trip to the scheduler)."""
@@ -116,7 +109,3 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
-
-def _is_single(prompts) -> bool:
-    return isinstance(prompts, str) or (isinstance(prompts, list) and bool(prompts)
-                                         and all(isinstance(t, int) for t in prompts))

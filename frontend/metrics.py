@@ -1,9 +1,5 @@
-"""Prometheus metrics under vLLM's names and types, so that vLLM's dashboards and alerts work unchanged.
-
-Engine gauges are refreshed from the engine's stats when /metrics is scraped; request counters and
-latency histograms are fed by the server as each request streams. One registry per server (not the
-process-global one), so that several apps can live in one test process.
-"""
+"""Prometheus metrics under vLLM's names, types and buckets, so that vLLM's dashboards and alerts work unchanged.
+One registry per server (not the process-global one), so that several apps can live in one test process."""
 from __future__ import annotations
 
 import time
@@ -11,7 +7,6 @@ import time
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
                                disable_created_metrics, generate_latest)
 
-# vLLM's bucket edges (seconds), so that histograms from both engines can be compared directly.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -25,40 +20,41 @@ class Metrics:
 
     def __init__(self, model_name: str):
         disable_created_metrics()  # as vLLM does: no `*_created` series beside every counter and histogram
-        self.registry = r = CollectorRegistry()
-        label = ["model_name"]
+        self.registry = CollectorRegistry()
         self.model_name = model_name
-        self.running = Gauge("vllm:num_requests_running", "Requests in the running batch.", label, registry=r)
-        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", label, registry=r)
-        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).",
-                              label, registry=r)
-        self.preemptions = Counter("vllm:num_preemptions", "Preemptions by the scheduler.", label, registry=r)
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed.", label, registry=r)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", label, registry=r)
+
+        def labelled(kind, name: str, doc: str, **kwargs):
+            return kind(name, doc, ["model_name"], registry=self.registry, **kwargs).labels(model_name)
+
+        self.running = labelled(Gauge, "vllm:num_requests_running", "Requests in the running batch.")
+        self.waiting = labelled(Gauge, "vllm:num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = labelled(Gauge, "vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).")
+        self.preemptions = labelled(Counter, "vllm:num_preemptions", "Preemptions by the scheduler.")
+        self.prompt_tokens = labelled(Counter, "vllm:prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = labelled(Counter, "vllm:generation_tokens", "Tokens generated.")
         self.success = Counter("vllm:request_success", "Requests finished, by finish reason.",
-                               label + ["finished_reason"], registry=r)
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time from arrival to the first token.",
-                              label, buckets=TTFT_BUCKETS, registry=r)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between two output tokens.",
-                             label, buckets=ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Time from arrival to the last token.",
-                             label, buckets=E2E_BUCKETS, registry=r)
+                               ["model_name", "finished_reason"], registry=self.registry)
+        self.ttft = labelled(Histogram, "vllm:time_to_first_token_seconds", "Time from arrival to the first token.",
+                             buckets=TTFT_BUCKETS)
+        self.itl = labelled(Histogram, "vllm:inter_token_latency_seconds", "Time between two output tokens.",
+                            buckets=ITL_BUCKETS)
+        self.e2e = labelled(Histogram, "vllm:e2e_request_latency_seconds", "Time from arrival to the last token.",
+                            buckets=E2E_BUCKETS)
         self._preemptions_seen = 0
 
     def observe_engine(self, stats: dict) -> None:
         """Refresh the engine gauges from the scheduler's stats (cumulative counts become counter steps)."""
-        name = self.model_name
-        self.running.labels(name).set(stats["num_running"])
-        self.waiting.labels(name).set(stats["num_waiting"])
+        self.running.set(stats["num_running"])
+        self.waiting.set(stats["num_waiting"])
         total = stats["num_total_blocks"]
-        self.kv_usage.labels(name).set(1.0 - stats["num_free_blocks"] / total if total else 0.0)
+        self.kv_usage.set(1.0 - stats["num_free_blocks"] / total if total else 0.0)
         new = stats["num_preemptions"] - self._preemptions_seen
         if new > 0:
-            self.preemptions.labels(name).inc(new)
+            self.preemptions.inc(new)
             self._preemptions_seen = stats["num_preemptions"]
 
     def request(self, prompt_tokens: int) -> RequestTimer:
-        return RequestTimer(self, prompt_tokens)
+        return RequestTimer(self, prompt_tokens)  # fed as the request streams
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -73,23 +69,22 @@ class RequestTimer:
         self.counts: list[int] = []
 
     def on_tokens(self, counts: list[int]) -> None:
-        """Called with each of the request's n outputs' cumulative token counts after each engine step."""
+        """Each of the request's n outputs' cumulative token count, after an engine step."""
         new = [count - seen for count, seen in zip(counts, self.counts or [0] * len(counts))]
         if sum(new) <= 0:
             return
-        now, m, name = time.perf_counter(), self.metrics, self.metrics.model_name
+        now, m = time.perf_counter(), self.metrics
         if not self.counts:  # the prompt was processed: counted now, so that refused requests never count
-            m.prompt_tokens.labels(name).inc(self.prompt_tokens)
-            m.ttft.labels(name).observe(now - self.arrival)
+            m.prompt_tokens.inc(self.prompt_tokens)
+            m.ttft.observe(now - self.arrival)
         else:  # each sample waited the whole gap; one that got several tokens in it spreads the gap over them
             for k in new:
                 for _ in range(k):
-                    m.itl.labels(name).observe((now - self.last) / k)
-        m.generation_tokens.labels(name).inc(sum(new))
+                    m.itl.observe((now - self.last) / k)
+        m.generation_tokens.inc(sum(new))
         self.counts, self.last = list(counts), now
 
     def finish(self, finish_reasons: list[str]) -> None:
-        m, name = self.metrics, self.metrics.model_name
-        m.e2e.labels(name).observe(time.perf_counter() - self.arrival)
+        self.metrics.e2e.observe(time.perf_counter() - self.arrival)
         for reason in finish_reasons:
-            m.success.labels(name, reason).inc()
+            self.metrics.success.labels(self.metrics.model_name, reason).inc()

@@ -1,30 +1,50 @@
-"""Turns the engine's TokenBatches into RequestOutputs: detokenize, match stop strings, fan out n.
-
-Shared by LLM (sync) and AsyncLLM: one caller request with n samples becomes n engine requests.
-"""
+"""What a caller gets back (RequestOutput, one CompletionOutput per sample), made from the engine's TokenBatches
+(detokenize, stop strings); a request's n samples are n engine requests. Shared by LLM and AsyncLLM."""
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from frontend.detokenizer import IncrementalDetokenizer, StreamDetokenizer, make_detokenizer
-from frontend.outputs import CompletionOutput, RequestOutput
-from frontend.stop_strings import StopMatcher
+from frontend.detokenizer import IncrementalDetokenizer, StopMatcher, StreamDetokenizer, make_detokenizer
 from protocol.messages import AddRequest, TokenBatch, i32
 from protocol.sampling import SamplingParams
 
 
 @dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop", "length", "abort" (or "error" with RequestOutput.error)
+    logprobs: list[dict[int, float]] | None = None  # per token: {token id: logprob} of sampled + top-k
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    error: str | None = None  # set when the engine failed the request
+    num_cached_tokens: int = 0
+
+
+@dataclass(slots=True)
 class _Sample:
-    """One of a request's n samples, as the engine sees it (its own engine request id)."""
+    """One of a request's n samples (its own engine request)."""
 
     state: RequestState
     out: CompletionOutput
     detok: IncrementalDetokenizer | StreamDetokenizer
     stops: StopMatcher
 
-    def feed(self, text: str) -> tuple[str, str | None]:
-        """Text through the stop strings, which (as in vLLM) only end a sample past its min_tokens."""
+    def feed(self, text: str) -> tuple[str, str | None]:  # as in vLLM, a stop string counts past min_tokens only
         return self.stops.feed(text, len(self.out.token_ids) > self.state.params.min_tokens)
 
 
@@ -33,19 +53,6 @@ class RequestState:
     output: RequestOutput
     params: SamplingParams
     engine_ids: list[str]
-    arrival_ns: int = 0
-
-    @property
-    def finished(self) -> bool:
-        return self.output.finished
-
-
-def _sample_seed(seed: int | None, index: int) -> int | None:
-    """Sample i of a seeded request uses seed + i, wrapped into SamplingParams' range: the sampler takes seeds
-    modulo 2**64, so 2**64 - 1 + 1 is seed 0 (unwrapped it was refused, and the request failed with a 500)."""
-    if seed is None:
-        return None
-    return seed + index if seed + index < 2**64 else seed + index - 2**64
 
 
 class OutputProcessor:
@@ -65,7 +72,9 @@ class OutputProcessor:
         msgs = []
         for out in outs:
             engine_id = f"{request_id}#{next(self._ids)}"
-            sub = {**params.to_dict(), "n": 1, "seed": _sample_seed(params.seed, out.index)}
+            # Sample i of a seeded request uses seed + i, wrapped as the sampler wraps seeds (modulo 2**64).
+            seed = None if params.seed is None else params.seed + out.index
+            sub = {**params.to_dict(), "n": 1, "seed": seed - 2**64 if seed is not None and seed >= 2**64 else seed}
             detok = make_detokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens,
                                      params.spaces_between_special_tokens)
             self._samples[engine_id] = _Sample(state, out, detok,
@@ -77,8 +86,7 @@ class OutputProcessor:
 
     def process(self, batch: TokenBatch) -> tuple[list[RequestState], list[str]]:
         """Apply one batch; return the requests it changed and engine ids to abort (stop strings hit)."""
-        changed: dict[str, RequestState] = {}
-        to_abort: list[str] = []
+        changed, to_abort = {}, []
         for i, engine_id in enumerate(batch.request_ids):
             sample = self._samples.get(engine_id)
             if sample is None or sample.out.finished:
@@ -95,7 +103,7 @@ class OutputProcessor:
         return list(changed.values()), to_abort
 
     def _append(self, sample: _Sample, token: int, logprobs: list | None, stops: bool) -> None:
-        """Add a token; `stops`: the engine ended the sample on it (EOS or a stop token id)."""
+        """`stops`: the engine ended the sample on this token (EOS or a stop token id)."""
         out = sample.out
         out.token_ids.append(token)
         if logprobs is not None and out.logprobs is not None:
@@ -128,25 +136,24 @@ class OutputProcessor:
             self._requests.pop(state.output.request_id, None)
 
     def abort(self, request_id: str) -> list[str]:
-        """End a request here; return its engine ids so the caller tells the engine."""
+        """Return its engine ids, for the caller to tell the engine."""
         state = self._requests.get(request_id)
         if state is None:
             return []
-        for engine_id in state.engine_ids:
-            sample = self._samples.get(engine_id)
-            if sample is not None and not sample.out.finished:
-                self._finish(sample, "abort")
+        self._end(state, "abort")
         return state.engine_ids
 
     def fail_all(self, reason: str) -> list[RequestState]:
         """The engine died: every pending request ends with this error."""
         states = list(self._requests.values())
         for state in states:
-            for engine_id in state.engine_ids:
-                sample = self._samples.get(engine_id)
-                if sample is not None and not sample.out.finished:
-                    self._finish(sample, "error", reason)
+            self._end(state, "error", reason)
         return states
+
+    def _end(self, state: RequestState, reason: str, error: str | None = None) -> None:
+        for sample in [self._samples.get(engine_id) for engine_id in state.engine_ids]:
+            if sample is not None and not sample.out.finished:
+                self._finish(sample, reason, error)
 
     @property
     def num_pending(self) -> int:

@@ -1,8 +1,5 @@
-"""One HTTP request on the engine: read its body, run its jobs, answer with JSON or server-sent events.
-
-A client that goes away cancels every path that waits on the engine, which aborts its engine requests and
-frees their KV blocks.
-"""
+"""One HTTP request's jobs on the engine, answered with JSON or server-sent events; a client that goes away
+cancels every path that waits on the engine, which aborts its engine requests."""
 from __future__ import annotations
 
 import asyncio
@@ -14,34 +11,17 @@ from typing import TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel
 
 from frontend.api_models import APIError, Job, bad_request
-from frontend.api_render import Renderer, usage
+from frontend.api_render import Renderer
 from frontend.async_llm import AsyncLLM, EngineRequestError
 from frontend.engine_client import EngineDeadError
 from frontend.metrics import Metrics
-from frontend.outputs import RequestOutput
+from frontend.output_processor import RequestOutput
 from protocol.messages import OVERLOADED
 
 T = TypeVar("T")
 log = logging.getLogger("pico_vllm.server")
-MAX_BODY_BYTES = 4 << 20  # a 128k-token prompt is well under 1 MB of text; far larger bodies are abuse
-
-
-async def read_body(request: Request) -> bytes:
-    """The body, refused (413) past MAX_BODY_BYTES before it is all buffered."""
-    declared = request.headers.get("content-length", "")
-    too_large = APIError(413, f"request body is over {MAX_BODY_BYTES} bytes", code="request_too_large")
-    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise too_large
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise too_large
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def engine_error(exc: Exception) -> APIError:
@@ -58,38 +38,24 @@ def engine_error(exc: Exception) -> APIError:
     return APIError(500, f"engine fault: {type(exc).__name__}: {exc}", code="engine_error")
 
 
-async def generate(engine: AsyncLLM, job: Job, metrics: Metrics) -> AsyncIterator[RequestOutput]:
-    """One engine request's outputs, timed for /metrics; closing this early aborts the request."""
-    timer = metrics.request(len(job.token_ids))
-    out = None
-    try:
-        async with aclosing(engine.generate(job.token_ids, job.params, job.request_id)) as outputs:
-            async for out in outputs:
-                timer.on_tokens([len(o.token_ids) for o in out.outputs])
-                yield out
-    finally:
-        timer.finish([o.finish_reason or "abort" for o in out.outputs] if out else ["abort"] * job.params.n)
-
-
-async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(stream index, output) as each arrives; closing the merge closes (aborts) every stream."""
-    if len(streams) == 1:
-        async with aclosing(streams[0]) as only:
-            async for out in only:
-                yield 0, out
-        return
+async def generate(engine: AsyncLLM, jobs: list[Job], metrics: Metrics) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(job index, output) as each arrives, timed for /metrics; closing this early aborts every job."""
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+    async def pump(i: int, job: Job) -> None:
+        timer, out = metrics.request(len(job.token_ids)), None
         try:
-            async with aclosing(stream):
-                async for out in stream:
+            async with aclosing(engine.generate(job.token_ids, job.params, job.request_id)) as outputs:
+                async for out in outputs:
+                    timer.on_tokens([len(o.token_ids) for o in out.outputs])
                     queue.put_nowait((i, out, None))
             queue.put_nowait((i, None, None))
         except Exception as exc:  # handed to the consumer, which raises it
             queue.put_nowait((i, None, exc))
+        finally:
+            timer.finish([o.finish_reason or "abort" for o in out.outputs] if out else ["abort"] * job.params.n)
 
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    tasks = [asyncio.create_task(pump(i, job)) for i, job in enumerate(jobs)]
     try:
         remaining = len(tasks)
         while remaining:
@@ -112,8 +78,12 @@ class ClientGone(Exception):
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
     """Await `work` unless the client hangs up first; then cancel it, which aborts its engine requests."""
+    async def client_gone() -> None:  # the body has been read: the next message is the disconnect
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
     task = asyncio.ensure_future(work)
-    watch = asyncio.create_task(_client_gone(request))
+    watch = asyncio.create_task(client_gone())
     try:
         await asyncio.wait([task, watch], return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:  # we are cancelled ourselves (shutdown): so is the work
@@ -127,18 +97,9 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
-async def _client_gone(request: Request) -> None:
-    """Returns when the ASGI server reports the disconnect (the body has been read already)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _collect(merged: AsyncIterator[tuple[int, RequestOutput]], count: int) -> list[RequestOutput]:
-    finals: dict[int, RequestOutput] = {}
+async def _collect(merged: AsyncIterator[tuple[int, RequestOutput]]) -> dict[int, RequestOutput]:
     async with aclosing(merged):
-        async for i, out in merged:
-            finals[i] = out
-    return [finals[i] for i in range(count)]
+        return {i: out async for i, out in merged}
 
 
 class EventStream(StreamingResponse):
@@ -153,8 +114,8 @@ class EventStream(StreamingResponse):
             await self.body_iterator.aclose()
 
 
-def _event(data: BaseModel | dict) -> str:
-    return f"data: {data.model_dump_json() if isinstance(data, BaseModel) else json.dumps(data)}\n\n"
+def _event(data: dict) -> str:
+    return f"data: {json.dumps(data)}\n\n"
 
 
 async def _events(first: tuple[int, RequestOutput], merged: AsyncIterator[tuple[int, RequestOutput]],
@@ -174,7 +135,7 @@ async def _events(first: tuple[int, RequestOutput], merged: AsyncIterator[tuple[
                 except StopAsyncIteration:
                     break
             if include_usage:
-                yield _event(renderer.usage_chunk(usage(renderer.jobs, [finals[k] for k in sorted(finals)])))
+                yield _event(renderer.chunk([], renderer.usage(list(finals.values()))))
         except Exception as exc:  # the 200 header is out: the error travels in the stream, as OpenAI's does
             yield _event(engine_error(exc).body())
     yield "data: [DONE]\n\n"
@@ -183,11 +144,12 @@ async def _events(first: tuple[int, RequestOutput], merged: AsyncIterator[tuple[
 async def respond(request: Request, engine: AsyncLLM, metrics: Metrics, renderer: Renderer, stream: bool,
                   include_usage: bool) -> Response:
     """Run the renderer's jobs on the engine; answer with one JSON body or an event stream."""
-    merged = merge([generate(engine, job, metrics) for job in renderer.jobs])
+    merged = generate(engine, renderer.jobs, metrics)
     try:
         if not stream:
-            finals = await until_disconnected(request, _collect(merged, len(renderer.jobs)))
-            return Response(renderer.response(finals).model_dump_json(), media_type="application/json")
+            finals = await until_disconnected(request, _collect(merged))
+            return Response(json.dumps(renderer.response([finals[i] for i in range(len(renderer.jobs))])),
+                            media_type="application/json")
         # Wait for the first output before sending 200, so that a refusal (overload, dead engine) is a 503.
         first = await until_disconnected(request, anext(merged))
     except ClientGone:
@@ -195,5 +157,3 @@ async def respond(request: Request, engine: AsyncLLM, metrics: Metrics, renderer
     except Exception as exc:
         raise engine_error(exc) from None
     return EventStream(_events(first, merged, renderer, include_usage))
-
-

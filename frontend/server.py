@@ -1,10 +1,4 @@
-"""The OpenAI-compatible HTTP server: FastAPI routes over one AsyncLLM, run by uvicorn on uvloop.
-
-Each prompt of a request is one engine request (its n samples fan out inside AsyncLLM); their cumulative
-outputs are merged and rendered as JSON or server-sent events. A request ends when its client goes
-away: every path that waits on the engine is then cancelled, which aborts its engine requests and frees
-their KV blocks.
-"""
+"""The OpenAI-compatible HTTP server: FastAPI routes over one AsyncLLM, run by uvicorn on uvloop."""
 from __future__ import annotations
 
 import asyncio
@@ -25,19 +19,23 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from frontend.api_models import (
     APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, Job, TokenizeRequest, bad_request,
-    chat_logprobs, chat_prompt, check_stream_options, completion_prompts, generation_defaults, param_named,
-    parse_request, prepare, sampling_params)
+    chat_prompt, from_invalid_param, generation_defaults, parse_request)
 from frontend.api_render import ChatRenderer, CompletionRenderer
 from frontend.async_llm import AsyncLLM
-from frontend.model_resolution import resolve_config
+from frontend.engine_client import EngineClient
 from frontend.metrics import Metrics
-from frontend.responding import ClientGone, read_body, respond
-from protocol.config import EngineConfig
-from protocol.sampling import SamplingParams
+from frontend.model_resolution import resolve_config
+from frontend.responding import ClientGone, respond
+from protocol.config import EngineConfig, InvalidParam
 
 log = logging.getLogger("pico_vllm.server")
+MAX_BODY_BYTES = 4 << 20  # a 128k-token prompt is well under 1 MB of text; far larger bodies are abuse
 DEAD_EXIT_DELAY_S = 2.0  # after the engine dies, /health answers 503 this long before the process exits
-COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default; chat defaults to the context
+RENDERERS = {CompletionRequest: CompletionRenderer, ChatCompletionRequest: ChatRenderer}
+try:
+    VERSION = importlib.metadata.version("pico-vllm")
+except importlib.metadata.PackageNotFoundError:
+    VERSION = "0+source"
 
 
 @dataclass(slots=True)
@@ -74,20 +72,24 @@ class ServerState:
                            param="model", code="model_not_found")
 
     def model_card(self, name: str) -> dict:
-        max_len = self.engine.max_model_len if self.engine is not None else None
         return {"id": name, "object": "model", "created": 0, "owned_by": "pico-vllm", "root": self.names[0],
-                "max_model_len": max_len}
+                "max_model_len": self.engine.max_model_len if self.engine is not None else None}
 
     async def accept(self, request: Request, model: type[BaseModel]) -> tuple:
-        """The validated request, for a model this server serves, and the engine ready to take it."""
-        req = parse_request(model, await read_body(request))
+        """The validated request, for a model this server serves, and the engine ready to take it. The body is
+        refused (413) past MAX_BODY_BYTES before it is all buffered."""
+        declared = request.headers.get("content-length", "")
+        too_large = APIError(413, f"request body is over {MAX_BODY_BYTES} bytes", code="request_too_large")
+        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            raise too_large
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > MAX_BODY_BYTES:
+                raise too_large
+        req = parse_request(model, body)
         self.check_model(req.model)
         return req, self.ready_engine()
-
-    def job(self, engine: AsyncLLM, request_id: str, prompt: str | list[int], params: SamplingParams,
-            prompt_field: str = "prompt") -> Job:
-        return prepare(request_id, engine.tokenizer, prompt, params, engine.max_model_len,
-                       engine.model_config.vocab_size, prompt_field)
 
     def check_key(self, request: Request) -> None:
         """Bearer API key, compared in constant time (a timing side channel would leak it byte by byte)."""
@@ -96,98 +98,67 @@ class ServerState:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
-
-
-# ---- the app -------------------------------------------------------------------------------------------
-
-def _version() -> str:
-    try:
-        return importlib.metadata.version("pico-vllm")
-    except importlib.metadata.PackageNotFoundError:
-        return "0+source"
+            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
 
 
 def build_app(state: ServerState, load_engine: Callable[[], AsyncLLM]) -> FastAPI:
     """The app; `load_engine` runs in a thread at startup so that /health can answer 503 meanwhile."""
-    app = FastAPI(title="Pico-vLLM", version=_version(), lifespan=_lifespan(state, load_engine),
-                  docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_exception_handler(APIError, _api_error)
-    app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_exception_handler(ClientGone, lambda request, exc: Response(status_code=499))
-    app.include_router(_public_routes(state))
-    app.include_router(_info_routes(state))
-    app.include_router(_generation_routes(state))
-    return app
-
-
-async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
-
-
-async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    """Unknown routes and wrong methods, in the same error body as everything else."""
-    return await _api_error(request, APIError(exc.status_code, str(exc.detail), code="not_found"
-                                              if exc.status_code == 404 else None))
-
-
-def _lifespan(state: ServerState, load_engine: Callable[[], AsyncLLM]):
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         loader = asyncio.create_task(_load_and_watch(state, load_engine))
         yield
         loader.cancel()
         if state.engine is not None:
-            await _settle(state.engine)
+            # Let the requests uvicorn has just cancelled send their Aborts before shutdown() closes the socket.
+            deadline = time.monotonic() + 1.0
+            while state.engine.processor.num_pending and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
             state.engine.shutdown()
-    return lifespan
+
+    app = FastAPI(title="Pico-vLLM", version=VERSION, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.add_exception_handler(APIError, _error)
+    app.add_exception_handler(StarletteHTTPException, _error)
+    app.add_exception_handler(ClientGone, lambda request, exc: Response(status_code=499))
+    public = APIRouter()  # what a load balancer or supervisor polls: no API key
+
+    @public.get("/health")
+    async def health() -> Response:
+        state.ready_engine()
+        return Response(status_code=200)
+
+    @public.get("/version")
+    async def version() -> dict:
+        return {"version": VERSION}
+
+    app.include_router(public)
+    app.include_router(_routes(state), dependencies=[Depends(state.check_key)])
+    return app
 
 
-async def _settle(engine: AsyncLLM, timeout: float = 1.0) -> None:
-    """Let the requests that uvicorn has just cancelled (shutdown timeout) run their clean-up first: it
-    sends their Aborts on the engine's socket, which shutdown() is about to close under them."""
-    deadline = time.monotonic() + timeout
-    while engine.processor.num_pending and time.monotonic() < deadline:
-        await asyncio.sleep(0.01)
+async def _error(request: Request, exc: Exception) -> JSONResponse:
+    if isinstance(exc, StarletteHTTPException):  # unknown routes and wrong methods, in the same error body
+        exc = APIError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
+    return JSONResponse(exc.body(), status_code=exc.status)
 
 
 async def _load_and_watch(state: ServerState, load_engine: Callable[[], AsyncLLM]) -> None:
     """Load the engine; then, should it die, exit non-zero so that a supervisor restarts the server."""
     try:
         state.engine = await asyncio.to_thread(load_engine)
+        log.info("engine ready; serving %s", state.names)
+        while state.engine.is_alive:  # AsyncLLM offers no awaitable for death; a cheap poll suffices
+            await asyncio.sleep(0.5)
+        log.error("the engine died (%s); exiting in %.0f s", state.engine.dead_reason, DEAD_EXIT_DELAY_S)
+        await asyncio.sleep(DEAD_EXIT_DELAY_S)
     except Exception as exc:
         log.error("the engine failed to start: %s", exc)
-        state.exit_code = 1
-        state.stop()
-        return
-    log.info("engine ready; serving %s", state.names)
-    while state.engine.is_alive:  # AsyncLLM offers no awaitable for death; a cheap poll suffices
-        await asyncio.sleep(0.5)
-    log.error("the engine died (%s); exiting in %.0f s", state.engine.dead_reason, DEAD_EXIT_DELAY_S)
-    await asyncio.sleep(DEAD_EXIT_DELAY_S)
     state.exit_code = 1
     state.stop()
 
 
-def _public_routes(state: ServerState) -> APIRouter:
-    """The two routes a load balancer or supervisor polls: no API key."""
+def _routes(state: ServerState) -> APIRouter:
     router = APIRouter()
-
-    @router.get("/health")
-    async def health() -> Response:
-        state.ready_engine()
-        return Response(status_code=200)
-
-    @router.get("/version")
-    async def version() -> dict:
-        return {"version": _version()}
-
-    return router
-
-
-def _info_routes(state: ServerState) -> APIRouter:
-    router = APIRouter(dependencies=[Depends(state.check_key)])
 
     @router.get("/v1/models")
     async def models() -> dict:
@@ -222,41 +193,29 @@ def _info_routes(state: ServerState) -> APIRouter:
             raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", "tokens")
         return {"prompt": engine.tokenizer.decode(req.tokens)}
 
-    return router
-
-
-def _generation_routes(state: ServerState) -> APIRouter:
-    router = APIRouter(dependencies=[Depends(state.check_key)])
-
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req, engine = await state.accept(request, CompletionRequest)
-        check_stream_options(req)
-        if req.echo and req.logprobs is not None:
-            raise bad_request("echo with logprobs is not supported: prompt logprobs are not computed", "echo")
-        if req.best_of is not None and req.best_of > (req.n or 1):
-            raise bad_request(f"best_of={req.best_of} over n={req.n or 1} is not supported: samples are not ranked; "
-                              "ask for n samples instead", "best_of")
-        max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS
-        params = sampling_params(req, state.defaults, max_tokens, req.logprobs)
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        jobs = [state.job(engine, f"{rid}-{i}", p, params) for i, p in enumerate(completion_prompts(req))]
-        renderer = CompletionRenderer(rid, state.names[0], jobs, engine.tokenizer, req.echo)
-        return await respond(request, state.ready_engine(), state.metrics, renderer, req.stream, req.include_usage)
+        return await _generate(state, request, CompletionRequest)
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req, engine = await state.accept(request, ChatCompletionRequest)
-        check_stream_options(req)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        with param_named("max_tokens", req.max_tokens_field):
-            params = sampling_params(req, state.defaults, getattr(req, req.max_tokens_field), chat_logprobs(req))
-            prompt = chat_prompt(req.messages, engine.tokenizer, template_kwargs=req.chat_template_kwargs)
-            jobs = [state.job(engine, rid, prompt, params, "messages")]
-        renderer = ChatRenderer(rid, state.names[0], jobs, engine.tokenizer)
-        return await respond(request, state.ready_engine(), state.metrics, renderer, req.stream, req.include_usage)
+        return await _generate(state, request, ChatCompletionRequest)
 
     return router
+
+
+async def _generate(state: ServerState, request: Request, kind: type) -> Response:
+    """Each prompt of the request is one engine request (its n samples fan out inside AsyncLLM)."""
+    req, engine = await state.accept(request, kind)
+    rid = f"{kind.id_prefix}-{uuid.uuid4().hex}"
+    params = req.sampling_params(state.defaults)
+    try:
+        jobs = [Job(f"{rid}-{i}", *engine.client.prepare(prompt, params), params)
+                for i, prompt in enumerate(req.prompts(engine.tokenizer))]
+    except InvalidParam as exc:
+        raise from_invalid_param(exc, kind.prompt_field, req.max_tokens_field) from None
+    renderer = RENDERERS[kind](rid, state.names[0], jobs, engine.tokenizer, req.echo)
+    return await respond(request, state.ready_engine(), state.metrics, renderer, req.stream, req.include_usage)
 
 
 def run_server(config: EngineConfig, options: ServerOptions) -> int:
@@ -264,7 +223,7 @@ def run_server(config: EngineConfig, options: ServerOptions) -> int:
     ends by the signal, status 143), or until the engine fails to start or dies (1)."""
     config = resolve_config(config)
     state = ServerState(options, config.model, generation_defaults(config.model_path))
-    app = build_app(state, lambda: AsyncLLM.from_config(config))
+    app = build_app(state, lambda: AsyncLLM(client=EngineClient(config)))
     server = uvicorn.Server(uvicorn.Config(app, host=options.host, port=options.port, loop="uvloop",
                                            timeout_graceful_shutdown=options.shutdown_timeout))
     state.stop = lambda: setattr(server, "should_exit", True)

@@ -12,21 +12,20 @@ _BLOCK = 1024
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
-    """x[T, 2I] -> silu(x[:, :I]) * x[:, I:]."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # the GEMV after this may start loading its weights (kernels/pdl.py)
+    if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    # Round silu to the input dtype before the product: the same two roundings as the torch reference.
+    # silu rounded to the input dtype before the product: the torch reference's two roundings.
     act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 

@@ -1,11 +1,6 @@
-"""Arrival counters: the last program of a kernel to finish its part of a result combines the parts, instead of
-a second kernel.
-
-One int32 buffer per device, shared by every kernel that counts. All counters are zero between calls (the last
-arriver on each resets it), so one buffer serves every call and graph replay, given that calls on a device run
-one at a time (one stream). It grows only on an eager call: a capture would bake in the allocation, so it fails
-instead (warm each size up eagerly before capturing it). A grown-out buffer stays alive for the graphs on it.
-"""
+"""Arrival counters: the last program to finish its part of a result combines the parts, instead of a second
+kernel. One int32 buffer per device serves every call and replay (one stream): the last arriver resets each counter
+to zero. It grows only on an eager call; a grown-out buffer stays alive for the graphs on it."""
 from __future__ import annotations
 
 import torch
@@ -17,8 +12,7 @@ _outgrown: list[torch.Tensor] = []
 
 
 def arrival_counters(device: torch.device, size: int, kernel: str) -> torch.Tensor:
-    """The device's zeroed int32 counters, at least size of them (grown, never shrunk, outside graph capture);
-    kernel names the caller in the error."""
+    """The device's zeroed int32 counters, at least size of them; kernel names the caller in the error."""
     counters = _arrivals.get(device)
     if counters is not None and counters.numel() >= size:
         return counters
@@ -34,11 +28,9 @@ def arrival_counters(device: torch.device, size: int, kernel: str) -> torch.Tens
 
 @triton.jit
 def last_to_arrive(counter, count):
-    """Whether this program is the last of count to arrive on counter; the last one may then read what the
-    others stored before arriving (with .cg loads: an L1 line filled earlier on this SM could be stale)."""
-    # Every thread's stores come before the one thread's release (a scalar atomic runs on one thread and
-    # broadcasts its result through shared memory behind a barrier, which orders the loads after); acq_rel also
-    # acquires what the earlier arrivers released.
+    """Whether this program is the last of count to arrive on counter; the last may then read (.cg) what the others
+    stored before arriving."""
+    # The barrier puts every thread's stores before the one thread's release; acq_rel acquires the others'.
     tl.debug_barrier()
     last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == count - 1
     if last:

@@ -1,17 +1,35 @@
-"""Triton pieces shared by the paged decode and prefill kernels: a tile of K/V read through the block
-table, one online-softmax step over it, and the loop of such steps over a range of the context."""
+"""What the paged decode and prefill kernels share: a tile of K/V read through the block table, one online-softmax
+step over it, the loop of such steps over a range of the context, and their torch reference."""
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                        cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Sequence b's queries q[cu[b]:cu[b+1]] are the last of its context_lens[b] cached tokens, causal, in float32;
+    a sequence without context gives zeros."""
+    out = torch.zeros_like(q)
+    block_size, group = k_cache.shape[2], q.shape[1] // k_cache.shape[1]
+    cu = cu_seqlens_q.tolist()
+    for b, ctx in enumerate(context_lens.tolist()):
+        if cu[b + 1] > cu[b] and ctx > 0:
+            blocks = block_tables[b, :-(-ctx // block_size)].long()
+            k, v = (c[blocks].transpose(1, 2).flatten(0, 1)[:ctx].float().repeat_interleave(group, 1)
+                    for c in (k_cache, v_cache))  # [ctx, Hq, D]
+            scores = torch.einsum("qhd,khd->hqk", q[cu[b]:cu[b + 1]].float(), k) * scale
+            q_pos = torch.arange(ctx - (cu[b + 1] - cu[b]), ctx, device=q.device)
+            scores.masked_fill_(torch.arange(ctx, device=q.device)[None, :] > q_pos[:, None], float("-inf"))
+            out[cu[b]:cu[b + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
+    return out
 
 
 @triton.jit
 def load_kv_tile(k_cache, v_cache, block_table_row, offs_n, n_mask, kv_head, stride_cb, stride_ch, stride_cs,
                  block_size, offs_d, d_mask):
-    """K and V of tokens offs_n[BLOCK_N] of one sequence and one KV head, each [BLOCK_N, D_PAD]."""
-    # Tokens are gathered one by one through the table, so a tile may span several cache blocks and the
-    # tile width does not depend on block_size. Masked-off tokens never read their (maybe padded) table entry.
+    """K and V [BLOCK_N, D_PAD] of tokens offs_n of one KV head; masked-off tokens never read their table entry."""
     block_ids = tl.load(block_table_row + offs_n // block_size, mask=n_mask, other=0).to(tl.int64)
     rows = block_ids * stride_cb + (offs_n % block_size) * stride_cs + kv_head * stride_ch
     offsets = rows[:, None] + offs_d[None, :]
@@ -23,8 +41,7 @@ def load_kv_tile(k_cache, v_cache, block_table_row, offs_n, n_mask, kv_head, str
 
 @triton.jit
 def _dot(a, b):
-    # float32 operands (dtype=float32 on the GPU) stay float32: by default tl.dot rounds them to TF32, ~1e-3
-    # off float32 Hugging Face. 16-bit operands take the default path unchanged.
+    # float32 operands stay float32: by default tl.dot rounds them to TF32, ~1e-3 off float32 Hugging Face.
     if a.dtype == tl.float32:
         out = tl.dot(a, b, input_precision="ieee")
     else:
@@ -34,8 +51,7 @@ def _dot(a, b):
 
 @triton.jit
 def attend_tile(q, k, v, mask, m_i, l_i, acc, qk_scale, APPLY_MASK: tl.constexpr):
-    """One flash-attention step: q[M, D] against k, v[N, D] where mask[M, N] (if APPLY_MASK); base-2 running
-    max m_i and sum l_i of each row, unnormalised float32 output acc[M, D]."""
+    """One online-softmax step of q[M, D] over k, v[N, D] (base-2 running max m_i and sum l_i, unnormalised acc)."""
     qk = _dot(q, tl.trans(k)) * qk_scale  # qk_scale folds in log2(e): exp2 below is the cheap exp
     if APPLY_MASK:
         qk = tl.where(mask, qk, float("-inf"))
@@ -53,8 +69,7 @@ def attend_tile(q, k, v, mask, m_i, l_i, acc, qk_scale, APPLY_MASK: tl.constexpr
 def attend_range(q, q_pos, m_i, l_i, acc, k_cache, v_cache, block_table_row, kv_head, lo, hi, stride_cb,
                  stride_ch, stride_cs, block_size, offs_d, d_mask, qk_scale, BLOCK_N: tl.constexpr,
                  CAUSAL: tl.constexpr):
-    """Rows of q (at positions q_pos) attend to context tokens [lo, hi); CAUSAL masks keys past a row's
-    position and the tail past hi, otherwise every key of every tile is visible (no mask work)."""
+    """Rows of q (at positions q_pos) attend to tokens [lo, hi); CAUSAL masks keys past a row's position and hi."""
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < hi

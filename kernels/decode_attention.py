@@ -9,66 +9,26 @@ import triton
 import triton.language as tl
 
 from kernels.arrivals import arrival_counters, last_to_arrive
-from kernels.attention_tile import attend_range, attend_tile, load_kv_tile
-from kernels.kv_store import check_cache_layout, check_new_kv, rope_factors, rope_store_kv_ref, rotate_half_row
+from kernels.attention_tile import attend_range, attend_tile, load_kv_tile, paged_attention_ref
+from kernels.kv_store import check_cache_layout, rope_factors, rope_store_kv_ref
 from kernels.pdl import pdl_enabled, pdl_launch
-from kernels.split_combine import combine_splits
 
-# Split-K: the grid's split count comes from static shapes only (a captured graph must fit every length); each
-# row cuts its actual context into that many splits of whole tiles, so a short context runs a tile a program.
-# _MAX_PROGRAMS caps the grid at about four programs an SM. Past one level's splits (_SPLIT_GROUP at many rows,
+# Split-K: the grid's split count comes from static shapes only (a captured graph must fit every length); each row
+# cuts its own context into that many splits of whole tiles. Past one level of splits (_SPLIT_GROUP at many rows,
 # _FEW_ROWS_ONE_LEVEL at a few) a row combines them as a tree of groups of _SPLIT_GROUP.
 _MIN_PARTITION = 64
-_MAX_PROGRAMS = 512
+_MAX_PROGRAMS = 512  # about four programs per SM
 _MAX_SPLITS = 128
 _SPLIT_GROUP = 8
 _BLOCK_N = 64
 _COMBINE_TILE = 64  # partial elements [heads, splits, head_dim] a combine step loads, per thread
-# A few rows run a few long programs: 8 warps keep more loads in flight, one wave of them (two an SM). They
-# launch with PDL and load each split's first K/V tile before waiting on qkv (EARLY), then each next tile before
-# this one's math. Many rows follow cuBLAS, which never lets them start early: they do neither.
+# A few rows run a few long programs (8 warps, one wave) with PDL, each loading its first K/V tile before waiting on
+# qkv (EARLY) and each next tile before this one's math; many rows follow cuBLAS, which never lets them start early.
 _FEW_ROWS_KV_HEADS = 8  # rows x KV heads up to which the few-rows launch applies
 _FEW_ROWS_MAX_PROGRAMS = 256
 _FEW_ROWS_LAUNCH = dict(num_warps=8, num_stages=3)
 _FEW_ROWS_ONE_LEVEL = 32  # a combine level costs its dependent round trips, not its bytes
 _MANY_ROWS_LAUNCH = dict(num_warps=4, num_stages=2)
-
-
-def gather_kv_ref(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
-    """cache[N, Hkv, bs, D] gathered through block_tables[B, :num_blocks] -> [B, Hkv, num_blocks * bs, D]."""
-    # Padded table entries may hold any value (e.g. -1); they are masked later, so clamp them to a real block.
-    ids = block_tables[:, :num_blocks].long().clamp(min=0)
-    blocks = cache[ids]  # [B, n, Hkv, bs, D]
-    b, n, h, bs, d = blocks.shape
-    return blocks.permute(0, 2, 1, 3, 4).reshape(b, h, n * bs, d)
-
-
-def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                               table_rows: torch.Tensor | None = None) -> torch.Tensor:
-    """Row b attends to its first context_lens[b] cached tokens (float32 math); rows of length 0 give 0.
-    With table_rows, row b's block table is block_tables[table_rows[b]]."""
-    if table_rows is not None:
-        block_tables = block_tables[table_rows]
-    batch, num_q_heads, head_dim = q.shape
-    num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
-    # Gather only as many blocks as the longest row needs, not the whole (padded) table width.
-    num_blocks = (int(context_lens.max()) + block_size - 1) // block_size if batch else 0
-    k = gather_kv_ref(k_cache, block_tables, num_blocks).float()
-    v = gather_kv_ref(v_cache, block_tables, num_blocks).float()
-    qg = q.float().reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
-    scores = torch.matmul(qg, k.transpose(-1, -2)) * scale  # [B, Hkv, G, L]
-    pos = torch.arange(k.shape[2], device=q.device)
-    valid = pos[None, :] < context_lens[:, None].to(q.device)  # [B, L]
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all-masked rows -> 0
-    return torch.matmul(probs, v).reshape(batch, num_q_heads, head_dim).to(q.dtype)
-
-
-@triton.jit
-def _split_len(ctx, num_splits, BLOCK_N: tl.constexpr):
-    # The fewest whole tiles that cover ctx in num_splits splits (never more than the static partition).
-    return tl.maximum(tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N), 1) * BLOCK_N
 
 
 @triton.jit
@@ -80,12 +40,10 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, table_rows, cont
                          TOP_PAD: tl.constexpr, TOP_CHUNK: tl.constexpr, LEAF_PAD: tl.constexpr,
                          LEAF_CHUNK: tl.constexpr, ONE_LEVEL: tl.constexpr, ONE_CHUNK: tl.constexpr,
                          SPLIT_GROUP: tl.constexpr, TABLE_ROWS: tl.constexpr, COUNTERS: tl.constexpr,
-                         BLOCK_N: tl.constexpr, NEW_KV: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
-    # Program (row, kv head, split): the group of query heads sharing this KV head attends to tokens
-    # [split * L, (split + 1) * L) of the row (L = _split_len), so each K/V tile is read once for the group.
-    # A row of one used split writes its output here; otherwise the last of its used splits to arrive combines
-    # them (no second kernel: at a few rows its launch costs more than its work), or past ONE_LEVEL splits the
-    # last of each group of SPLIT_GROUP combines the group and the last group combines the groups.
+                         BLOCK_N: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
+    # Program (row, kv head, split): the query heads sharing this KV head attend to the split's tokens, so each K/V
+    # tile is read once for the group. The last of a row's used splits to arrive combines them (no second kernel:
+    # at a few rows its launch costs more than its work); past ONE_LEVEL splits, as a tree of groups.
     if PDL and not EARLY:  # o_proj's GEMV may start loading its weights (kernels/pdl.py)
         tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
@@ -94,10 +52,10 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, table_rows, cont
     num_splits = tl.num_programs(2)
     ctx = tl.load(context_lens + b)
     table_row = tl.load(table_rows + b) if TABLE_ROWS else b
-    split_len = _split_len(ctx, num_splits, BLOCK_N)
+    split_len = tl.maximum(tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N), 1) * BLOCK_N  # the fewest whole tiles
     used = tl.cdiv(ctx, split_len)  # splits that start before ctx: 0 at context 0
     start = split * split_len
-    # A split past the row's length does nothing, no store, no arrival; split 0 runs at context 0 to write zeros.
+    # A split past the row's length does nothing; split 0 runs at context 0 to write zeros.
     if (split < used) | (split == 0):
         offs_g = tl.arange(0, GROUP_PAD)
         offs_d = tl.arange(0, D_PAD)
@@ -107,46 +65,40 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, table_rows, cont
         q_rows = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
         block_table_row = block_tables + table_row.to(tl.int64) * stride_bt
         end = tl.minimum(start + split_len, ctx)
-        # EARLY: the first K/V tile loads before waiting on the kernel that writes q. No kernel before this one
-        # writes this layer's cache, so only the step's own token, stored below, can be stale in it.
+        # No kernel before this one writes this layer's cache: only the step's own token can be stale in it.
         if EARLY:
             offs_n = start + tl.arange(0, BLOCK_N)
             n_mask = offs_n < end
             k_first, v_first = load_kv_tile(k_cache, v_cache, block_table_row, offs_n, n_mask, kv_head, stride_cb,
                                             stride_ch, stride_cs, block_size, offs_d, d_mask)
-        if NEW_KV:
-            pos = tl.load(positions + b).to(tl.int64)
-            cos, sin, partner = rope_factors(cos_sin, pos, offs_d, d_mask, HEAD_DIM)
-            slot = tl.load(slot_mapping + b).to(tl.int64)
+        pos = tl.load(positions + b).to(tl.int64)
+        cos, sin, partner = rope_factors(cos_sin, pos, offs_d, d_mask, HEAD_DIM)
+        slot = tl.load(slot_mapping + b).to(tl.int64)
         if PDL:
             tl.extra.cuda.gdc_wait()
             if EARLY:
-                # Only now may o_proj start: its weight loads would slow a short attention's own. Idle splits
-                # never get here: exiting lets o_proj start too.
+                # Only now may o_proj start: its weight loads would slow a short attention's own.
                 tl.extra.cuda.gdc_launch_dependents()
         q = tl.load(q_rows + offs_d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
-        if NEW_KV:
-            # The step's own token: q is rotated here, and the split holding position ctx - 1 rotates and stores
-            # the token's K and V (slot_mapping's slot is that position's), puts them into its first tile if
-            # the token is there, and otherwise reads them back in its loop (a barrier makes the stores
-            # visible to every thread of the program); no other program reads that position.
-            q_partner = tl.load(q_rows + partner[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
-            q = rotate_half_row(q, q_partner, cos[None, :], sin[None, :]).to(q_ptr.dtype.element_ty)
-            if (split == used - 1) & (slot >= 0):
-                cache_off = (slot // block_size) * stride_cb + kv_head * stride_ch + (slot % block_size) * stride_cs
-                k_row = k_new + b.to(tl.int64) * stride_kb + kv_head * stride_kh
-                k = rotate_half_row(tl.load(k_row + offs_d, mask=d_mask, other=0.0),
-                                    tl.load(k_row + partner, mask=d_mask, other=0.0), cos, sin)
-                k = k.to(k_cache.dtype.element_ty)
-                tl.store(k_cache + cache_off + offs_d, k, mask=d_mask)
-                v = tl.load(v_new + b.to(tl.int64) * stride_vb + kv_head * stride_vh + offs_d, mask=d_mask, other=0.0)
-                v = v.to(v_cache.dtype.element_ty)
-                tl.store(v_cache + cache_off + offs_d, v, mask=d_mask)
-                tl.debug_barrier()
-                if EARLY:
-                    is_new = (offs_n == ctx - 1)[:, None]
-                    k_first = tl.where(is_new, k[None, :], k_first)
-                    v_first = tl.where(is_new, v[None, :], v_first)
+        # The split holding position ctx - 1 stores the step's rotated K and V there, then puts them into its first
+        # tile or reads them back in its loop (the barrier makes the stores visible to all its threads).
+        q_partner = tl.load(q_rows + partner[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+        q = (q.to(tl.float32) * cos[None, :] + q_partner.to(tl.float32) * sin[None, :]).to(q_ptr.dtype.element_ty)
+        if (split == used - 1) & (slot >= 0):
+            cache_off = (slot // block_size) * stride_cb + kv_head * stride_ch + (slot % block_size) * stride_cs
+            k_row = k_new + b.to(tl.int64) * stride_kb + kv_head * stride_kh
+            k = tl.load(k_row + offs_d, mask=d_mask, other=0.0)
+            k_partner = tl.load(k_row + partner, mask=d_mask, other=0.0)
+            k = (k.to(tl.float32) * cos + k_partner.to(tl.float32) * sin).to(k_cache.dtype.element_ty)
+            tl.store(k_cache + cache_off + offs_d, k, mask=d_mask)
+            v = tl.load(v_new + b.to(tl.int64) * stride_vb + kv_head * stride_vh + offs_d, mask=d_mask, other=0.0)
+            v = v.to(v_cache.dtype.element_ty)
+            tl.store(v_cache + cache_off + offs_d, v, mask=d_mask)
+            tl.debug_barrier()
+            if EARLY:
+                is_new = (offs_n == ctx - 1)[:, None]
+                k_first = tl.where(is_new, k[None, :], k_first)
+                v_first = tl.where(is_new, v[None, :], v_first)
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
@@ -182,9 +134,8 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, table_rows, cont
                                    LEAF_CHUNK, True)
             if on_top:
                 if EARLY:
-                    # A few rows: the top combine's tile fits what it takes, a two-level tree's group partials (at
-                    # slots 0, G, 2G, ...) or a row's up to ONE_LEVEL splits (many rows keep one call site: more
-                    # cost their kernel registers).
+                    # A few rows size the top combine's tile to what it takes (more call sites cost many rows
+                    # registers).
                     if two_levels:
                         top_count = tl.cdiv(used, SPLIT_GROUP)
                         if last_to_arrive(counters, top_count):
@@ -210,11 +161,54 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, table_rows, cont
 
 
 @triton.jit
+def combine_splits(out_ptr, part_acc, part_max, part_sum, b, kv_head, group, num_q_heads, first, step, count,
+                   num_splits, stride_ob, stride_oh, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                   GROUP_P2: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr, TO_PARTIAL: tl.constexpr):
+    # The count partials at slots first, first + step, ... of the KV head's query heads, by log-sum-exp in slot
+    # order (a result does not depend on which program came last); normalised into out_ptr, or (TO_PARTIAL) left as
+    # a partial in slot first. Loads are .cg: other SMs wrote the partials, and an L1 line here could be stale.
+    offs_g = tl.arange(0, GROUP_P2)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    heads = kv_head * group + offs_g
+    g_mask = offs_g < group
+    d_mask = offs_d < HEAD_DIM
+    rows = (b * num_q_heads + heads).to(tl.int64) * num_splits + first  # [GROUP_P2]: a head's slot first
+    gs_mask = g_mask[:, None] & (offs_s < count)[None, :]
+    m = tl.load(part_max + rows[:, None] + offs_s[None, :] * step, mask=gs_mask, other=float("-inf"),
+                cache_modifier=".cg")
+    m_all = tl.max(m, axis=1)
+    m_all = tl.where(m_all == float("-inf"), 0.0, m_all)  # padded heads: avoid -inf - -inf
+    weight = tl.where(gs_mask, tl.exp2(m - m_all[:, None]), 0.0)
+    l = tl.load(part_sum + rows[:, None] + offs_s[None, :] * step, mask=gs_mask, other=0.0, cache_modifier=".cg")
+    total = tl.sum(l * weight, axis=1)
+    acc = tl.zeros([GROUP_P2, D_PAD], tl.float32)
+    for s0 in range(0, count, CHUNK):  # [heads, CHUNK, head_dim] of the accumulators a step
+        offs_c = s0 + tl.arange(0, CHUNK)
+        gc_mask = g_mask[:, None] & (offs_c < count)[None, :]
+        part = rows[:, None] + offs_c[None, :] * step
+        w = tl.where(gc_mask, tl.exp2(tl.load(part_max + part, mask=gc_mask, other=float("-inf"),
+                                              cache_modifier=".cg") - m_all[:, None]), 0.0)
+        a = tl.load(part_acc + part[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+                    mask=gc_mask[:, :, None] & d_mask[None, None, :], other=0.0, cache_modifier=".cg")
+        acc += tl.sum(a * w[:, :, None], axis=1)
+    if TO_PARTIAL:
+        # Slot first is read above and overwritten here: every thread finishes its loads first.
+        tl.debug_barrier()
+        tl.store(part_max + rows, m_all, mask=g_mask)
+        tl.store(part_sum + rows, total, mask=g_mask)
+        tl.store(part_acc + rows[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None] & d_mask[None, :])
+    else:
+        out = acc / tl.where(total > 0, total, 1.0)[:, None]
+        tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
 def _attend_ahead(q, k, v, n_mask, m_i, l_i, acc, k_cache, v_cache, block_table_row, kv_head, lo, hi, stride_cb,
                   stride_ch, stride_cs, block_size, offs_d, d_mask, qk_scale, BLOCK_N: tl.constexpr):
-    # Tokens [lo, hi), tile lo's K/V already loaded (k, v under n_mask): each next tile's loads are issued
-    # before this tile's math, so a program always has a tile in flight. The last tile skips the look-ahead, whose
-    # masked address math is not free (at batch 1 most splits are one tile).
+    # Tokens [lo, hi), tile lo's K/V already loaded: each next tile's loads are issued before this tile's math. The
+    # last tile skips the look-ahead, whose masked address math is not free (at batch 1 most splits are one tile).
     for n0 in range(lo, hi, BLOCK_N):
         offs_next = n0 + BLOCK_N + tl.arange(0, BLOCK_N)
         next_mask = offs_next < hi
@@ -229,33 +223,21 @@ def _attend_ahead(q, k, v, n_mask, m_i, l_i, acc, k_cache, v_cache, block_table_
 
 
 def few_rows_launch(batch: int, num_kv_heads: int) -> bool:
-    """Whether a decode batch of this size runs the few-rows launch. Its callers pass table_rows; many rows'
-    callers gather the tables once a step instead (a gather here would run every layer)."""
+    """Whether a decode batch of this size runs the few-rows launch, which reads block tables through table_rows
+    (many rows' callers gather the tables once a step instead: a gather here would run every layer)."""
     return batch * num_kv_heads <= _FEW_ROWS_KV_HEADS
-
-
-def _launch_shape(batch: int, num_kv_heads: int) -> tuple[int, dict]:
-    """The most programs a decode batch of this size launches, and its launch options."""
-    if few_rows_launch(batch, num_kv_heads):
-        return _FEW_ROWS_MAX_PROGRAMS, _FEW_ROWS_LAUNCH
-    return _MAX_PROGRAMS, _MANY_ROWS_LAUNCH
-
-
-def _grid_splits(batch: int, num_kv_heads: int) -> int:
-    programs, _ = _launch_shape(batch, num_kv_heads)
-    return max(1, min(_MAX_SPLITS, programs // max(1, batch * num_kv_heads)))
 
 
 def _partition_size(batch: int, num_kv_heads: int, max_context: int) -> int:
     """Tokens per split at the longest context, from static shapes only: it sets the grid's split count."""
-    splits = _grid_splits(batch, num_kv_heads)
+    programs = _FEW_ROWS_MAX_PROGRAMS if few_rows_launch(batch, num_kv_heads) else _MAX_PROGRAMS
+    splits = max(1, min(_MAX_SPLITS, programs // max(1, batch * num_kv_heads)))
     return max(_MIN_PARTITION, triton.next_power_of_2(triton.cdiv(max_context, splits)))
 
 
 @dataclass(frozen=True)
 class NewTokenKV:
-    """A decode step's own K and V ([B, Hkv, D], views of the qkv output allowed, before RoPE), which the
-    attention kernel rotates at positions[b] and stores into slot_mapping[b] (-1: not stored) itself."""
+    """A decode step's own K and V [B, Hkv, D], rotated at positions[b] and stored at slot_mapping[b] (-1: not)."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -264,27 +246,17 @@ class NewTokenKV:
     slot_mapping: torch.Tensor
 
 
-def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                  block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                                  partition_size: int | None = None, new_kv: NewTokenKV | None = None,
-                                  table_rows: torch.Tensor | None = None) -> torch.Tensor:
-    """Split-K flash decoding in one kernel, its splits combined by the last to arrive. partition_size (a power of
-    two >= 16, for tests) overrides the static split size. With new_kv, q is rotated and the step's K/V stored here
-    (q unrotated); with table_rows, row b's block table is block_tables[table_rows[b]]."""
-    if new_kv is None:
-        check_cache_layout(k_cache, v_cache, q)
-    else:
-        check_new_kv(new_kv.k, new_kv.v, k_cache, v_cache, q, new_kv.cos_sin)
+def rope_store_decode_attention_triton(q: torch.Tensor, new_kv: NewTokenKV, k_cache: torch.Tensor,
+                                       v_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                                       scale: float, table_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Split-K flash decoding in one kernel, its splits combined by the last to arrive."""
+    check_cache_layout(k_cache, v_cache, q, new_kv.k, new_kv.v, new_kv.cos_sin)
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
     max_context = block_tables.shape[1] * block_size
-    partition = partition_size or _partition_size(batch, num_kv_heads, max_context)
+    partition = _partition_size(batch, num_kv_heads, max_context)
     num_splits, block_n = triton.cdiv(max_context, partition), min(_BLOCK_N, partition)
-    if num_splits > _MAX_SPLITS:
-        raise ValueError(f"partition_size {partition} cuts {max_context} tokens into {num_splits} splits, over "
-                         f"{_MAX_SPLITS}: use a partition_size of at least"
-                         f" {triton.next_power_of_2(triton.cdiv(max_context, _MAX_SPLITS))}")
     part_acc = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     part_max = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
     part_sum = torch.empty_like(part_max)
@@ -292,29 +264,26 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     d_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot wants every dim >= 16
     group_p2 = triton.next_power_of_2(group)  # the combine's heads: no tl.dot there, so no padding to 16
     few_rows = few_rows_launch(batch, num_kv_heads)
-    _, launch = _launch_shape(batch, num_kv_heads)
+    launch = _FEW_ROWS_LAUNCH if few_rows else _MANY_ROWS_LAUNCH
     top_pad = max(_SPLIT_GROUP, _MAX_SPLITS // _SPLIT_GROUP)  # the most partials the top of a tree takes
-    leaf_pad = _SPLIT_GROUP if few_rows else top_pad  # any other combine's (the kernel says why)
+    leaf_pad = _SPLIT_GROUP if few_rows else top_pad  # any other combine's
     # Splits a combine step takes: from static shapes only, so the kernel compiles once per launch shape.
     per_step = _COMBINE_TILE * 32 * launch["num_warps"] // (group_p2 * d_pad)
     one_level = _FEW_ROWS_ONE_LEVEL if few_rows else _SPLIT_GROUP
     top_chunk, leaf_chunk, one_chunk = (max(1, min(pad, per_step)) for pad in (top_pad, leaf_pad, one_level))
-    # Counters [rows, kv heads, counters]: a (row, kv head)'s top counter, then one for each group of its splits
-    # (only a row of more than one_level splits counts on those; its groups' last arrivers then count on the top
-    # one). A row of one used split touches none.
+    # Counters [rows, kv heads, counters]: a (row, kv head)'s top counter, then one for each group of its splits.
     counters = 1 + _MAX_SPLITS // _SPLIT_GROUP
-    new = new_kv or NewTokenKV(q, q, context_lens, q, context_lens)  # placeholders, never read without NEW_KV
     rows = context_lens if table_rows is None else table_rows  # a placeholder is never read without TABLE_ROWS
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, rows, context_lens, out, part_acc, part_max, part_sum,
-        arrival_counters(q.device, batch * num_kv_heads * counters, "decode attention"), new.k, new.v,
-        new.positions, new.cos_sin, new.slot_mapping, scale * math.log2(math.e), q.stride(0), q.stride(1),
+        arrival_counters(q.device, batch * num_kv_heads * counters, "decode attention"), new_kv.k, new_kv.v,
+        new_kv.positions, new_kv.cos_sin, new_kv.slot_mapping, scale * math.log2(math.e), q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        new.k.stride(0), new.k.stride(1), new.v.stride(0), new.v.stride(1), block_size, group, num_q_heads,
-        HEAD_DIM=head_dim, D_PAD=d_pad, GROUP_PAD=max(16, group_p2), GROUP_P2=group_p2, TOP_PAD=top_pad,
-        TOP_CHUNK=top_chunk, LEAF_PAD=leaf_pad, LEAF_CHUNK=leaf_chunk, ONE_LEVEL=one_level,
+        new_kv.k.stride(0), new_kv.k.stride(1), new_kv.v.stride(0), new_kv.v.stride(1), block_size, group,
+        num_q_heads, HEAD_DIM=head_dim, D_PAD=d_pad, GROUP_PAD=max(16, group_p2), GROUP_P2=group_p2,
+        TOP_PAD=top_pad, TOP_CHUNK=top_chunk, LEAF_PAD=leaf_pad, LEAF_CHUNK=leaf_chunk, ONE_LEVEL=one_level,
         ONE_CHUNK=one_chunk, SPLIT_GROUP=_SPLIT_GROUP, TABLE_ROWS=table_rows is not None, COUNTERS=counters,
-        BLOCK_N=block_n, NEW_KV=new_kv is not None, PDL=pdl_enabled(q.device), EARLY=few_rows, **launch,
+        BLOCK_N=block_n, PDL=pdl_enabled(q.device), EARLY=few_rows, **launch,
         **(pdl_launch(q.device) if few_rows else {}))
     return out
 
@@ -322,18 +291,13 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
 def rope_store_decode_attention(q: torch.Tensor, new_kv: NewTokenKV, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                                 table_rows: torch.Tensor | None = None) -> torch.Tensor:
-    """rope_store_kv of the step's q, k, v, then paged decode attention: one kernel on CUDA."""
+    """rope_store_kv of the step's q[B, Hq, D], k, v, then row b attends to its first context_lens[b] cached tokens
+    (0 gives zeros), its block table block_tables[table_rows[b]] given table_rows; one kernel on CUDA."""
     if q.is_cuda:
-        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, new_kv=new_kv,
-                                             table_rows=table_rows)
+        return rope_store_decode_attention_triton(q, new_kv, k_cache, v_cache, block_tables, context_lens, scale,
+                                                  table_rows)
     q = rope_store_kv_ref(q, new_kv.k, new_kv.v, new_kv.positions, new_kv.cos_sin, k_cache, v_cache,
                           new_kv.slot_mapping)
-    return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, table_rows)
-
-
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           scale: float) -> torch.Tensor:
-    """Row b of q[B, Hq, D] attends to its first context_lens[b] cached tokens; length 0 gives zeros."""
-    fn = paged_decode_attention_triton if q.is_cuda else paged_decode_attention_ref
-    return fn(q, k_cache, v_cache, block_tables, context_lens, scale)
+    tables = block_tables if table_rows is None else block_tables[table_rows]
+    cu_seqlens_q = torch.arange(q.shape[0] + 1, device=q.device)
+    return paged_attention_ref(q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, scale)

@@ -1,9 +1,5 @@
-"""Embedding of a decode step's input tokens, read through its rows: out[b] = weight[tokens[rows[b]]].
-
-A decode step feeds row b the token it sampled last (tokens = the runner's last_token, indexed by mirror row);
-looking it up through rows in the embedding's own kernel saves the gather kernel before it, and lets the first
-qkv GEMV start early (PDL).
-"""
+"""Embedding of a decode step's input tokens, read through its rows (the token each row sampled last):
+out[b] = weight[tokens[rows[b]]], without a gather kernel before it."""
 from __future__ import annotations
 
 import torch
@@ -16,15 +12,10 @@ from kernels.pdl import pdl_enabled
 _BLOCK = 1024
 
 
-def embed_rows_ref(weight: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """weight[V, H], tokens[R], rows[B] -> [B, H]."""
-    return F.embedding(tokens[rows], weight)
-
-
 @triton.jit
 def _embed_rows_kernel(weight_ptr, tokens_ptr, rows_ptr, out_ptr, stride_w, stride_out, hidden,
                        BLOCK: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # the first layer's qkv GEMV may start loading its weights (kernels/pdl.py)
+    if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     token = tl.load(tokens_ptr + tl.load(rows_ptr + b)).to(tl.int64)
@@ -47,4 +38,4 @@ def embed_rows_triton(weight: torch.Tensor, tokens: torch.Tensor, rows: torch.Te
 
 def embed_rows(weight: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """weight[tokens[rows[b]]] for every b: [B, H]. Token ids must be in [0, V) (the sampler's draws are)."""
-    return embed_rows_triton(weight, tokens, rows) if weight.is_cuda else embed_rows_ref(weight, tokens, rows)
+    return embed_rows_triton(weight, tokens, rows) if weight.is_cuda else F.embedding(tokens[rows], weight)

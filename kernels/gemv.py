@@ -1,13 +1,6 @@
-"""Linears of a few rows (decode): a Triton GEMV with the residual add + RMSNorm before it folded into its loads
-and SwiGLU after gate_up into its stores, run where timed faster than cuBLAS (too few blocks for a few rows).
-
-The dot kernel reads each weight tile once for up to 16 rows (one tl.dot tile), K split over programs and summed
-in a fixed order (bit-reproducible: a graph replay equals the eager run). The one-row kernel holds all of K in a
-program, so a small matrix still spreads over every SM; its programs may walk several row blocks.
-The norm prologue computes out[n] = rstd * sum_k W[n, k] * (norm_w[k] * s[k]) for s = x + residual: one pass over K
-sums the products and s^2, rstd scales the sums at the end (about an ulp from the unfused rounding). The SwiGLU
-epilogue (w = [gate | up]) sums gate row n and up row n + N/2 in one program: it needs all of K in a program.
-"""
+"""Linears of a few rows: a Triton GEMV with the residual add + RMSNorm before it folded into its loads (out[n] =
+rstd * sum_k W[n, k] * norm_w[k] * s[k], one pass over K) and SwiGLU after gate_up into its stores. The dot kernel
+sums split-K partials in a fixed order (a replay equals the eager run); the one-row kernel holds all of K."""
 from __future__ import annotations
 
 import functools
@@ -23,7 +16,7 @@ from kernels.activation import silu_and_mul
 from kernels.norm import add_rms_norm, rms_norm
 from kernels.pdl import pdl_enabled, pdl_launch
 
-GEMV_MAX_M = 16  # rows the Triton path takes: one tl.dot tile (its M is at least 16 anyway)
+GEMV_MAX_M = 16  # rows the Triton path takes: one tl.dot tile
 BLOCK_M = 16
 REDUCE_BLOCK = 1024
 
@@ -35,72 +28,75 @@ class GemvConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
-    one_row: bool = False  # _gemv_row_kernel: x must have exactly one row; all of K in a program (split_k 1)
-    per_sm: int = 0  # one_row: programs an SM, each walking output blocks in turn; 0: a program a block
-    max_regs: int = 0  # the register cap ptxas compiles the kernel with (maxnreg); 0: ptxas's own choice
+    one_row: bool = False  # _gemv_row_kernel: x of exactly one row, split_k 1
+    per_sm: int = 0  # one_row: programs per SM, each walking output blocks in turn; 0: a program a block
+    max_regs: int = 0  # ptxas's register cap (maxnreg); 0: its own choice
 
 
-# Candidate tiles, each timed per shape (kernels/linear_plan.py). Dot tiles: (block_n, block_k, num_warps, programs
-# per SM, which sets split-K). One-row tiles: (block_n, block_k, num_warps, programs per SM walking the blocks (0: a
-# program a block), register cap (0: ptxas's own)). Walking pays for gate_up only: a small matrix's walking
-# programs load less before their PDL wait. A register cap changes how ptxas schedules the loads.
+@dataclass(frozen=True, slots=True)
+class NormedInput:
+    """rms_norm(x + residual) * weight, left to the linear that reads it, which may compute it inside its GEMV.
+    That linear writes x + residual into residual_out (unless residual is None: then x is the new residual)."""
+
+    x: torch.Tensor
+    residual: torch.Tensor | None
+    weight: torch.Tensor
+    eps: float
+    residual_out: torch.Tensor
+
+    @classmethod
+    def of(cls, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+           eps: float) -> tuple[NormedInput, torch.Tensor]:
+        """(the normed input, the new residual x + residual), the latter written when a linear reads the former."""
+        out = x if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        return cls(x, residual, weight, eps, out), out
+
+
+Input = torch.Tensor | NormedInput
+
+# Candidates timed per shape (kernels/linear_plan.py). Dot: (block_n, block_k, num_warps, programs per SM, which
+# sets split-K). One-row: (block_n, block_k, num_warps, per_sm, max_regs).
 _DOT_TILES = ((64, 128, 4, 2), (32, 256, 4, 2), (128, 128, 8, 2))
 _ONE_ROW_TILES = ((8, 512, 4, 0, 0), (4, 2048, 8, 0, 0), (8, 2048, 8, 0, 0), (1, 2048, 4, 8, 0),
                   (4, 2048, 4, 8, 0), (4, 2048, 4, 8, 168))
 
 
-def linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x[M, K] @ w[N, K]^T + bias[N]: torch's linear (cuBLAS on the GPU)."""
-    return F.linear(x, w, bias)
-
-
 def swiglu_linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-                      linear: Callable = linear_ref) -> torch.Tensor:
-    """silu_and_mul(linear(x, w, bias)) for w = [gate | up], unfused: `linear`, then SwiGLU's own kernel on the
-    GPU (plain torch on the CPU)."""
+                      linear: Callable = F.linear) -> torch.Tensor:
+    """silu_and_mul(linear(x, w, bias)) for w = [gate | up], unfused."""
     return silu_and_mul(linear(x, w, bias))
 
 
-def norm_linear_ref(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                    w: torch.Tensor, bias: torch.Tensor | None = None, linear: Callable = linear_ref,
-                    rows: int | None = None,
-                    residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(linear(rms_norm(s, norm_weight, eps), w, bias), s) for s = x + residual (s = x when residual is None;
-    else written into residual_out if given), unfused: the norm's own kernel, then `linear`. rows: `linear` runs
-    on that many rows (the norm's output padded with unset rows, sliced off after), where cuBLAS is faster so."""
-    m = x.shape[0]
-    if residual is None:
-        return linear(rms_norm(x, norm_weight, eps, rows), w, bias)[:m], x
-    normed, new_residual = add_rms_norm(x, residual, norm_weight, eps, rows, residual_out)
-    return linear(normed, w, bias)[:m], new_residual
+def norm_linear_ref(x: NormedInput, w: torch.Tensor, bias: torch.Tensor | None = None, linear: Callable = F.linear,
+                    rows: int | None = None) -> torch.Tensor:
+    """linear(rms_norm(x.x + x.residual) * x.weight, w, bias) unfused, the sum written into x.residual_out;
+    `linear` runs on `rows` rows (the norm's output padded, then sliced off) if given."""
+    if x.residual is None:
+        normed = rms_norm(x.x, x.weight, x.eps, rows)
+    else:
+        normed = add_rms_norm(x.x, x.residual, x.weight, x.eps, rows, x.residual_out)[0]
+    return linear(normed, w, bias)[:x.x.shape[0]]
 
 
 @triton.jit
 def _load_x(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, offs, offs_k, mask, K, store_sum, NORM: tl.constexpr,
             HAS_RESIDUAL: tl.constexpr):
-    # A tile of the GEMV's input at x's element offsets `offs` (float32 after a prologue), and the squares of
-    # s = x + residual (RMSNorm's terms; used only under NORM). The residual and new residual share x's layout.
+    # A tile of the GEMV's input at x's offsets `offs`, and the squares of s = x + residual (used under NORM).
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    if HAS_RESIDUAL:  # s rounded to the dtype, as add_rms_norm does; one program of each K range stores it
+    if HAS_RESIDUAL:  # s rounded to the dtype, as add_rms_norm does
         x = (x.to(tl.float32) + tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32))
         x = x.to(x_ptr.dtype.element_ty)
         tl.store(new_res_ptr + offs, x, mask=tl.where(store_sum, mask, False))  # (a & scalar: the interpreter fails)
     xf = x.to(tl.float32)
-    if NORM:  # norm_w * s; the caller scales the sums by rstd once they hold all of K
+    if NORM:  # norm_w * s; rstd scales the sums once they hold all of K
         x = xf * tl.load(norm_w_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
     return x, xf * xf
 
 
 @triton.jit
-def _rstd(sumsq, K, eps):
-    return 1.0 / tl.sqrt(sumsq / K + eps)
-
-
-@triton.jit
 def _finish(acc, sumsq, bias_ptr, offs_n, N, K, eps, NORM: tl.constexpr, HAS_BIAS: tl.constexpr):
-    # Whole-K sums acc[rows, cols] -> the linear's float32 output: rstd of the norm, then the bias.
     if NORM:
-        acc = acc * _rstd(sumsq, K, eps)[:, None]
+        acc = acc * (1.0 / tl.sqrt(sumsq / K + eps))[:, None]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
     return acc
@@ -109,9 +105,8 @@ def _finish(acc, sumsq, bias_ptr, offs_n, N, K, eps, NORM: tl.constexpr, HAS_BIA
 @triton.jit
 def _epilogue(acc, acc_up, sumsq, out_ptr, bias_ptr, sumsq_ptr, offs_m, offs_n, pid_n, pid_k, M, N, K, eps,
               NORM: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, SWIGLU: tl.constexpr):
-    # acc[rows, cols] over this program's K range (acc_up: the up rows', under SWIGLU). PARTIAL: store float32
-    # partials [split, M, N] (and, from the programs of column 0, the rows' sums of squares [split, M]) for
-    # the reduce; else the output, N columns wide (under SWIGLU the weight has 2N rows).
+    # PARTIAL: float32 partials [split, M, N] (and the rows' sums of squares [split, M]) for the reduce; else the
+    # output, N columns wide (under SWIGLU the weight has 2N rows: acc_up holds the up rows').
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     if PARTIAL:
         tl.store(out_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
@@ -132,9 +127,8 @@ def _gemv_kernel(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, w_ptr, bias_ptr, out_p
                  k_per_split, eps, stride_xm, stride_xk, stride_wn, stride_wk, NORM: tl.constexpr,
                  HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, SWIGLU: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    # Program (n, s, m): rows [m*BLOCK_M, +BLOCK_M) of x times output rows [n*BLOCK_N, +BLOCK_N) over split s of K
-    # (and up rows N + those, under SWIGLU). PARTIAL: float32 partials for the reduce kernel; else the output.
-    if PDL:  # the one-row GEMV after this may start loading its weights (kernels/pdl.py)
+    # Program (n, s, m): a BLOCK_M x BLOCK_N tile of the output over split s of K.
+    if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -167,10 +161,8 @@ def _gemv_row_kernel(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, w_ptr, bias_ptr, o
                      stride_xk, stride_wn, stride_wk, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                      HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, WHOLE_K: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    # x[0] times W, all of K a block of BLOCK_N output rows. Program p takes blocks p, p + G, ... and walks their K
-    # tiles as one loop, loading the next tile (the next block's first, too) while it multiplies this one; products
-    # are summed per element and reduced once a block, so loads never wait on a reduction. The first tile loads
-    # before waiting for the kernel that writes x (PDL).
+    # Program p takes output blocks p, p + G, ... and walks their K tiles as one loop, loading the next tile while
+    # it multiplies this one; products are reduced once a block, so loads never wait on a reduction.
     pid, num_programs = tl.program_id(0), tl.num_programs(0)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -178,7 +170,7 @@ def _gemv_row_kernel(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, w_ptr, bias_ptr, o
     w, w_up = _load_w_tiles(w_ptr, pid, 0, N, K, stride_wn, stride_wk, SWIGLU, BLOCK_N, BLOCK_K)
     if PDL:
         tl.extra.cuda.gdc_wait()
-    if WHOLE_K:  # x's one tile serves every block; a block's sums are whole at once, nothing carried over
+    if WHOLE_K:  # x's one tile serves every block
         offs_k = tl.arange(0, BLOCK_K)
         x, sq = _load_x(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, offs_k * stride_xk, offs_k, offs_k < K, K,
                         pid == 0, NORM, HAS_RESIDUAL)
@@ -198,7 +190,7 @@ def _gemv_row_kernel(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, w_ptr, bias_ptr, o
             w_next, w_up_next = _load_w_tiles(w_ptr, pid + (i + 1) // k_tiles * num_programs, (i + 1) % k_tiles, N,
                                               K, stride_wn, stride_wk, SWIGLU, BLOCK_N, BLOCK_K)
             k_tile = i % k_tiles
-            offs_k = k_tile * BLOCK_K + tl.arange(0, BLOCK_K)  # p 0 stores the new residual, over its first block
+            offs_k = k_tile * BLOCK_K + tl.arange(0, BLOCK_K)
             x, sq = _load_x(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, offs_k * stride_xk, offs_k, offs_k < K, K,
                             (pid == 0) & (i < k_tiles), NORM, HAS_RESIDUAL)
             x = x.to(tl.float32)[None, :]
@@ -220,7 +212,6 @@ def _gemv_row_kernel(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, w_ptr, bias_ptr, o
 @triton.jit
 def _store_block(sums, sums_up, sumsq, out_ptr, bias_ptr, block, N, K, eps, NORM: tl.constexpr,
                  HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_N: tl.constexpr):
-    # Output block `block` of the one-row kernel from its whole-K sums (the up rows' too, under SWIGLU).
     offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
     _epilogue(sums[None, :], sums_up[None, :], sumsq, out_ptr, bias_ptr, out_ptr, tl.arange(0, 1), offs_n, 0, 0, 1,
               N, K, eps, NORM, HAS_BIAS, False, SWIGLU)
@@ -229,8 +220,7 @@ def _store_block(sums, sums_up, sumsq, out_ptr, bias_ptr, block, N, K, eps, NORM
 @triton.jit
 def _load_w_tiles(w_ptr, block, k_tile, N, K, stride_wn, stride_wk, SWIGLU: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr):
-    # W's [BLOCK_N, BLOCK_K] tile of output block `block` (and the up rows' under SWIGLU, else the same tile);
-    # a block past the last loads nothing (masked), so the loop's look-ahead past its end costs no traffic.
+    # W's tile of output block `block` (and the up rows'); a block past the last loads nothing (masked).
     offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = k_tile * BLOCK_K + tl.arange(0, BLOCK_K)
     ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :] * stride_wk
@@ -255,39 +245,26 @@ def _split_k_reduce_kernel(part_ptr, sumsq_ptr, bias_ptr, out_ptr, MN, N, K, SPL
         if NORM:
             sumsq += tl.load(sumsq_ptr + s * (MN // N) + offs // N, mask=mask, other=0.0)
     if NORM:
-        acc = acc * _rstd(sumsq, K, eps)
+        acc = acc * (1.0 / tl.sqrt(sumsq / K + eps))
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def gemv_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-                config: GemvConfig | None = None, swiglu: bool = False) -> torch.Tensor:
-    """linear_ref(x, w, bias) by the split-K kernel (swiglu_linear_ref with swiglu); x may be a strided view, the
-    output is contiguous."""
-    return _gemv(x, w, bias, config, swiglu=swiglu)[0]
-
-
-def norm_gemv_triton(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                     w: torch.Tensor, bias: torch.Tensor | None = None, config: GemvConfig | None = None,
-                     swiglu: bool = False,
-                     residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """norm_linear_ref(...) in one GEMV (and its split-K reduce), SwiGLU after it with swiglu; x and residual
-    are made contiguous."""
-    x = x.contiguous()
-    residual = None if residual is None else residual.contiguous()
-    out, new_residual = _gemv(x, w, bias, config, residual, norm_weight, eps, swiglu, residual_out)
-    return out, (x if residual is None else new_residual)
-
-
-def _gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig | None,
-          residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-          swiglu: bool = False, residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    # (out, new residual or None). Tensors a variant does not read are passed as w: never dereferenced.
-    (n, k), m = w.shape, x.shape[0]
+def gemv_triton(x: Input, w: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig,
+                swiglu: bool = False) -> torch.Tensor:
+    """F.linear(x, w, bias) by the Triton GEMV, SwiGLU after it with swiglu; a NormedInput's norm runs in its loads
+    (the new residual written into residual_out). A plain x may be a strided view; the output is contiguous."""
+    residual = norm_weight = new_res = None
+    eps = 0.0
+    if isinstance(x, NormedInput):
+        norm_weight, eps = x.weight, x.eps
+        if x.residual is not None:
+            residual, new_res = x.residual.contiguous(), x.residual_out
+        x = x.x.contiguous()  # the residual, new residual and x share one layout
+    (n, k), m, cfg = w.shape, x.shape[0], config
     if x.shape[1] != k:
         raise ValueError(f"x has {x.shape[1]} columns for a weight of {k}: pass x[M, K] for w[N, K]")
-    cfg = config or candidate_configs(n, k, num_sms(x.device), swiglu=swiglu)[0]
     if swiglu and (n % 2 or cfg.split_k > 1):
         raise ValueError(f"the SwiGLU epilogue needs w = [gate | up] (an even row count, got {n}) and all of K in "
                          f"one program (split_k = 1, got {cfg.split_k}): use candidate_configs(..., swiglu=True)")
@@ -296,10 +273,10 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, config: G
                          f"{cfg.split_k}); use a config with one_row=False")
     n_out = n // 2 if swiglu else n
     out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
-    new_res = None if residual is None else torch.empty_like(x) if residual_out is None else residual_out
     partial, norm = cfg.split_k > 1, norm_weight is not None
     target = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device) if partial else out
     sumsq = torch.empty((cfg.split_k, m), dtype=torch.float32, device=x.device) if partial and norm else w
+    # Tensors a variant does not read are passed as w: never dereferenced.
     pointers = (x, _or_w(residual, w), _or_w(norm_weight, w), _or_w(new_res, w), w, _or_w(bias, w), target)
     meta = dict(NORM=norm, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None and not partial,
                 SWIGLU=swiglu, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=pdl_enabled(x.device),
@@ -320,7 +297,7 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, config: G
         _split_k_reduce_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](
             target, sumsq, _or_w(bias, w), out, m * n, n, k, cfg.split_k, eps, NORM=norm, HAS_BIAS=bias is not None,
             BLOCK=REDUCE_BLOCK)
-    return out, new_res
+    return out
 
 
 def _or_w(t: torch.Tensor | None, w: torch.Tensor) -> torch.Tensor:

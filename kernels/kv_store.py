@@ -1,8 +1,5 @@
-"""Writing K/V into the paged cache, fused with neox-style RoPE on q and k.
-
-Cache layout per layer: [num_blocks, num_kv_heads, block_size, head_dim]; slot = block * block_size + offset;
-slot -1 marks a padded lane that must not be written.
-"""
+"""Writing K/V into the paged cache [num_blocks, num_kv_heads, block_size, head_dim], fused with neox-style RoPE
+on q and k; slot = block * block_size + offset, and slot -1 (a padded lane) is not written."""
 from __future__ import annotations
 
 import math
@@ -36,39 +33,28 @@ def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(wavelen < old_context / high, inv_freq, slowed)
 
 
-def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-    """k_cache/v_cache[slot // bs, :, slot % bs] = k/v[t] for every t whose slot is not -1."""
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
-    block_size = k_cache.shape[2]
-    blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, :, offsets] = k[keep].to(k_cache.dtype)
-    v_cache[blocks, :, offsets] = v[keep].to(v_cache.dtype)
-
-
-def apply_rope_ref(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE of x[T, H, D] at positions[T], computed in float32."""
-    half = x.shape[-1] // 2
-    cs = cos_sin[positions.long()].unsqueeze(1)  # [T, 1, D]
-    cos, sin = cs[..., :half], cs[..., half:]
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-
-
 def rope_store_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                       cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       slot_mapping: torch.Tensor) -> torch.Tensor:
-    """Returns rotated q (a new tensor); stores rotated k and raw v into the cache."""
-    store_kv_ref(apply_rope_ref(k, positions, cos_sin), v, k_cache, v_cache, slot_mapping)
-    return apply_rope_ref(q, positions, cos_sin)
+    """Returns rotated q (a new tensor); stores rotated k and raw v into the cache; RoPE in float32."""
+    cos, sin = cos_sin[positions.long()].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D / 2] each
+
+    def rope(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    blocks, offsets = slots // k_cache.shape[2], slots % k_cache.shape[2]
+    k_cache[blocks, :, offsets] = rope(k)[keep].to(k_cache.dtype)
+    v_cache[blocks, :, offsets] = v[keep].to(v_cache.dtype)
+    return rope(q)
 
 
 @triton.jit
 def rope_factors(cos_sin, pos, offs_d, d_mask, HEAD_DIM: tl.constexpr):
-    """Rotate-half RoPE over a whole [D] row at once: out = x * cos + sign * x[partner] * sin, where partner
-    is the other half's index and the sign is - for the first half (apply_rope_ref's formula). For kernels that
-    hold whole rows (decode attention); rope_store_kv's kernel rotates half rows."""
+    """cos, signed sin and partner index of rotate-half RoPE over a whole [D] row: out = x * cos + x[partner] *
+    signed_sin, the sin negative in the first half."""
     half = HEAD_DIM // 2
     first = offs_d < half
     idx = tl.where(first, offs_d, offs_d - half)
@@ -78,17 +64,9 @@ def rope_factors(cos_sin, pos, offs_d, d_mask, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def rotate_half_row(x, x_partner, cos, signed_sin):
-    """x rotated by rope_factors' cos, signed sin and partner values (float32)."""
-    return x.to(tl.float32) * cos + x_partner.to(tl.float32) * signed_sin
-
-
-@triton.jit
 def _rotate_store(src_ptr, dst_ptr, src_stride_h, dst_stride_h, cos, sin, heads,
                   HALF: tl.constexpr, HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr, ROPE: tl.constexpr):
-    """Reads [heads, 2 * HALF] at src, rotates it (if ROPE) and writes it at dst; both strided per head.
-
-    heads may be 0: then nothing is read or written."""
+    """Reads [heads, 2 * HALF] at src, rotates it (if ROPE) and writes it at dst; heads 0 touches nothing."""
     offs_h = tl.arange(0, HEADS_PAD)[:, None]
     offs_d = tl.arange(0, HALF_PAD)[None, :]
     mask = (offs_h < heads) & (offs_d < HALF)
@@ -109,8 +87,7 @@ def _kv_store_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, s
                      stride_cb, stride_ch, stride_cs, block_size, num_q_heads, num_kv_heads,
                      HALF: tl.constexpr, Q_HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr,
                      HALF_PAD: tl.constexpr):
-    # One program per token handles all its heads: cos/sin and the slot are loaded once, and q/k/v are read
-    # in place through their strides (views of the fused qkv output), so nothing is copied beforehand.
+    # One program per token, all its heads: cos/sin and the slot are loaded once; q/k/v are views of the qkv output.
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     # int64 before the multiply: block * stride_cb overflows int32 on a large cache.
@@ -128,20 +105,16 @@ def _kv_store_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, s
                   kv_heads, HALF, KV_HEADS_PAD, HALF_PAD, False)
 
 
-def check_cache_layout(k_cache: torch.Tensor, v_cache: torch.Tensor, q: torch.Tensor) -> None:
-    """The Triton kernels address K and V with one set of strides, and K, V and q with a unit stride on head_dim."""
+def check_cache_layout(k_cache: torch.Tensor, v_cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None = None,
+                       v: torch.Tensor | None = None, cos_sin: torch.Tensor | None = None) -> None:
+    """What the kernels address: the caches and q, and the step's own k, v and cos_sin table where given."""
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
         raise ValueError(f"k_cache/v_cache need equal strides and a contiguous head_dim, got {k_cache.stride()} "
                          f"and {v_cache.stride()}; allocate both with torch.empty of one shape")
     if q.stride(-1) != 1:
         raise ValueError(f"q needs a unit stride on head_dim, got strides {q.stride()}; pass q.contiguous()")
-
-
-def check_new_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q: torch.Tensor,
-                 cos_sin: torch.Tensor) -> None:
-    """What the kernels that rotate and store the step's K/V (here and in decode attention) address: k/v rows of a
-    unit stride on q's even head_dim, and make_cos_sin's float32 [max_pos, D] table."""
-    check_cache_layout(k_cache, v_cache, q)
+    if k is None:
+        return
     if k.stride(-1) != 1 or v.stride(-1) != 1 or k.shape[-1] % 2:
         raise ValueError(f"k/v need a unit stride on an even head_dim, got strides {k.stride()}, {v.stride()} "
                          f"and head_dim {k.shape[-1]}")
@@ -155,7 +128,7 @@ def check_new_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
 def rope_store_kv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                          cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          slot_mapping: torch.Tensor) -> torch.Tensor:
-    check_new_kv(k, v, k_cache, v_cache, q, cos_sin)
+    check_cache_layout(k_cache, v_cache, q, k, v, cos_sin)
     num_tokens, num_kv_heads, head_dim = k.shape
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _kv_store_kernel[(num_tokens,)](

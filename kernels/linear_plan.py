@@ -1,11 +1,7 @@
 """The linear plan: for each linear shape of a few rows, the Triton GEMV config that runs it, or None for the
-unfused path; and past GEMV_MAX_M rows, the row count to run cuBLAS on. Timed on this GPU at a shape's first
-eager call, each path in a CUDA graph over weights not in L2 (as a decode graph runs them), and kept on disk.
-
-A shape first met during CUDA-graph capture (no sync possible) runs the unfused path and is timed at its next
-eager call. The disk cache is one JSON file under the cache directory ($PICO_VLLM_CACHE, else
-~/.cache/pico-vllm); its keys name the GPU, torch, Triton and the kernels' source, so an upgrade or an edited
-kernel is timed afresh.
+unfused path; past GEMV_MAX_M rows, the row count to run cuBLAS on. Timed at a shape's first eager call (a shape
+first met during capture runs unfused until then), in a CUDA graph over weights not in L2, and kept on disk under
+the cache directory, keyed by the GPU, torch, Triton and the kernels' source.
 """
 from __future__ import annotations
 
@@ -21,42 +17,38 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 import triton
 from triton.runtime.errors import OutOfResources
 
-from kernels.gemv import GEMV_MAX_M, GemvConfig, candidate_configs, linear_ref, num_sms
+from kernels.gemv import GEMV_MAX_M, GemvConfig, candidate_configs, num_sms
 from protocol.config import cache_root
 
 GRAPH_CALLS = 32  # timed calls in one CUDA graph
 TIMING_REPLAYS = 5  # the median replay counts
-MAX_COPIES = 16  # weight copies, so that together they are over twice L2
+MAX_COPIES = 16
 MARGIN = 0.97  # a faster path must save 3%: timing noise must not flip a shape
 PAD_STEP = 8  # decode graphs hold multiples of 8 rows past 8 (worker/cuda_graphs.py)
 PAD_MAX_ROWS = 256  # max_num_seqs' default: the largest decode graph, hence the rows worth timing
 FILE_NAME = "kernel-choices-v1.json"
 _SOURCES = ("linear.py", "linear_plan.py", "gemv.py")  # beside this file
 
-# An op by a config (None: the unfused path), on one weight and bias: what the plan times.
-Op = Callable[[torch.Tensor, torch.Tensor | None, GemvConfig | None], object]
-
+Op = Callable[[torch.Tensor, torch.Tensor | None, GemvConfig | None], object]  # (w, bias, config; None: unfused)
 log = logging.getLogger("pico_vllm.kernels")
-
-# (fold, rows bucket, N, K, dtype, has bias, device) -> the config that beat the unfused path, or None.
-_CHOICES: dict[tuple, GemvConfig | None] = {}
-# (N, K, dtype, has bias, device) -> {rows: µs of torch's linear} at each multiple of PAD_STEP in
-# (GEMV_MAX_M, PAD_MAX_ROWS]; empty where the timing could not run.
-_GEMM_TIMES: dict[tuple, dict[int, float]] = {}
+_CHOICES: dict[tuple, GemvConfig | None] = {}  # (fold, rows bucket, N, K, dtype, has bias, device) -> config
+_GEMM_TIMES: dict[tuple, dict[int, float]] = {}  # (N, K, dtype, has bias, device) -> {rows: µs of F.linear}
 
 
 def planned_config(fold: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
                    op: Op) -> GemvConfig | None:
-    """The config for this fold and shape, from memory, the disk cache, else timed (and kept); None (the unfused
-    path) while capturing a shape not timed yet."""
+    """The config for this fold and shape: from memory, the disk cache, else timed (and kept); None while capturing
+    a shape not timed yet."""
     key = (fold, triton.next_power_of_2(x.shape[0]), *w.shape, x.dtype, bias is not None, x.device)
     if key not in _CHOICES:
         if torch.cuda.is_current_stream_capturing():
             return None
-        disk_key = _disk_key(key)
+        disk_key = (f"gemv {_stale_when(x.device)} fold {fold!r} rows {key[1]} w {w.shape[0]}x{w.shape[1]} {x.dtype} "
+                    f"bias {bias is not None}")
         kept = _kept_choices().get(disk_key, False)  # False: never timed here; None: the unfused path won
         if kept is False:
             kept = fastest_config(fold, x.shape[0], w, bias, op)
@@ -95,8 +87,8 @@ def op_us(op: Op, copies: list[tuple[torch.Tensor, torch.Tensor | None]], config
 
 
 def padded_rows(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> int:
-    """The rows to run x @ w^T (+ bias) on with cuBLAS: x's own, or more where that was timed faster (cuBLAS picks
-    its kernel by shape, and its time is not monotone in the rows)."""
+    """The rows to run x @ w^T (+ bias) on with cuBLAS: x's own, or more where that was timed faster (its time is
+    not monotone in the rows)."""
     m = x.shape[0]
     if not (x.is_cuda and GEMV_MAX_M < m <= PAD_MAX_ROWS and m % PAD_STEP == 0):
         return m
@@ -111,8 +103,7 @@ def fastest_rows(times: dict[int, float], m: int) -> int:
 
 
 def gemm_times(w: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> dict[int, float] | None:
-    """µs of torch's linear at each padded row count for this weight, timed once (then kept on disk); None while
-    capturing a graph with nothing timed."""
+    """µs of F.linear at each padded row count for this weight, timed once and kept; None while capturing."""
     key = (*w.shape, dtype, bias is not None, w.device)
     if key not in _GEMM_TIMES:
         if torch.cuda.is_current_stream_capturing():
@@ -136,13 +127,13 @@ def _time_rows(w: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -
     times = {}
     for rows in range((GEMV_MAX_M // PAD_STEP + 1) * PAD_STEP, PAD_MAX_ROWS + 1, PAD_STEP):
         x = torch.randn(rows, w.shape[1], dtype=dtype, device=w.device)
-        times[str(rows)] = graph_us([functools.partial(linear_ref, x, c, b) for c, b in copies])
+        times[str(rows)] = graph_us([functools.partial(F.linear, x, c, b) for c, b in copies])
     return times
 
 
 def graph_us(calls: list[Callable[[], object]]) -> float:
-    """µs a call: GRAPH_CALLS calls back to back in a CUDA graph, taking `calls` in turn. In a graph, as in a
-    decode step, a call costs its kernels and the gaps between them, not a host launch."""
+    """µs a call: GRAPH_CALLS calls back to back in a CUDA graph (as a decode step runs them), taking `calls` in
+    turn."""
     for call in calls:
         call()  # compiles a Triton kernel and settles the allocator outside the capture
     graph = torch.cuda.CUDAGraph()
@@ -162,37 +153,22 @@ def graph_us(calls: list[Callable[[], object]]) -> float:
 
 
 def cold_copies(w: torch.Tensor, bias: torch.Tensor | None) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    """w (and bias) and enough clones that together they are over twice L2 (at most MAX_COPIES): called in turn,
-    each reads its weights from HBM."""
+    """w (and bias) and enough clones that together they are over twice L2: called in turn, each reads from HBM."""
     l2_bytes = getattr(torch.cuda.get_device_properties(w.device), "L2_cache_size", 64 << 20)
     count = min(MAX_COPIES, -(-2 * l2_bytes // (w.numel() * w.element_size())))
     clones = [(w.clone(), None if bias is None else bias.clone()) for _ in range(count - 1)]
     return [(w, bias), *clones]
 
 
-def _disk_key(key: tuple) -> str:
-    fold, rows, n, k, dtype, has_bias, device = key
-    return f"gemv {_stale_when(device)} fold {fold!r} rows {rows} w {n}x{k} {dtype} bias {has_bias}"
-
-
 def _stale_when(device: torch.device) -> str:
-    """What makes a timing stale: the GPU, torch, Triton and the sources of the paths and of their timing."""
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     sources = "".join(source_hash(str(Path(__file__).with_name(name))) for name in _SOURCES)
     return f"{gpu} torch {torch.__version__} triton {triton.__version__} src {sources}"
 
 
-# ---- the disk cache ----------------------------------------------------------------------------------------
-
 @functools.lru_cache(maxsize=None)
 def source_hash(path: str) -> str:
-    """A short hash of a source file: an edit invalidates the choices timed with the old code."""
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
-
-
-@functools.lru_cache(maxsize=1)
-def _kept_choices() -> dict[str, object]:
-    return load_choices()  # read once a process: later saves go to the file, and to memory beside it
 
 
 def load_choices() -> dict[str, object]:
@@ -208,21 +184,21 @@ def load_choices() -> dict[str, object]:
     return data if isinstance(data, dict) else {}
 
 
+_kept_choices = functools.lru_cache(maxsize=1)(load_choices)  # read once a process
+
+
 def save_choice(key: str, value: object) -> None:
-    """Add one choice: read, merge, write a temporary sibling, rename (a reader never sees half a file). Two
-    processes saving at once may drop each other's new entry, which is then timed again next start."""
-    path = cache_root() / FILE_NAME
+    """Add one choice: read, merge, write a temporary sibling, rename (a reader never sees half a file); a racing
+    process's new entry may be lost, and is timed again."""
+    path, tmp = cache_root() / FILE_NAME, None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         data = {**load_choices(), key: value}
         fd, tmp = tempfile.mkstemp(prefix=path.name + ".", dir=path.parent)
-    except OSError as e:  # a read-only home must not stop the engine: the choice just is not kept
-        log.warning("could not keep a kernel choice in %s: %s", path, e)
-        return
-    try:
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=1, sort_keys=True)
         os.replace(tmp, path)
-    except OSError as e:
+    except OSError as e:  # a read-only home must not stop the engine: the choice just is not kept
         log.warning("could not keep a kernel choice in %s: %s", path, e)
-        Path(tmp).unlink(missing_ok=True)
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)

@@ -15,27 +15,19 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return weight * normed.to(x.dtype)
 
 
-def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                     residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """new_residual = x + residual (in the input dtype, into residual_out if given); returns
-    (rms_norm(new_residual), new_residual)."""
-    new_residual = torch.add(x, residual, out=residual_out)
-    return rms_norm_ref(new_residual, weight, eps), new_residual
-
-
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, stride_x, stride_res, stride_out,
                      stride_new_res, hidden, eps, ADD_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
                      PDL: tl.constexpr):
-    # One program per row: a whole row (hidden <= a few thousand) fits in registers, so the row is read once.
-    if PDL:  # the GEMV after this may start loading its weights (kernels/pdl.py)
+    # One program per row: a whole row fits in registers, so it is read once.
+    if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if ADD_RESIDUAL:
-        # Round the sum to the input dtype before normalising, as the unfused torch code does.
+        # The sum rounded to the input dtype before normalising, as the unfused torch code does.
         x = (x.to(tl.float32) + tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32))
         x = x.to(new_res_ptr.dtype.element_ty)
         tl.store(new_res_ptr + row * stride_new_res + cols, x, mask=mask)
@@ -46,16 +38,16 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, stride_x, stri
     tl.store(out_ptr + row * stride_out + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                     rows: int | None = None,
-                     residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def rms_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                    rows: int | None = None,
+                    residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(rms_norm(s), s) for s = x + residual (into residual_out if given), or (rms_norm(x), None) without one."""
     if x.stride(-1) != 1 or (residual is not None and residual.stride(-1) != 1):
         raise ValueError(f"rms_norm needs a unit stride on the hidden dim, got {x.stride()}; pass x.contiguous()")
     n, hidden = x.shape
     out = torch.empty((_out_rows(n, rows), hidden), dtype=torch.result_type(x, weight), device=x.device)
-    if residual is None:
-        res, new_res = x, out  # never touched: ADD_RESIDUAL is off
-    else:
+    res, new_res = x, out  # never touched without a residual: ADD_RESIDUAL is off
+    if residual is not None:
         res = residual
         new_res = torch.empty((n, hidden), dtype=x.dtype, device=x.device) if residual_out is None else residual_out
     block = triton.next_power_of_2(hidden)
@@ -73,40 +65,25 @@ def _out_rows(n: int, rows: int | None) -> int:
 
 def _padded(out: torch.Tensor, rows: int | None) -> torch.Tensor:
     # The reference's output in a buffer of `rows` rows, as the Triton launch allocates it.
-    if rows is None or rows == out.shape[0]:
-        return out
-    full = out.new_empty((_out_rows(out.shape[0], rows), *out.shape[1:]))
-    full[:out.shape[0]] = out
-    return full
-
-
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, rows: int | None = None) -> torch.Tensor:
-    return _launch_rms_norm(x, None, weight, eps, rows)[0]
-
-
-def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                        rows: int | None = None,
-                        residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    return _launch_rms_norm(x, residual, weight, eps, rows, residual_out)
+    extra = _out_rows(out.shape[0], rows) - out.shape[0]
+    return torch.cat([out, out.new_empty((extra, *out.shape[1:]))]) if extra else out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, rows: int | None = None) -> torch.Tensor:
-    """x[T, H] -> RMSNorm(x) * weight. rows: the output has that many rows (>= T), those past T unset, so that a
-    GEMM after it may run on more rows than T (kernels/linear.py's padded_rows)."""
+    """x[T, H] -> RMSNorm(x) * weight, in a buffer of `rows` rows (>= T, those past T unset) if given."""
     if x.is_cuda:
-        return rms_norm_triton(x, weight, eps, rows)
+        return rms_norm_triton(x, None, weight, eps, rows)[0]
     return _padded(rms_norm_ref(x, weight, eps), rows)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                  rows: int | None = None,
                  residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x + residual), x + residual), fused in one pass on CUDA; rows pads the first as rms_norm does;
-    the second is written into residual_out if given (contiguous, x's shape)."""
+    """(rms_norm(x + residual, rows=rows), x + residual), the latter into residual_out if given; one pass on CUDA."""
     if x.is_cuda:
-        return add_rms_norm_triton(x, residual, weight, eps, rows, residual_out)
-    normed, new_residual = add_rms_norm_ref(x, residual, weight, eps, residual_out)
-    return _padded(normed, rows), new_residual
+        return rms_norm_triton(x, residual, weight, eps, rows, residual_out)
+    new_residual = torch.add(x, residual, out=residual_out)  # in the input dtype, as the kernel rounds it
+    return _padded(rms_norm_ref(new_residual, weight, eps), rows), new_residual
 
 
 @triton.jit

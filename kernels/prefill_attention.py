@@ -1,11 +1,6 @@
-"""Paged attention for prefill: a varlen flat batch of new queries, causal over cached context + themselves.
-
-The kernel runs one program per (work item, KV head); a work item is a sequence and one block of its queries,
-listed on the host by prefill_work. The grid is the list's length, not the step's longest sequence times its
-sequence count, so a step's launch does not depend on its sequences (a CUDA graph can hold it: items past
-the step's own are -1 and do nothing), and a decode row in a prompt step costs one program, not one per
-query block of the longest prompt.
-"""
+"""Paged attention for prefill: a varlen flat batch of new queries, causal over cached context + themselves. One
+program per (work item, KV head), a work item being a sequence and one block of its queries (prefill_work): a
+step's grid does not depend on its sequences (a CUDA graph pads it with items -1)."""
 from __future__ import annotations
 
 import math
@@ -15,34 +10,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_tile import attend_range
-from kernels.decode_attention import gather_kv_ref
+from kernels.attention_tile import attend_range, paged_attention_ref
 from kernels.kv_store import check_cache_layout
 
-# Tile shape and launch configuration: the fastest of those tried at head_dim 128 in bf16.
-_BLOCK_M = 128
+_BLOCK_M = 128  # the fastest tile and launch tried at head_dim 128 in bf16
 _BLOCK_N = 64
 _NUM_WARPS = 8
 _NUM_STAGES = 2
-
-
-def _sequence_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            block_table: torch.Tensor, ctx: int, scale: float) -> torch.Tensor:
-    """q[qlen, Hq, D] are the last qlen of ctx tokens stored through block_table[1, M]; float32 math."""
-    qlen, num_q_heads, head_dim = q.shape
-    num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
-    num_blocks = (ctx + block_size - 1) // block_size
-    # [Hkv, 1, ctx, D]: the unit dim broadcasts each KV head over its group of query heads.
-    k = gather_kv_ref(k_cache, block_table, num_blocks)[:, :, :ctx].transpose(0, 1).float()
-    v = gather_kv_ref(v_cache, block_table, num_blocks)[:, :, :ctx].transpose(0, 1).float()
-    group = num_q_heads // num_kv_heads
-    qg = q.float().reshape(qlen, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [Hkv, G, qlen, D]
-    scores = torch.matmul(qg, k.transpose(-1, -2)) * scale  # [Hkv, G, qlen, ctx]
-    q_pos = torch.arange(ctx - qlen, ctx, device=q.device)
-    k_pos = torch.arange(ctx, device=q.device)
-    scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
-    out = torch.matmul(torch.softmax(scores, dim=-1), v)  # [Hkv, G, qlen, D]
-    return out.permute(2, 0, 1, 3).reshape(qlen, num_q_heads, head_dim)
 
 
 def queries_per_program(group: int) -> int:
@@ -65,30 +39,14 @@ def prefill_work(num_tokens: np.ndarray, group: int) -> np.ndarray:
     return np.stack([seq, np.arange(len(seq)) - first]).astype(np.int32)
 
 
-def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                                context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """Sequence b's queries q[cu[b]:cu[b+1]] sit at the end of its context_lens[b] cached tokens."""
-    out = torch.zeros_like(q)
-    cu, ctx_lens = cu_seqlens_q.tolist(), context_lens.tolist()
-    for b, ctx in enumerate(ctx_lens):
-        start, end = cu[b], cu[b + 1]
-        if end > start:
-            attn = _sequence_attention_ref(q[start:end], k_cache, v_cache, block_tables[b:b + 1], ctx, scale)
-            out[start:end] = attn.to(q.dtype)
-    return out
-
-
-# num_items is a graph bucket's fixed count or an eager step's own: not specialised (on % 16), so an eager step
-# never compiles a variant that the start-up's graphs did not.
+# num_items not specialised (on % 16): an eager step never compiles a variant that the start-up's graphs did not.
 @triton.jit(do_not_specialize=["num_items"])
 def _prefill_kernel(q_ptr, out_ptr, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, work, num_items,
                     qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ch, stride_cs,
                     stride_bt, block_size, group, queries_per_block, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # Program (work item, kv head): the tile's rows are (query, head) pairs of queries_per_block queries of
-    # the item's sequence x the group of query heads sharing this KV head, so each K/V tile is read once for
-    # the whole group (GQA) and no row is lost to padding the group to a power of two.
+    # The tile's rows are (query, head) pairs of the item's queries x the query heads sharing this KV head: each
+    # K/V tile is read once for the group, and no row is lost to padding the group to a power of two.
     item = tl.program_id(0)
     kv_head = tl.program_id(1)
     b = tl.load(work + item)
@@ -154,9 +112,8 @@ def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                             context_lens: torch.Tensor, scale: float, work: torch.Tensor) -> torch.Tensor:
-    """Sequence b's queries q[cu[b]:cu[b+1]] are the last of its context_lens[b] cached tokens; causal.
-    work lists the kernel's programs (prefill_work); the reference, on the CPU, walks the sequences itself."""
+    """Sequence b's queries q[cu[b]:cu[b+1]] are the last of its context_lens[b] cached tokens, causal."""
     if q.is_cuda:
         return paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
                                               scale, work)
-    return paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
+    return paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)

@@ -1,10 +1,9 @@
-"""Gumbel-max sampling with hashed noise: argmax(logits / temperature + Gumbel(seed, position, token)).
+"""Gumbel-max sampling with hashed noise: argmax(logits / temperature + Gumbel(seed, position, token)), an exact
+draw from softmax(logits / temperature); plain argmax where temperature <= 0.
 
-argmax(logits + Gumbel noise) is an exact draw from softmax(logits). The noise is a counter-based hash of
-(row seed, position of the sampled token, vocab index), so a request draws the same tokens alone or in any
-batch, and again after a preemption. A row with temperature <= 0 takes the plain argmax. The row's key is
-splitmix64 of (seed, position); each token's bits are lowbias32 of that key and the vocab index: the per-token
-hash is most of the kernel's work, and a 64-bit multiply costs the GPU several 32-bit ones.
+The noise is a hash of (row seed, position of the sampled token, vocab index), so a request draws the same tokens
+alone or in any batch, and after a preemption: splitmix64 of (seed, position) is the row's key, lowbias32 of the
+key and the index each token's bits (32-bit: the per-token hash is most of the kernel's work).
 """
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ from triton.language.extra.cuda.libdevice import fast_logf
 from kernels.arrivals import arrival_counters, last_to_arrive
 from kernels.gemv import num_sms
 
-# splitmix64's and lowbias32's constants; tl.constexpr so that the Triton kernel may read them as globals.
+# splitmix64's and lowbias32's constants; tl.constexpr so that the kernel may read them as globals.
 GOLDEN = tl.constexpr(0x9E3779B97F4A7C15)
 MIX1 = tl.constexpr(0xBF58476D1CE4E5B9)
 MIX2 = tl.constexpr(0x94D049BB133111EB)
@@ -28,50 +27,37 @@ MIX32_2 = tl.constexpr(0x846CA68B)
 _LOW32 = 0xFFFFFFFF
 _FAST_LOG = os.environ.get("TRITON_INTERPRET") != "1"  # read at import, as triton.jit reads it
 _MAX_CHUNKS = 128  # the chunks of a row one program combines: a constexpr, one compiled kernel for every batch
+_BLOCK = 512
 
 
 def _i64(c: tl.constexpr) -> int:
-    """An unsigned 64-bit constant as the signed int64 torch stores (same bits)."""
+    """An unsigned 64-bit constant as the signed int64 of the same bits."""
     c = int(c.value)
     return c - (1 << 64) if c >= 1 << 63 else c
 
 
 def _srl(x: torch.Tensor, s: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's >> is arithmetic; the mask drops the sign copies)."""
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
     return (x >> s) & ((1 << (64 - s)) - 1)
 
 
-def _mix64_ref(z: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finalizer; int64 multiplication wraps, which is the arithmetic it wants."""
-    z = (z ^ _srl(z, 30)) * _i64(MIX1)
-    z = (z ^ _srl(z, 27)) * _i64(MIX2)
-    return z ^ _srl(z, 31)
-
-
-def _row_key32_ref(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """The row's 32-bit key: splitmix64 of (seed, position), its halves folded together."""
-    key = _mix64_ref(seeds * _i64(GOLDEN) + positions)
-    return (key ^ _srl(key, 32)) & _LOW32
-
-
-def _mix32_ref(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32 on values in [0, 2**32) held in int64; the masks keep each product's low 32 bits."""
-    x = ((x ^ (x >> 16)) * int(MIX32_1.value)) & _LOW32
-    x = ((x ^ (x >> 15)) * int(MIX32_2.value)) & _LOW32
-    return x ^ (x >> 16)
-
-
 def uniform_from_bits(top_bits: torch.Tensor) -> torch.Tensor:
-    """23 random bits -> (j + 0.5) / 2**23, exact in float32, so never 0 or 1: a 24th bit would make
-    (2**24 - 1 + 0.5) round to 2**24, u = 1.0, and that token's Gumbel noise +inf (a draw ignoring the logits)."""
+    """23 random bits -> (j + 0.5) / 2**23, exact in float32, never 0 or 1 (with 24 bits, u could round to 1.0 and
+    its Gumbel noise be +inf)."""
     return (top_bits.to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 def hashed_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """u[n, v] in (0, 1), a pure function of (seeds[n], positions[n], v) for v < vocab."""
+    """u[n, v] in (0, 1), a pure function of (seeds[n], positions[n], v) for v < vocab: the kernel's hash."""
+    z = seeds * _i64(GOLDEN) + positions  # splitmix64: int64 products wrap as the uint64 ones
+    for shift, mix in ((30, MIX1), (27, MIX2)):
+        z = (z ^ _srl(z, shift)) * _i64(mix)
+    z = z ^ _srl(z, 31)
     vocab_keys = torch.arange(vocab, dtype=torch.int64, device=seeds.device) * int(GOLDEN32.value)
-    z = _mix32_ref((_row_key32_ref(seeds, positions)[:, None] + vocab_keys[None, :]) & _LOW32)
-    return uniform_from_bits(z >> 9)
+    x = (((z ^ _srl(z, 32)) & _LOW32)[:, None] + vocab_keys[None, :]) & _LOW32  # lowbias32 of key + index
+    for shift, mix in ((16, MIX32_1), (15, MIX32_2)):
+        x = ((x ^ (x >> shift)) * int(mix.value)) & _LOW32
+    return uniform_from_bits((x ^ (x >> 16)) >> 9)
 
 
 def gumbel_argmax_ref(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor,
@@ -101,20 +87,11 @@ def _mix32(x):
 
 @triton.jit
 def _log(x, FAST_LOG: tl.constexpr):
-    # libdevice's logf was most of this compute-bound kernel's instructions; lg2.approx's relative error (~2^-22)
-    # moves a draw only between scores that close. The interpreter has no libdevice.
+    # libdevice's logf was most of this kernel's instructions; lg2.approx's relative error (~2^-22) moves a draw only
+    # between scores that close. The interpreter has no libdevice.
     if FAST_LOG:
         return fast_logf(x)
     return tl.log(x)
-
-
-@triton.jit
-def _neg_log(u, FAST_LOG: tl.constexpr):
-    # -log(u), accurate relative to its size also where u is near 1 (E tiny, the token's noise large: the
-    # likely winner) and the GPU's log is an approximation with an absolute error: there 1 - u is exact and
-    # -log(1 - t) = t + t^2/2 + t^3/3 to float32 precision for t < 2^-7.
-    t = 1.0 - u
-    return tl.where(t < 0.0078125, t * (1.0 + t * (0.5 + t * 0.33333334)), -_log(u, FAST_LOG))
 
 
 # chunk_len varies with the batch size: specialising on it would compile a kernel mid-serving for new sizes.
@@ -123,9 +100,8 @@ def _gumbel_argmax_kernel(logits_ptr, stride, rows_ptr, temps_ptr, stride_temp, 
                           best_val_ptr, best_idx_ptr, arrivals, out_ptr, last_token_ptr, vocab, chunk_len,
                           BLOCK: tl.constexpr, MAX_CHUNKS: tl.constexpr, HAS_ROWS: tl.constexpr,
                           STORE_LAST: tl.constexpr, FAST_LOG: tl.constexpr):
-    # Program (n, chunk) scans chunk_len columns of logits row n; the last of row n's chunks to arrive picks its
-    # token from the chunks' maxima. Every column's score depends only on its own (row, column), so the result
-    # is the same for any chunking or batch. Row n's temperature and seed are those of table row rows[n].
+    # Program (n, chunk) scans chunk_len columns of row n; the last of row n's chunks to arrive picks its token from
+    # the chunks' maxima. A column's score depends only on its (row, column): the same result for any chunking.
     n = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     chunks = tl.num_programs(1)
@@ -144,10 +120,14 @@ def _gumbel_argmax_kernel(logits_ptr, stride, rows_ptr, temps_ptr, stride_temp, 
         cols = start + tl.arange(0, BLOCK)
         mask = cols < vocab
         score = tl.load(logits_ptr + n * stride + cols, mask=mask, other=float("-inf")).to(tl.float32)
-        if temp > 0:  # a greedy row (a decode graph draws every row here) skips the hash: a plain argmax
+        if temp > 0:  # a greedy row skips the hash
             z = _mix32(row_key + cols.to(tl.uint32) * GOLDEN32)
             u = ((z >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # as uniform_from_bits
-            score = score * inv_temp - _log(_neg_log(u, FAST_LOG), FAST_LOG)
+            # -log(u) accurate relative to its size also near u = 1 (the likely winner), where the fast log's
+            # absolute error would dominate: there -log(1 - t) = t + t^2/2 + t^3/3 to float32 precision.
+            t = 1.0 - u
+            neg_log_u = tl.where(t < 0.0078125, t * (1.0 + t * (0.5 + t * 0.33333334)), -_log(u, FAST_LOG))
+            score = score * inv_temp - _log(neg_log_u, FAST_LOG)
         better = score > best_val  # strict: of equal scores the earlier column stays
         best_val = tl.where(better, score, best_val)
         best_idx = tl.where(better, cols, best_idx)
@@ -155,8 +135,7 @@ def _gumbel_argmax_kernel(logits_ptr, stride, rows_ptr, temps_ptr, stride_temp, 
     tl.store(best_val_ptr + n * chunks + chunk, val)
     tl.store(best_idx_ptr + n * chunks + chunk, tl.min(tl.where(best_val == val, best_idx, vocab), axis=0))
     if last_to_arrive(arrivals + n, chunks):
-        # The first column of the row's maximum: chunks hold ascending columns, and a chunk with no score above
-        # -inf holds column 0, as does the row then.
+        # The first column of the row's maximum (chunks hold ascending columns).
         offs = tl.arange(0, MAX_CHUNKS)
         vals = tl.load(best_val_ptr + n * chunks + offs, mask=offs < chunks, other=float("-inf"),
                        cache_modifier=".cg")
@@ -168,22 +147,17 @@ def _gumbel_argmax_kernel(logits_ptr, stride, rows_ptr, temps_ptr, stride_temp, 
 
 
 def gumbel_argmax_triton(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
-                         rows: torch.Tensor | None = None, last_token: torch.Tensor | None = None, block: int = 512,
-                         chunks: int | None = None) -> torch.Tensor:
+                         rows: torch.Tensor | None = None, last_token: torch.Tensor | None = None) -> torch.Tensor:
     if logits.stride(-1) != 1:
         raise ValueError(f"gumbel_argmax needs a unit stride on the vocab dim, got {logits.stride()}")
-    n, vocab = logits.shape
-    if chunks is None:
-        # The hash makes this compute-bound: programs enough to fill the GPU at batch 1, and at least 8 chunks
-        # a row at any batch.
-        chunks = max(1, min(triton.cdiv(vocab, 4 * block), max(8, triton.cdiv(2 * num_sms(logits.device), n))))
-    chunks = min(chunks, _MAX_CHUNKS)
+    n, vocab, block = *logits.shape, _BLOCK
+    # Compute-bound: programs enough to fill the GPU at batch 1, and at least 8 chunks a row at any batch.
+    chunks = min(triton.cdiv(vocab, 4 * block), max(8, triton.cdiv(2 * num_sms(logits.device), n)), _MAX_CHUNKS)
     chunk = triton.cdiv(triton.cdiv(vocab, chunks), block) * block
     chunks = triton.cdiv(vocab, chunk)
     best_val = torch.empty((n, chunks), dtype=torch.float32, device=logits.device)
     best_idx = torch.empty((n, chunks), dtype=torch.int32, device=logits.device)
     out = torch.empty(n, dtype=torch.int64, device=logits.device)
-    # Without rows or last_token the kernel never reads those pointers: positions and out stand in.
     _gumbel_argmax_kernel[(n, chunks)](
         logits, logits.stride(0), positions if rows is None else rows, temps, temps.stride(0), seeds,
         seeds.stride(0), positions, best_val, best_idx, arrival_counters(logits.device, n, "gumbel_argmax"), out,

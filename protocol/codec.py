@@ -6,12 +6,11 @@ import dataclasses
 import msgpack
 import numpy as np
 
-from protocol.messages import F32, I32, MESSAGE_TYPES
+from protocol.messages import I32, MESSAGE_TYPES
 
 VERSION = 1
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 MAX_NESTING = 1  # a StepPlan's NewRows; deeper nesting is malformed (and would exhaust the stack)
-_DTYPES = {I32: np.dtype("<i4"), F32: np.dtype("<f4")}
 
 
 class ProtocolError(ValueError):
@@ -19,7 +18,7 @@ class ProtocolError(ValueError):
 
 
 def encode(msg: object) -> bytes:
-    frame = msgpack.packb(_to_wire(msg, top=True), use_bin_type=True)
+    frame = msgpack.packb({"v": VERSION, **_to_wire(msg)}, use_bin_type=True)
     if len(frame) > MAX_FRAME_BYTES:
         raise ProtocolError(f"{type(msg).__name__} is {len(frame)} bytes, over the {MAX_FRAME_BYTES}-byte cap")
     return frame
@@ -40,14 +39,9 @@ def decode(frame: bytes) -> object:
     return _from_wire(obj)
 
 
-def _to_wire(obj, top: bool = False):
+def _to_wire(obj):
     if dataclasses.is_dataclass(obj):
-        out = {"type": type(obj).__name__}
-        if top:
-            out["v"] = VERSION
-        for name in obj.WIRE:
-            out[name] = _to_wire(getattr(obj, name))
-        return out
+        return {"type": type(obj).__name__, **{name: _to_wire(getattr(obj, name)) for name in obj.WIRE}}
     if isinstance(obj, np.ndarray):
         return obj.astype(obj.dtype.newbyteorder("<"), copy=False).tobytes()
     if isinstance(obj, (list, tuple)):
@@ -67,23 +61,18 @@ def _from_wire(obj: dict, depth: int = 0):
     if cls is None:
         raise ProtocolError(f"unknown message type {name!r}: known types are {sorted(MESSAGE_TYPES)}")
     kwargs = {}
-    for field_name, kind in cls.WIRE.items():
-        if field_name not in obj:
-            raise ProtocolError(f"{name} lacks field {field_name!r}")
-        kwargs[field_name] = _field(name, field_name, kind, obj[field_name], depth)
+    for field, kind in cls.WIRE.items():
+        if field not in obj:
+            raise ProtocolError(f"{name} lacks field {field!r}")
+        value = kwargs[field] = obj[field]
+        if kind == I32:
+            if not isinstance(value, bytes) or len(value) % 4:
+                raise ProtocolError(f"{name}.{field} must be raw {kind} bytes")
+            kwargs[field] = np.frombuffer(value, dtype="<i4")
+        elif kind is list and isinstance(value, list):
+            kwargs[field] = [_from_wire(v, depth + 1) if isinstance(v, dict) and "type" in v else v for v in value]
+        elif kind is int and isinstance(value, bool):
+            raise ProtocolError(f"{name}.{field} must be int, got bool")
+        elif not isinstance(value, kind):
+            raise ProtocolError(f"{name}.{field} has type {type(value).__name__}, expected {kind}")
     return cls(**kwargs)
-
-
-def _field(msg: str, name: str, kind, value, depth: int):
-    if kind in _DTYPES:
-        dtype = _DTYPES[kind]
-        if not isinstance(value, bytes) or len(value) % dtype.itemsize:
-            raise ProtocolError(f"{msg}.{name} must be raw {kind} bytes")
-        return np.frombuffer(value, dtype=dtype)
-    if kind is list and isinstance(value, list):
-        return [_from_wire(v, depth + 1) if isinstance(v, dict) and "type" in v else v for v in value]
-    if kind is int and isinstance(value, bool):
-        raise ProtocolError(f"{msg}.{name} must be int, got bool")
-    if not isinstance(value, kind):
-        raise ProtocolError(f"{msg}.{name} has type {type(value).__name__}, expected {kind}")
-    return value

@@ -7,14 +7,13 @@ from pathlib import Path
 
 import msgpack
 
-CACHE_ENV = "PICO_VLLM_CACHE"
 # config.json's architectures[0] of the families worker/models runs.
 ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM")
 
 
 def cache_root() -> Path:
     """Where every process keeps what it builds once (tokenizer files, timed kernel choices)."""
-    return Path(os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "pico-vllm"))
+    return Path(os.environ.get("PICO_VLLM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pico-vllm"))
 
 
 @dataclass(slots=True)
@@ -37,9 +36,6 @@ class ModelConfig:
     architecture: str = "Qwen2ForCausalLM"  # one of ARCHITECTURES
     # llama3 RoPE scaling: factor, low_freq_factor, high_freq_factor, original_max_position_embeddings; or None.
     rope_scaling: dict | None = None
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> ModelConfig:
@@ -72,41 +68,34 @@ class EngineConfig:
     model_config: ModelConfig | None = None
 
     def __post_init__(self) -> None:
-        require(self.device in ("auto", "cpu", "cuda"), "device", self.device, "use 'auto', 'cpu' or 'cuda'")
-        require(self.dtype in ("auto", "float32", "float16", "bfloat16"), "dtype", self.dtype,
-               "use 'auto', 'float32', 'float16' or 'bfloat16'")
-        require(self.load_format in ("auto", "safetensors", "dummy"), "load_format", self.load_format,
-               "use 'auto', 'safetensors' or 'dummy'")
-        require(1 <= self.max_num_seqs <= 1024, "max_num_seqs", self.max_num_seqs, "use 1..1024")
-        require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", self.max_num_batched_tokens,
-               "use a positive number")
-        require(self.block_size in (8, 16, 32, 64, 128), "block_size", self.block_size,
-               "use 8, 16, 32, 64 or 128")
-        require(self.num_kv_blocks is None or self.num_kv_blocks >= 2, "num_kv_blocks", self.num_kv_blocks,
-               "use at least 2, or leave it unset to size the cache from memory")
-        require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
-               self.gpu_memory_utilization, "use a fraction in (0, 1]")
-        require(self.tensor_parallel_size >= 1, "tensor_parallel_size", self.tensor_parallel_size,
-               "use 1 or more")
-        require(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", self.max_model_len,
-               "use a positive number")
-        require(self.step_timeout > 0, "step_timeout", self.step_timeout, "use a positive number of seconds")
-        require(isinstance(self.seed, int) and 0 <= self.seed < 2**63, "seed", self.seed,
-                "use an integer in [0, 2**63)")
-        require(self.max_waiting_requests >= 1, "max_waiting_requests", self.max_waiting_requests, "use 1 or more")
+        for name, valid, fix in _ENGINE_RULES:
+            require(valid(getattr(self, name)), name, getattr(self, name), fix)
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d["model_config"] = self.model_config.to_dict() if self.model_config else None
-        return d
+        return asdict(self)  # model_config too, as a dict
 
     @classmethod
     def from_dict(cls, d: dict) -> EngineConfig:
-        d = dict(d)
-        mc = d.pop("model_config", None)
-        cfg = cls(**d)
-        cfg.model_config = ModelConfig.from_dict(mc) if mc else None
-        return cfg
+        mc = d.get("model_config")
+        return cls(**{**d, "model_config": ModelConfig.from_dict(mc) if mc else None})
+
+
+_ENGINE_RULES = (  # field, valid, fix
+    ("device", lambda v: v in ("auto", "cpu", "cuda"), "use 'auto', 'cpu' or 'cuda'"),
+    ("dtype", lambda v: v in ("auto", "float32", "float16", "bfloat16"),
+     "use 'auto', 'float32', 'float16' or 'bfloat16'"),
+    ("load_format", lambda v: v in ("auto", "safetensors", "dummy"), "use 'auto', 'safetensors' or 'dummy'"),
+    ("max_num_seqs", lambda v: 1 <= v <= 1024, "use 1..1024"),
+    ("max_num_batched_tokens", lambda v: v >= 1, "use a positive number"),
+    ("block_size", lambda v: v in (8, 16, 32, 64, 128), "use 8, 16, 32, 64 or 128"),
+    ("num_kv_blocks", lambda v: v is None or v >= 2, "use at least 2, or leave it unset to size the cache from memory"),
+    ("gpu_memory_utilization", lambda v: 0.0 < v <= 1.0, "use a fraction in (0, 1]"),
+    ("tensor_parallel_size", lambda v: v >= 1, "use 1 or more"),
+    ("max_model_len", lambda v: v is None or v >= 1, "use a positive number"),
+    ("step_timeout", lambda v: v > 0, "use a positive number of seconds"),
+    ("seed", lambda v: isinstance(v, int) and 0 <= v < 2**63, "use an integer in [0, 2**63)"),
+    ("max_waiting_requests", lambda v: v >= 1, "use 1 or more"),
+)
 
 
 class InvalidParam(ValueError):
@@ -122,7 +111,7 @@ class ContextTooLong(InvalidParam):
 
 
 def require(ok: bool, name: str, value: object, fix: str) -> None:
-    """Raise InvalidParam naming the bad value and its fix (the one error shape of every config)."""
+    """Raise InvalidParam naming the bad value and its fix (the one error shape of every check)."""
     if not ok:
         raise InvalidParam(name, f"{name}={value!r} is invalid: {fix}")
 

@@ -1,5 +1,4 @@
-"""SamplingParams and the checks of a request against the model, shared by both entry points (the frontend
-and the scheduler's socket): each runs them once."""
+"""SamplingParams and a request's checks against the model, run once at each entry point (frontend, socket)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
@@ -38,60 +37,27 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # keep the stop string (or stop token's text) ending the text
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
-        self._validate()
+        for name, valid, fix in _RULES:
+            require(valid(getattr(self, name)), name, getattr(self, name), fix)
+        require(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
+                f"use at most max_tokens={self.max_tokens}")
+        require(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"{len(self.stop)} strings",
+                f"use at most {MAX_STOP_STRINGS}")
         self.logit_bias = {int(t): float(b) for t, b in (self.logit_bias or {}).items()} or None
 
-    def _validate(self) -> None:
-        require(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", self.n, f"use 1..{MAX_N}")
-        require(_is_num(self.temperature) and 0.0 <= self.temperature <= 100.0, "temperature",
-              self.temperature, "use 0 (greedy) up to 100")
-        require(_is_num(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", self.top_p, "use a value in (0, 1]")
-        require(_is_int(self.top_k) and self.top_k >= -1, "top_k", self.top_k, "use -1 or 0 (off) or a positive k")
-        require(_is_num(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "use a value in [0, 1]")
-        require(self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**64), "seed", self.seed,
-              "use an integer or None")
-        require(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
-              self.max_tokens, "use at least 1 (or None for as many as the context allows)")
-        require(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", self.min_tokens, "use 0 or more")
-        require(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
-              f"use at most max_tokens={self.max_tokens}")
-        require(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"{len(self.stop)} strings",
-              f"use at most {MAX_STOP_STRINGS}")
-        require(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "use non-empty strings")
-        require(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids,
-              "use non-negative token ids")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            require(_is_num(value) and -2.0 <= value <= 2.0, name, value, "use a value in [-2, 2]")
-        require(_is_num(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 2.0, "repetition_penalty",
-              self.repetition_penalty, "use a value in (0, 2]")
-        require(self.logit_bias is None or _valid_bias(self.logit_bias), "logit_bias", self.logit_bias,
-                f"use at most {MAX_LOGIT_BIAS} entries of a token id >= 0 and a bias in [-100, 100]")
-        for name in ("skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output"):
-            require(isinstance(getattr(self, name), bool), name, getattr(self, name), "use true or false")
-        require(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
-              "logprobs", self.logprobs, f"use 0..{MAX_LOGPROBS} or None")
-
     def check_vocab(self, vocab_size: int) -> None:
-        """The token ids that must exist (logit_bias's) are inside [0, vocab_size)."""
         bad = sorted(t for t in self.logit_bias or {} if t >= vocab_size)
         require(not bad, "logit_bias", self.logit_bias,
                 f"token id {bad[0] if bad else 0} is outside the vocabulary [0, {vocab_size}): use this model's ids")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> SamplingParams:
-        """Build from a wire map; unknown keys are an error so that a typo is not silently ignored."""
+        """Build from a wire map; an unknown key (a typo) is an error."""
         if not isinstance(d, dict):
             raise InvalidParam("params", f"sampling params must be a map, got {type(d).__name__}")
         known = {f.name for f in fields(cls)}
@@ -102,7 +68,7 @@ class SamplingParams:
 
     @classmethod
     def from_plan(cls, d: dict) -> SamplingParams:
-        """A NewRow's params, which the scheduler has already checked: built without checking them again."""
+        """A NewRow's params, which the scheduler has checked: built without checking again."""
         params = object.__new__(cls)
         for f in fields(cls):
             setattr(params, f.name, d[f.name])
@@ -118,9 +84,29 @@ def _is_num(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
 
 
-def _valid_bias(bias) -> bool:
-    return (isinstance(bias, dict) and len(bias) <= MAX_LOGIT_BIAS
-            and all(_is_int(t) and t >= 0 and _is_num(b) and -100.0 <= b <= 100.0 for t, b in bias.items()))
+_RULES = (  # field, valid, fix: one InvalidParam naming the field each
+    ("n", lambda v: _is_int(v) and 1 <= v <= MAX_N, f"use 1..{MAX_N}"),
+    ("temperature", lambda v: _is_num(v) and 0.0 <= v <= 100.0, "use 0 (greedy) up to 100"),
+    ("top_p", lambda v: _is_num(v) and 0.0 < v <= 1.0, "use a value in (0, 1]"),
+    ("top_k", lambda v: _is_int(v) and v >= -1, "use -1 or 0 (off) or a positive k"),
+    ("min_p", lambda v: _is_num(v) and 0.0 <= v <= 1.0, "use a value in [0, 1]"),
+    ("seed", lambda v: v is None or (_is_int(v) and -2**63 <= v < 2**64), "use an integer or None"),
+    ("max_tokens", lambda v: v is None or (_is_int(v) and v >= 1),
+     "use at least 1 (or None for as many as the context allows)"),
+    ("min_tokens", lambda v: _is_int(v) and v >= 0, "use 0 or more"),
+    ("stop", lambda v: all(isinstance(s, str) and s for s in v), "use non-empty strings"),
+    ("stop_token_ids", lambda v: all(t >= 0 for t in v), "use non-negative token ids"),
+    ("presence_penalty", lambda v: _is_num(v) and -2.0 <= v <= 2.0, "use a value in [-2, 2]"),
+    ("frequency_penalty", lambda v: _is_num(v) and -2.0 <= v <= 2.0, "use a value in [-2, 2]"),
+    ("repetition_penalty", lambda v: _is_num(v) and 0.0 < v <= 2.0, "use a value in (0, 2]"),
+    ("logit_bias", lambda v: v is None or (isinstance(v, dict) and len(v) <= MAX_LOGIT_BIAS and all(
+        _is_int(t) and t >= 0 and _is_num(b) and -100.0 <= b <= 100.0 for t, b in v.items())),
+     f"use at most {MAX_LOGIT_BIAS} entries of a token id >= 0 and a bias in [-100, 100]"),
+    ("skip_special_tokens", lambda v: isinstance(v, bool), "use true or false"),
+    ("spaces_between_special_tokens", lambda v: isinstance(v, bool), "use true or false"),
+    ("include_stop_str_in_output", lambda v: isinstance(v, bool), "use true or false"),
+    ("logprobs", lambda v: v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS), f"use 0..{MAX_LOGPROBS} or None"),
+)
 
 
 def check_prompt(token_ids: object, vocab_size: int) -> list[int]:

@@ -35,18 +35,17 @@ class Tracer:
     def __init__(self, process: str, trace_dir: str | None) -> None:
         self.process = process
         self.trace_dir = trace_dir
-        self.enabled = trace_dir is not None
         self.events: list[tuple[str, int, int, int, int]] = []
 
     def span(self, name: str, step: int = -1) -> _Span | nullcontext:
-        return _Span(self, name, step) if self.enabled else _OFF
+        return _OFF if self.trace_dir is None else _Span(self, name, step)
 
     def add(self, name: str, start_ns: int, dur_ns: int, step: int = -1, track: int = 0) -> None:
         self.events.append((name, start_ns, dur_ns, step, track))
 
     def flush(self) -> None:
         """Write this process's spans as `<process>-<pid>.json` in the trace dir."""
-        if not self.enabled:
+        if self.trace_dir is None:
             return
         os.makedirs(self.trace_dir, exist_ok=True)
         pid = os.getpid()

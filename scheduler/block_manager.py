@@ -1,14 +1,13 @@
 """KV-cache blocks: free list, per-request block tables, reference counts and the prefix cache.
 
 Invariants:
-- A block is in `_free` iff its reference count is 0. `_free` is ordered for eviction: blocks without a
-  hash at the head (nothing to lose), then hashed blocks least recently freed first.
-- A hash in `_hash_to_block` names a FULL block of known tokens whose KV is computed or is being
-  computed by a planned step. Workers run steps in order, and within a step each layer stores every
-  token's KV before any attention reads the cache, so even a request of the same step may share it.
-  Such a block stays reusable at reference count 0 until it is taken for another request.
-- Only blocks below a request's `num_computed_tokens` are ever shared, and every write goes at or past
-  it, so no request writes into a block another one reads.
+- A block is in `_free` iff its reference count is 0; `_free` evicts unhashed blocks first, then hashed ones
+  least recently freed first.
+- A hash in `_hash_to_block` names a FULL block whose KV is computed or being computed by a planned step (steps
+  run in order and each layer stores KV before attention reads it, so a request of the same step may share it);
+  it stays reusable at reference count 0 until taken for another request.
+- Only blocks below a request's `num_computed_tokens` are shared and every write goes at or past it, so no request
+  writes into a block another one reads.
 """
 from __future__ import annotations
 
@@ -21,7 +20,7 @@ from scheduler.request import Request
 
 
 def hash_block(parent: bytes, token_ids: list[int]) -> bytes:
-    """Chained SHA-256: a block's key covers every token before it, not only its own."""
+    """Chained SHA-256: a block's key covers every token before it."""
     return hashlib.sha256(parent + np.asarray(token_ids, dtype="<i4").tobytes()).digest()
 
 
@@ -49,7 +48,7 @@ class BlockManager:
         return self.blocks_needed(req.num_tokens) - len(hits) <= len(self._free) - reclaimed
 
     def allocate(self, req: Request) -> int:
-        """Give `req` blocks for all its known tokens; return how many of them the prefix cache holds."""
+        """Give `req` blocks for all its known tokens; return how many tokens the prefix cache holds."""
         assert not req.block_table, f"request {req.request_id} already holds blocks"
         hits = self._match_prefix(req)
         for b in hits:
@@ -59,16 +58,15 @@ class BlockManager:
         fresh = [self._take_free() for _ in range(self.blocks_needed(req.num_tokens) - len(hits))]
         req.block_table = hits + fresh
         req.num_cached_blocks = len(hits)
-        num_hit = len(hits) * self.block_size
-        self.num_cached_tokens += num_hit
-        return num_hit
+        self.num_cached_tokens += len(hits) * self.block_size
+        return len(hits) * self.block_size
 
     def may_append(self, req: Request, num_tokens: int) -> bool:
         """Whether the table can grow to hold `num_tokens` tokens in all."""
         return self.blocks_needed(num_tokens) - len(req.block_table) <= len(self._free)
 
     def append_slot(self, req: Request, num_tokens: int) -> list[int]:
-        """Grow the table to hold `num_tokens` tokens; return the new block ids (often none)."""
+        """Grow the table to hold `num_tokens` tokens; return the new block ids."""
         new = [self._take_free() for _ in range(self.blocks_needed(num_tokens) - len(req.block_table))]
         req.block_table.extend(new)
         return new
@@ -88,7 +86,7 @@ class BlockManager:
         req.num_cached_blocks = full
 
     def free(self, req: Request) -> None:
-        # Last blocks first, so that a sequence's tail (least likely shared) is evicted before its head.
+        """Last blocks first: a sequence's tail (least likely shared) is evicted before its head."""
         for b in reversed(req.block_table):
             self._ref_counts[b] -= 1
             if self._ref_counts[b] == 0:
@@ -107,8 +105,7 @@ class BlockManager:
         self._compute_hashes(req, usable)
         hits = []
         for h in req.block_hashes[:usable]:
-            b = self._hash_to_block.get(h)
-            if b is None:
+            if (b := self._hash_to_block.get(h)) is None:
                 break
             hits.append(b)
         return hits

@@ -1,8 +1,7 @@
 """The scheduler process: frontends on a ROUTER, one PUSH of plans per worker rank, results on a PULL.
 
-No torch here. A malformed frame is logged and dropped. A worker error, a step without progress for
-`step_timeout` seconds, or a dead parent ends the process: every client gets EngineDead, and the exit code is 1.
-Up to two plans are in flight, so plan N+1 reaches the workers before result N is awaited.
+No torch here. A malformed frame is dropped; a worker error, a stalled step or a dead parent ends the process
+(EngineDead to every client, exit code 1). Two plans in flight: plan N+1 is sent before result N is awaited.
 """
 from __future__ import annotations
 
@@ -13,6 +12,7 @@ import signal
 import sys
 import time
 from collections import deque
+from dataclasses import asdict
 
 import zmq
 
@@ -31,38 +31,30 @@ MAX_IN_FLIGHT = 2  # the worker keeps two staging buffers: step N+1 may launch b
 
 
 class _Exit(Exception):
-    """Leave the loop: code 0 after Shutdown; otherwise tell every client `reason` and exit 1."""
-
     def __init__(self, code: int, reason: str) -> None:
         super().__init__(reason)
         self.code, self.reason = code, reason
 
 
 def run_scheduler(config_dict: dict, addresses_dict: dict, parent_pid: int | None = None) -> None:
-    """Process entry (`python -m scheduler`): serve until Shutdown; exit non-zero on failure."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
     def on_sigterm(signum: int, frame: object) -> None:
         raise _Exit(0, "the scheduler got SIGTERM")
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    code = serve(EngineConfig.from_dict(config_dict), Addresses(**addresses_dict), parent_pid)
-    if code:
-        sys.exit(code)
+    sys.exit(serve(EngineConfig.from_dict(config_dict), Addresses(**addresses_dict), parent_pid))
 
 
 def serve(config: EngineConfig, addresses: Addresses, parent_pid: int | None = None) -> int:
-    """Run the scheduler loop on `addresses` until told to stop or `parent_pid` (the launcher, which may have died
-    while we were importing, so not os.getppid() now) dies; return the exit code.
-
-    The ipc directory goes with it: the sockets there are the ones it bound, and when the launcher died
-    first (SIGKILL, or SIGTERM while the engine loads) nobody else is left to remove it.
-    """
+    """Serve until Shutdown or `parent_pid` (the launcher, maybe dead while we imported) dies; return the exit code.
+    The ipc directory goes too: if the launcher died first, nobody else is left to remove it."""
     server = SchedulerServer(config, addresses, parent_pid or os.getppid())
     try:
         return server.run()
     finally:
-        server.close()
+        server.tracer.flush()
+        server.ctx.destroy(linger=LINGER_MS)
         remove_ipc_dir(addresses)
 
 
@@ -73,16 +65,13 @@ class SchedulerServer:
         self.ctx = zmq.Context()
         self.engine = self._bind(zmq.ROUTER, addresses.engine)
         self.plans = [self._bind(zmq.PUSH, addr) for addr in addresses.plans]
-        for sock in self.plans:  # a dead worker must not block the loop forever
-            sock.setsockopt(zmq.SNDTIMEO, int(config.step_timeout * 1000))
         self.results = self._bind(zmq.PULL, addresses.results)
         self.poller = zmq.Poller()
-        self.poller.register(self.engine, zmq.POLLIN)
-        self.poller.register(self.results, zmq.POLLIN)
+        for sock in (self.engine, self.results):
+            self.poller.register(sock, zmq.POLLIN)
         self.clients: set[bytes] = set()  # every frontend identity seen; each got Ready once
         self.tracer = Tracer("scheduler", config.trace_dir)
         self.scheduler: Scheduler | None = None
-        self.info: dict = {}
         self.worker_startup: dict = {}  # rank 0's seconds per start-up phase, passed on to frontends
         self.early: list[tuple[bytes, object]] = []  # frontend messages from before the workers were ready
         self.in_flight: deque[int] = deque()  # steps sent and not yet answered, oldest first
@@ -90,17 +79,22 @@ class SchedulerServer:
     def _bind(self, kind: int, address: str) -> zmq.Socket:
         sock = self.ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, LINGER_MS)
-        # The codec's cap, enforced by zmq: a bigger frame drops its sender before it is buffered.
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)  # the codec's cap, enforced before buffering
         if kind == zmq.ROUTER:  # set before bind, so that every peer's pipe gets it
             sock.setsockopt(zmq.SNDHWM, 0)  # past its high-water mark a ROUTER drops frames: a slow client's tokens
+        if kind == zmq.PUSH:  # a dead worker must not block the loop forever
+            sock.setsockopt(zmq.SNDTIMEO, int(self.config.step_timeout * 1000))
         sock.bind(address)
         return sock
 
     def run(self) -> int:
         try:
-            self.scheduler = Scheduler(self.config, self._wait_workers())
-            self.info = self._engine_info()
+            self.scheduler = sched = Scheduler(self.config, self._wait_workers())
+            self.info = {"num_kv_blocks": sched.block_manager.num_blocks, "max_model_len": sched.max_model_len,
+                         "vocab_size": sched.vocab_size, "eos_token_ids": sorted(sched.eos_token_ids),
+                         "block_size": self.config.block_size, "model": self.config.model,
+                         "model_path": self.config.model_path, "model_config": asdict(self.config.model_config),
+                         "startup": self.worker_startup}
             gc.collect()
             gc.freeze()  # start-up objects leave the collector's view: a full collection stays short
             log.info("scheduler ready: %s", {k: self.info[k] for k in ("num_kv_blocks", "max_model_len")})
@@ -109,58 +103,37 @@ class SchedulerServer:
             self.early.clear()
             while True:
                 busy = self._step()
-                # Results of steps in flight are _wait_result's to read.
-                msg = self._poll(0 if busy else POLL_MS, read_results=not self.in_flight)
+                msg = self._poll(0 if busy else POLL_MS, read_results=not self.in_flight)  # else _wait_result's
                 if msg is not None:
                     log.warning("dropped a %s from a worker: no step is in flight", type(msg).__name__)
         except _Exit as e:
             return self._exit(e)
 
     def _exit(self, e: _Exit) -> int:
-        if e.code:
-            log.error("engine dead: %s", e.reason)
-        else:
-            log.info("scheduler stopping: %s", e.reason)
-        # Who is connected, also those whose messages can no longer be served, hears EngineDead.
+        """EngineDead to every client, also those whose messages can no longer be served; Shutdown to the workers
+        that take it within a second (the launcher reaps the others)."""
+        (log.error if e.code else log.info)("scheduler stopping: %s", e.reason)
         self.clients.update(identity for identity, _ in self.early + self._recv_clients())
         frame = encode(EngineDead(e.reason))
         for identity in self.clients:
             self.engine.send_multipart([identity, frame])
-        self._stop_workers()
-        return e.code
-
-    def _stop_workers(self) -> None:
-        """Send Shutdown to every rank that takes it within a second; the launcher reaps the others."""
         frame, deadline = encode(Shutdown()), time.monotonic() + 1.0
         for rank, sock in enumerate(self.plans):
             if sock.poll(max(0.0, deadline - time.monotonic()) * 1000, zmq.POLLOUT):
                 sock.send(frame, zmq.NOBLOCK)
             else:
                 log.warning("worker %d took no Shutdown: it is gone or stuck", rank)
-
-    def close(self) -> None:
-        self.tracer.flush()
-        self.ctx.destroy(linger=LINGER_MS)
-
-    # ---- startup ---------------------------------------------------------------------------------
+        return e.code
 
     def _wait_workers(self) -> int:
-        """Collect Ready from every rank; return the fewest KV blocks any rank has."""
+        """Collect Ready from every rank; return the fewest KV blocks of any."""
         blocks: dict[int, int] = {}
         deadline = time.monotonic() + READY_TIMEOUT_S
         while len(blocks) < len(self.plans):
-            self._check_parent()
             if time.monotonic() > deadline:
                 missing = sorted(set(range(len(self.plans))) - set(blocks))
                 raise _Exit(1, f"worker ranks {missing} sent no Ready within {READY_TIMEOUT_S:.0f} s")
-            events = dict(self.poller.poll(POLL_MS))
-            if self.engine in events:
-                self.early.extend(self._recv_clients())
-                if any(isinstance(msg, Shutdown) for _, msg in self.early):
-                    raise _Exit(0, "Shutdown before the workers were ready")
-            msg = self._recv(self.results, "a worker") if self.results in events else None
-            if isinstance(msg, WorkerError):
-                raise _Exit(1, f"worker {msg.rank} failed to start: {msg.reason}")
+            msg = self._poll(POLL_MS)
             if isinstance(msg, Ready) and msg.role == "worker" and 0 <= msg.rank < len(self.plans):
                 num = msg.info.get("num_kv_blocks")
                 if isinstance(num, int) and num >= 2:
@@ -171,29 +144,24 @@ class SchedulerServer:
                     log.warning("dropped Ready from worker %d: num_kv_blocks=%r is not an int >= 2", msg.rank, num)
         return min(blocks.values())
 
-    def _engine_info(self) -> dict:
-        mc, sched = self.config.model_config, self.scheduler
-        return {"num_kv_blocks": sched.block_manager.num_blocks, "max_model_len": sched.max_model_len,
-                "vocab_size": sched.vocab_size, "eos_token_ids": sorted(sched.eos_token_ids),
-                "block_size": self.config.block_size, "model": self.config.model,
-                "model_path": self.config.model_path, "model_config": mc.to_dict(), "startup": self.worker_startup}
-
-    # ---- frontends -------------------------------------------------------------------------------
-
     def _poll(self, timeout_ms: float, read_results: bool = True):
-        """Serve frontends and watch the parent for up to timeout_ms; return a worker's message, if one came."""
+        """Serve frontends and check the parent for up to timeout_ms; return a worker's message, if one came."""
         events = dict(self.poller.poll(timeout_ms))
         if self.engine in events:
             for identity, msg in self._recv_clients():
                 self._handle(identity, msg)
         self._check_parent()
-        msg = self._recv(self.results, "a worker") if read_results and self.results in events else None
+        msg = None
+        if read_results and self.results in events:
+            try:
+                msg = _decode(self.results.recv(zmq.NOBLOCK), "a worker")
+            except zmq.Again:
+                pass
         if isinstance(msg, WorkerError):
-            raise _Exit(1, f"worker {msg.rank} failed: {msg.reason}")
+            raise _Exit(1, f"worker {msg.rank} failed{' to start' if self.scheduler is None else ''}: {msg.reason}")
         return msg
 
     def _recv_clients(self) -> list[tuple[bytes, object]]:
-        """Every frame waiting on the ROUTER, decoded (None for a malformed one)."""
         out = []
         while True:
             try:
@@ -206,10 +174,15 @@ class SchedulerServer:
             out.append((frames[0], _decode(frames[1], "a frontend")))
 
     def _handle(self, identity: bytes, msg) -> None:
+        if self.scheduler is None:  # held until the workers are ready
+            self.early.append((identity, msg))
+            if isinstance(msg, Shutdown):
+                raise _Exit(0, "Shutdown before the workers were ready")
+            return
         if identity not in self.clients:  # a new frontend: its first message, whatever it is, is its hello
             self.clients.add(identity)
             self._send(identity, Ready(role="engine", info=self.info))
-        sched = self.scheduler
+        sched, replies = self.scheduler, []
         if isinstance(msg, AddRequest):
             replies = sched.add(msg, identity)
         elif isinstance(msg, Abort):
@@ -219,22 +192,28 @@ class SchedulerServer:
                                              stats=sched.stats()))]
         elif isinstance(msg, Shutdown):
             raise _Exit(0, "a frontend asked to shut down")
-        else:
-            if msg is not None:
-                log.warning("dropped a %s from a frontend: not a frontend message", type(msg).__name__)
-            replies = []
+        elif msg is not None:
+            log.warning("dropped a %s from a frontend: not a frontend message", type(msg).__name__)
         for client, batch in replies:
             self._send(client, batch)
 
     def _send(self, identity: bytes, msg) -> None:
         self.engine.send_multipart([identity, encode(msg)])
 
-    # ---- steps -----------------------------------------------------------------------------------
-
     def _step(self) -> bool:
         """Top up the plans in flight, then wait for the oldest one's result; False when idle."""
-        while len(self.in_flight) < MAX_IN_FLIGHT and self.scheduler.has_work() and self._send_plan():
-            pass
+        sched = self.scheduler
+        while len(self.in_flight) < MAX_IN_FLIGHT and sched.has_work():
+            with self.tracer.span("scheduler.schedule", sched.step + 1):
+                if (plan := sched.schedule()) is None:
+                    break
+                frame = encode(plan)
+                for rank, sock in enumerate(self.plans):
+                    try:
+                        sock.send(frame)
+                    except zmq.Again:
+                        raise _Exit(1, f"worker {rank} took no plan for {self.config.step_timeout} s") from None
+            self.in_flight.append(plan.step)
         if not self.in_flight:
             return False
         step = self.in_flight.popleft()
@@ -245,23 +224,7 @@ class SchedulerServer:
                 self._send(client, batch)
         return True
 
-    def _send_plan(self) -> bool:
-        """Plan one step and send it to every rank; False when nothing can be scheduled."""
-        with self.tracer.span("scheduler.schedule", self.scheduler.step + 1):
-            plan = self.scheduler.schedule()
-            if plan is None:
-                return False
-            frame = encode(plan)
-            for rank, sock in enumerate(self.plans):
-                try:
-                    sock.send(frame)
-                except zmq.Again:
-                    raise _Exit(1, f"worker {rank} took no plan for {self.config.step_timeout} s") from None
-        self.in_flight.append(plan.step)
-        return True
-
     def _wait_result(self, step: int) -> list[tuple[bytes, TokenBatch]]:
-        """Wait for step's result, serving frontends meanwhile; return its TokenBatches."""
         deadline = time.monotonic() + self.config.step_timeout
         while True:
             left_ms = (deadline - time.monotonic()) * 1000
@@ -275,14 +238,8 @@ class SchedulerServer:
                 except (TypeError, ValueError) as e:  # the step's one answer is unusable: it will not come again
                     raise _Exit(1, f"worker sent a bad StepResult for step {step}: {e}") from None
             elif msg is not None:
-                log.warning("dropped a %s from a worker while waiting for step %d", _describe(msg), step)
-
-    def _recv(self, sock: zmq.Socket, source: str):
-        try:
-            frame = sock.recv(zmq.NOBLOCK)
-        except zmq.Again:
-            return None
-        return _decode(frame, source)
+                what = f"StepResult for step {msg.step}" if isinstance(msg, StepResult) else type(msg).__name__
+                log.warning("dropped a %s from a worker while waiting for step %d", what, step)
 
     def _check_parent(self) -> None:
         if os.getppid() != self.parent:
@@ -294,8 +251,3 @@ def _decode(frame: bytes, source: str):
         return decode(frame)
     except ProtocolError as e:
         log.warning("dropped a malformed frame from %s: %s", source, e)
-    return None
-
-
-def _describe(msg) -> str:
-    return f"StepResult for step {msg.step}" if isinstance(msg, StepResult) else type(msg).__name__

@@ -31,11 +31,6 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose KV is (or is being) written; counted when scheduled
     num_row_tokens: int = 0  # tokens the worker's mirror got in NewRow: prefill until computed reaches it
     num_preemptions: int = 0  # also an epoch: a result planned before a preemption is stale
-    finish_reason: str | None = None
-
-    @property
-    def key(self) -> tuple[bytes, str]:
-        return self.client, self.request_id
 
     @property
     def num_tokens(self) -> int:

@@ -1,10 +1,8 @@
 """The policy: continuous batching, chunked prefill, preemption by recompute, stop checks.
 
-Every running request holds a row, the index of its mirror on the workers. A plan sends a request's
-tokens once (NewRow) and deltas afterwards. Counts of computed tokens advance when a step is planned, not
-when it returns, and each plan keeps the list of what it scheduled: a result is matched to its plan by
-step number, and a token sampled for a request that has since finished or been preempted is dropped.
-This keeps the door open for planning step N+1 before result N arrives (overlap).
+A running request holds a row, its mirror on the workers: its tokens go once (NewRow), then deltas.
+Plans in flight: computed counts advance when a step is planned, and a result is matched to its plan by step,
+dropping tokens of requests finished or preempted since; so step N+1 can be planned before result N returns.
 """
 from __future__ import annotations
 
@@ -13,7 +11,6 @@ import itertools
 import random
 from collections import deque
 from operator import attrgetter
-from typing import NamedTuple
 
 import numpy as np
 
@@ -22,20 +19,6 @@ from protocol.messages import OVERLOADED, AddRequest, NewRow, StepPlan, StepResu
 from protocol.sampling import SamplingParams, check_length, check_prompt
 from scheduler.block_manager import BlockManager
 from scheduler.request import Request, Status
-
-
-class _Scheduled(NamedTuple):
-    req: Request
-    epoch: int  # req.num_preemptions when planned
-    samples: bool  # the step finishes the row's known tokens, so its sampled token is real
-
-
-class _Update(NamedTuple):
-    request_id: str
-    token: int  # -1: none, only a finish
-    finish: str | None
-    error: str | None
-    logprobs: list | None
 
 
 class Scheduler:
@@ -56,33 +39,29 @@ class Scheduler:
         self.num_preemptions = 0
         self._free_rows = list(range(config.max_num_seqs - 1, -1, -1))
         self._rows_freed: set[int] = set()  # for the next plan's free_rows, unless a NewRow reuses one first
-        self._in_flight: dict[int, list[_Scheduled]] = {}
+        # step -> (request, its num_preemptions then, whether the step samples a real token for it) per row
+        self._in_flight: dict[int, list[tuple[Request, int, bool]]] = {}
         self._arrivals = itertools.count()
         self._rng = random.Random(config.seed)
-
-    # ---- requests in and out ---------------------------------------------------------------------
 
     def add(self, msg: AddRequest, client: bytes) -> list[tuple[bytes, TokenBatch]]:
         """Queue a request; a bad one is answered at once with an error TokenBatch."""
         try:
             req = self._make_request(msg, client)
         except Exception as e:  # untrusted input, checked before any state changes: it fails alone
-            return [(client, self._batch([_Update(msg.request_id, -1, "error", str(e), None)]))]
-        self.requests[req.key] = req
+            return [(client, self._batch([(msg.request_id, -1, "error", str(e), None)]))]
+        self.requests[req.client, req.request_id] = req
         self.waiting.append(req)
         return []
 
-    def abort(self, request_ids: list[str], client: bytes | None = None) -> list[tuple[bytes, TokenBatch]]:
-        """Finish the named requests with "abort" (all clients' requests of that id when client is None)."""
-        wanted = {rid for rid in request_ids if isinstance(rid, str)}
-        keys = [k for k in self.requests if k[1] in wanted] if client is None else [(client, r) for r in wanted]
-        updates: dict[bytes, list[_Update]] = {}
-        for key in keys:
-            req = self.requests.get(key)
-            if req is not None:
-                self._finish(req, "abort")
-                updates.setdefault(req.client, []).append(_Update(req.request_id, -1, "abort", None, None))
-        return [(c, self._batch(u)) for c, u in updates.items()]
+    def abort(self, request_ids: list[str], client: bytes) -> list[tuple[bytes, TokenBatch]]:
+        """Finish the client's named live requests with "abort"; unknown ids are ignored."""
+        updates = []
+        for rid in {r for r in request_ids if isinstance(r, str)}:
+            if (req := self.requests.get((client, rid))) is not None:
+                self._finish(req)
+                updates.append((rid, -1, "abort", None, None))
+        return [(client, self._batch(updates))] if updates else []
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -94,7 +73,7 @@ class Scheduler:
                 "num_preemptions": self.num_preemptions, "num_cached_tokens": bm.num_cached_tokens}
 
     def _make_request(self, msg: AddRequest, client: bytes) -> Request:
-        """The wire's one check of a request; the seed and the stop-token set are resolved here, for every row."""
+        """The wire's one check of a request; its seed, stop ids and max_tokens are resolved here, for every row."""
         if (client, msg.request_id) in self.requests:
             raise InvalidParam("request_id", f"request_id {msg.request_id!r} is already in use: use a unique id")
         if len(self.waiting) >= self.config.max_waiting_requests:
@@ -103,43 +82,36 @@ class Scheduler:
         params = SamplingParams.from_dict(msg.params)
         params.check_vocab(self.vocab_size)
         prompt = check_prompt(msg.prompt_token_ids, self.vocab_size)
-        max_tokens = self._check_capacity(len(prompt), params.max_tokens)
+        n, bm = len(prompt), self.block_manager
+        capacity = bm.num_blocks * bm.block_size
+        max_tokens = check_length(n, params.max_tokens, self.max_model_len)
+        if params.max_tokens is None:
+            max_tokens = min(max_tokens, max(capacity - n, 1))
+        if n + max_tokens > capacity:
+            raise InvalidParam("max_tokens", f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} "
+                               f"tokens would never fit the KV cache ({bm.num_blocks} blocks of {bm.block_size}): "
+                               "lower max_tokens or give the engine more num_kv_blocks")
         if params.seed is None:  # every row then samples from its own generator, whatever the batch
             params.seed = self._rng.getrandbits(63)
         if not params.ignore_eos:
             params.stop_token_ids = sorted(set(params.stop_token_ids) | self.eos_token_ids)
-        return Request(msg.request_id, client, prompt, len(prompt), params, next(self._arrivals), max_tokens,
+        return Request(msg.request_id, client, prompt, n, params, next(self._arrivals), max_tokens,
                        frozenset(params.stop_token_ids))
 
-    def _check_capacity(self, prompt_len: int, max_tokens: int | None) -> int:
-        """The request's max_tokens: within max_model_len, and within what the KV cache can hold at all."""
-        bm = self.block_manager
-        capacity = bm.num_blocks * bm.block_size
-        resolved = check_length(prompt_len, max_tokens, self.max_model_len)
-        if max_tokens is None:
-            resolved = min(resolved, max(capacity - prompt_len, 1))
-        if prompt_len + resolved > capacity:
-            raise InvalidParam("max_tokens", f"prompt ({prompt_len} tokens) + max_tokens ({resolved}) = "
-                               f"{prompt_len + resolved} tokens would never fit the KV cache ({bm.num_blocks} blocks "
-                               f"of {bm.block_size}): lower max_tokens or give the engine more num_kv_blocks")
-        return resolved
-
-    def _finish(self, req: Request, reason: str) -> None:
+    def _finish(self, req: Request) -> None:
         if req.status is Status.RUNNING:
-            self.running.remove(req)
-            self.block_manager.free(req)
-            self._release_row(req)
+            self._release(req)
         elif req.status is Status.WAITING:
             self.waiting.remove(req)
-        req.status, req.finish_reason = Status.FINISHED, reason
-        del self.requests[req.key]
+        req.status = Status.FINISHED
+        del self.requests[req.client, req.request_id]
 
-    def _release_row(self, req: Request) -> None:
+    def _release(self, req: Request) -> None:
+        self.running.remove(req)
+        self.block_manager.free(req)
         self._rows_freed.add(req.row)
         self._free_rows.append(req.row)
         req.row = -1
-
-    # ---- planning --------------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan | None:
         """Plan one step: a token for every decode row, then prompt chunks, within the token budget."""
@@ -154,8 +126,7 @@ class Scheduler:
             return None
         self.step += 1
         scheduled = [(req, 1) for req in decodes] + chunks
-        self._in_flight[self.step] = [
-            _Scheduled(req, req.num_preemptions, not req.is_prefill) for req, _ in scheduled]
+        self._in_flight[self.step] = [(req, req.num_preemptions, not req.is_prefill) for req, _ in scheduled]
         plan = StepPlan(self.step, i32([req.row for req, _ in scheduled]), i32([n for _, n in scheduled]),
                         new_rows, appends, i32(sorted(self._rows_freed)), self.config.trace_dir is not None)
         self._rows_freed.clear()
@@ -168,28 +139,30 @@ class Scheduler:
         for req in list(self.running):
             if len(decodes) >= budget:
                 break
-            if req.status is not Status.RUNNING or req.is_prefill or self._will_be_done(req):
+            if req.status is not Status.RUNNING or req.is_prefill:
                 continue
-            while not bm.may_append(req, req.num_computed_tokens + 1):
-                victim = self.running[-1]
-                self._preempt(victim)
+            total = req.num_computed_tokens + 1  # once every step in flight has sampled: plan no unusable token
+            if total - req.num_prompt_tokens >= req.max_tokens or total >= self.max_model_len:
+                continue
+            while not bm.may_append(req, total):
+                victim = self.running[-1]  # freed whole, recomputed later from prompt + generated tokens
+                self._release(victim)
+                victim.status = Status.WAITING
+                victim.num_computed_tokens = victim.num_row_tokens = 0
+                victim.num_preemptions += 1
+                self.num_preemptions += 1
+                self.waiting.appendleft(victim)
                 preempted = True
                 if victim is req:
                     break
             if req.status is Status.RUNNING:
-                new_blocks = bm.append_slot(req, req.num_computed_tokens + 1)
+                new_blocks = bm.append_slot(req, total)
                 if new_blocks:
                     appends.append((req.row, i32(new_blocks)))
                 req.num_computed_tokens += 1
                 bm.cache_blocks(req, min(req.num_computed_tokens, req.num_tokens))
                 decodes.append(req)
         return decodes, appends, preempted
-
-    def _will_be_done(self, req: Request) -> bool:
-        """True when the steps in flight already sample the request's last token (overlap planning
-        runs ahead of the results: this keeps it from planning a token nobody can use)."""
-        total = req.num_computed_tokens + 1  # tokens once every planned step has sampled
-        return total - req.num_prompt_tokens >= req.max_tokens or total >= self.max_model_len
 
     def _schedule_prefills(self, budget: int, admit: bool) -> tuple[list[tuple[Request, int]], list[NewRow]]:
         """Chunks of partly prefilled rows, then of waiting requests admitted first come, first served."""
@@ -205,7 +178,14 @@ class Scheduler:
             if not self.block_manager.can_allocate(req):
                 break
             self.waiting.popleft()
-            new_rows.append(self._admit(req))
+            req.row = self._free_rows.pop()
+            self._rows_freed.discard(req.row)  # the NewRow replaces the row's old mirror: no free_rows entry
+            req.num_computed_tokens = self.block_manager.allocate(req)
+            req.num_row_tokens = req.num_tokens
+            req.status = Status.RUNNING
+            bisect.insort(self.running, req, key=lambda r: r.arrival)
+            new_rows.append(NewRow(req.row, i32(req.token_ids), req.num_prompt_tokens, req.num_computed_tokens,
+                                   i32(req.block_table), req.params.to_dict()))
             budget -= self._take_chunk(req, budget, chunks)
         return chunks, new_rows
 
@@ -217,29 +197,6 @@ class Scheduler:
         chunks.append((req, n))
         return n
 
-    def _admit(self, req: Request) -> NewRow:
-        req.row = self._free_rows.pop()
-        self._rows_freed.discard(req.row)  # the NewRow replaces the row's old mirror: no free_rows entry
-        req.num_computed_tokens = self.block_manager.allocate(req)
-        req.num_row_tokens = req.num_tokens
-        req.status = Status.RUNNING
-        bisect.insort(self.running, req, key=lambda r: r.arrival)
-        return NewRow(req.row, i32(req.token_ids), req.num_prompt_tokens, req.num_computed_tokens,
-                      i32(req.block_table), req.params.to_dict())
-
-    def _preempt(self, req: Request) -> None:
-        """Free everything; the request is recomputed later from prompt + generated tokens."""
-        self.running.remove(req)
-        self.block_manager.free(req)
-        self._release_row(req)
-        req.status = Status.WAITING
-        req.num_computed_tokens = req.num_row_tokens = 0
-        req.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.appendleft(req)
-
-    # ---- results ---------------------------------------------------------------------------------
-
     def on_result(self, result: StepResult) -> list[tuple[bytes, TokenBatch]]:
         """Append the sampled tokens, check stops, free finished requests; one TokenBatch per client."""
         scheduled = self._in_flight.get(result.step)
@@ -250,65 +207,53 @@ class Scheduler:
         if tokens.shape != (len(scheduled),):
             raise ValueError(f"StepResult for step {result.step} has {tokens.shape} token ids for "
                              f"{len(scheduled)} scheduled rows")
-        sampled = tokens[[s.samples for s in scheduled]]
+        sampled = tokens[[samples for _, _, samples in scheduled]]
         if ((sampled < 0) | (sampled >= self.vocab_size)).any():
             raise ValueError(f"StepResult for step {result.step} samples token ids {sampled.tolist()} outside "
                              f"the vocabulary [0, {self.vocab_size})")
         logprobs = _split_logprobs(result.logprobs, len(scheduled))
         del self._in_flight[result.step]
-        updates: dict[bytes, list[_Update]] = {}
+        updates: dict[bytes, list[tuple]] = {}
         for i, (req, epoch, samples) in enumerate(scheduled):
-            if req.status is not Status.RUNNING or req.num_preemptions != epoch:
-                continue  # finished, aborted or preempted since this step was planned
-            if not samples:
-                continue
+            if not samples or req.status is not Status.RUNNING or req.num_preemptions != epoch:
+                continue  # a chunk, or finished, aborted or preempted since this step was planned
             req.token_ids.append(int(tokens[i]))
-            reason = self._stop_reason(req)
+            reason = ("stop" if req.num_generated >= req.params.min_tokens and req.token_ids[-1] in req.stop_ids
+                      else "length" if req.num_generated >= req.max_tokens or req.num_tokens >= self.max_model_len
+                      else None)
             if reason is not None:
-                self._finish(req, reason)
+                self._finish(req)
             lp = logprobs(i, req.params.logprobs) if logprobs and req.params.logprobs is not None else None
-            updates.setdefault(req.client, []).append(_Update(req.request_id, int(tokens[i]), reason, None, lp))
+            updates.setdefault(req.client, []).append((req.request_id, int(tokens[i]), reason, None, lp))
         return [(c, self._batch(u, result.step)) for c, u in updates.items()]
 
-    def _stop_reason(self, req: Request) -> str | None:
-        if req.num_generated >= req.params.min_tokens and req.token_ids[-1] in req.stop_ids:
-            return "stop"
-        if req.num_generated >= req.max_tokens or req.num_tokens >= self.max_model_len:
-            return "length"
-        return None
-
-    def _batch(self, updates: list[_Update], step: int | None = None) -> TokenBatch:
-        """One client's updates; `step` is the step whose result they come from (default: the last planned)."""
-        with_logprobs = any(u.logprobs is not None for u in updates)
-        return TokenBatch(
-            step=self.step if step is None else step, request_ids=[u.request_id for u in updates],
-            token_ids=i32([u.token for u in updates]),
-            finished={u.request_id: u.finish for u in updates if u.finish is not None},
-            errors={u.request_id: u.error for u in updates if u.error is not None},
-            logprobs=[u.logprobs for u in updates] if with_logprobs else None, stats=self.stats())
+    def _batch(self, updates: list[tuple], step: int | None = None) -> TokenBatch:
+        """One client's (request id, token or -1, finish, error, logprobs) updates, from `step` (default: the last)."""
+        ids, tokens, finishes, errors, logprobs = zip(*updates)
+        return TokenBatch(self.step if step is None else step, list(ids), i32(tokens),
+                          {r: f for r, f in zip(ids, finishes) if f is not None},
+                          {r: e for r, e in zip(ids, errors) if e is not None},
+                          list(logprobs) if any(lp is not None for lp in logprobs) else None, self.stats())
 
 
 def _split_logprobs(lp: dict | None, n: int):
-    """None, or a function (row i, its k) -> [sampled logprob, top ids, top logprobs] cut from the
-    StepResult's arrays, whose k columns per row are the most any row of the step asked for."""
+    """None, or (row i, its k) -> [sampled logprob, top ids, top logprobs], cut from arrays of k columns per row
+    (the most any row of the step asked for); the arrays are raw bytes over the wire, arrays in process."""
     if lp is None:
         return None
     k = lp.get("k")
     if not isinstance(k, int) or isinstance(k, bool) or k < 0:
         raise ValueError(f"StepResult.logprobs['k'] must be an int >= 0, got {k!r}")
-    sampled, top_ids, top_lps = (_array(lp.get(name), dt) for name, dt in
-                                 (("sampled", "<f4"), ("top_ids", "<i4"), ("top_logprobs", "<f4")))
+    arrays = []
+    for name, dtype in (("sampled", "<f4"), ("top_ids", "<i4"), ("top_logprobs", "<f4")):
+        value = lp.get(name)
+        if isinstance(value, bytes) and len(value) % 4:
+            raise ValueError(f"StepResult.logprobs holds {len(value)} bytes, not a whole number of {dtype}")
+        arrays.append(np.frombuffer(value, dtype=dtype) if isinstance(value, bytes)
+                      else np.asarray(value if value is not None else [], dtype=dtype).reshape(-1))
+    sampled, top_ids, top_lps = arrays
     if sampled.shape != (n,) or top_ids.shape != (n * k,) or top_lps.shape != (n * k,):
         raise ValueError(f"StepResult.logprobs does not fit {n} rows of k={k}: "
                          f"{sampled.shape}, {top_ids.shape}, {top_lps.shape}")
     return lambda i, want: [float(sampled[i]), top_ids[i * k:i * k + min(want, k)].tolist(),
                             top_lps[i * k:i * k + min(want, k)].tolist()]
-
-
-def _array(value, dtype: str) -> np.ndarray:
-    """Arrays inside StepResult.logprobs arrive as raw bytes over the wire, as arrays in process."""
-    if isinstance(value, bytes):
-        if len(value) % 4:
-            raise ValueError(f"StepResult.logprobs holds {len(value)} bytes, not a whole number of {dtype}")
-        return np.frombuffer(value, dtype=dtype)
-    return np.asarray(value if value is not None else [], dtype=dtype).reshape(-1)

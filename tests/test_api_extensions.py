@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from frontend.api_models import APIError, ChatCompletionRequest, CompletionRequest, parse_request, sampling_params
+from frontend.api_models import APIError, ChatCompletionRequest, CompletionRequest, parse_request
 from frontend.output_processor import OutputProcessor
-from frontend.outputs import CompletionOutput
+from frontend.output_processor import CompletionOutput
 from protocol.messages import TokenBatch, i32
 from protocol.sampling import SamplingParams
 
@@ -138,9 +138,9 @@ def test_output_flags_are_validated_sent_on_the_wire_and_taken_from_api_requests
     for model in (CompletionRequest, ChatCompletionRequest):
         req = parse_request(model, _body(model, skip_special_tokens=False, spaces_between_special_tokens=False,
                                          include_stop_str_in_output=True))
-        got = sampling_params(req, {}, 16, None)
+        got = req.sampling_params({})
         assert (got.skip_special_tokens, got.spaces_between_special_tokens, got.include_stop_str_in_output) == (
             False, False, True)
-        silent = sampling_params(parse_request(model, _body(model)), {}, 16, None)
+        silent = parse_request(model, _body(model)).sampling_params({})
         assert (silent.skip_special_tokens, silent.spaces_between_special_tokens,
                 silent.include_stop_str_in_output) == (True, True, False)

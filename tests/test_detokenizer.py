@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from frontend.detokenizer import IncrementalDetokenizer, StreamDetokenizer, make_detokenizer
-from frontend.stop_strings import StopMatcher
+from frontend.detokenizer import IncrementalDetokenizer, StopMatcher, StreamDetokenizer, make_detokenizer
 from test_tokenizer import qwen_cache_root, qwen_tokenizer  # noqa: F401  (shared session fixtures)
 
 

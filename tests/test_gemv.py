@@ -4,17 +4,31 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kernels import gemv
-from kernels.gemv import (GemvConfig, candidate_configs, gemv_triton, linear_ref, norm_gemv_triton, norm_linear_ref,
-                          swiglu_linear_ref)
-from kernels.linear import PATHS, NormedInput
+from kernels.gemv import GemvConfig, NormedInput, candidate_configs, gemv_triton, norm_linear_ref, swiglu_linear_ref
+from kernels.linear import UNFUSED
 
 TOL = dict(atol=1e-4, rtol=1e-4)
 SMALL_CONFIGS = [GemvConfig(16, 16, split_k=3), GemvConfig(32, 16)]  # split-K with a short last split; direct
 # Qwen2.5-1.5B at TP=1: (N, K, bias) of qkv, o_proj, gate_up, down and the tied lm_head.
 QWEN_1_5B = {"qkv": (2048, 1536, True), "o_proj": (1536, 1536, False), "gate_up": (17920, 1536, False),
              "down": (1536, 8960, False), "lm_head": (151936, 1536, False)}
+
+
+def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, w: torch.Tensor,
+              bias: torch.Tensor | None, config: GemvConfig, swiglu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the GEMV's output with the norm of x + residual folded in, the new residual it wrote)."""
+    normed, new_residual = NormedInput.of(x, residual, norm_w, 1e-6)
+    return gemv_triton(normed, w, bias, config, swiglu), new_residual
+
+
+def norm_ref(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, w: torch.Tensor,
+             bias: torch.Tensor | None = None, linear=F.linear, rows: int | None = None) -> tuple[torch.Tensor, ...]:
+    """norm_gemv's unfused reference: (output, new residual)."""
+    normed, new_residual = NormedInput.of(x, residual, norm_w, 1e-6)
+    return norm_linear_ref(normed, w, bias, linear, rows), new_residual
 
 
 def strided_rows(m: int, k: int, device: str = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -34,7 +48,7 @@ def test_gemv_triton_matches_linear_for_one_to_eight_rows(config, with_bias):
         x = strided_rows(m, k)
         out = gemv_triton(x, w, bias, config)
         assert out.shape == (m, n) and out.is_contiguous()
-        torch.testing.assert_close(out, linear_ref(x, w, bias), **TOL)
+        torch.testing.assert_close(out, F.linear(x, w, bias), **TOL)
 
 
 # Every kernel path a fold takes: the dot kernel split and whole, the one-row kernel over K tiles and whole-K.
@@ -57,8 +71,8 @@ def test_norm_gemv_equals_add_rms_norm_then_linear(config, with_residual, with_b
     w, bias, norm_w = fold_weights(n, k)
     for m in [1] if config.one_row else [1, 3, 5]:
         x, residual = 3 * torch.randn(m, k), (torch.randn(m, k) if with_residual else None)
-        out, new_residual = norm_gemv_triton(x, residual, norm_w, 1e-6, w, bias if with_bias else None, config)
-        ref, ref_residual = norm_linear_ref(x, residual, norm_w, 1e-6, w, bias if with_bias else None)
+        out, new_residual = norm_gemv(x, residual, norm_w, w, bias if with_bias else None, config)
+        ref, ref_residual = norm_ref(x, residual, norm_w, w, bias if with_bias else None)
         assert out.shape == (m, n) and out.is_contiguous()
         torch.testing.assert_close(out, ref, **TOL)
         assert torch.equal(new_residual, ref_residual)  # x + residual, stored by the programs of column 0
@@ -69,8 +83,8 @@ def test_norm_gemv_takes_strided_rows_and_rounds_the_sum_to_float16():
     w, bias, norm_w = fold_weights(45, 100, torch.float16)
     x, residual = strided_rows(4, 100, dtype=torch.float16), 20 * torch.randn(4, 100, dtype=torch.float16)
     for config in FOLD_CONFIGS[:2]:
-        out, new_residual = norm_gemv_triton(x, residual, norm_w, 1e-6, w, bias, config)
-        ref, ref_residual = norm_linear_ref(x, residual, norm_w, 1e-6, w, bias)
+        out, new_residual = norm_gemv(x, residual, norm_w, w, bias, config)
+        ref, ref_residual = norm_ref(x, residual, norm_w, w, bias)
         assert torch.equal(new_residual, ref_residual)
         torch.testing.assert_close(out, ref, atol=4e-3, rtol=4e-3)  # roundings differ: norm_w * s, not normed
 
@@ -98,8 +112,8 @@ def test_norm_and_swiglu_in_one_gemv_equal_the_unfused_ops(config):
     w, bias, norm_w = fold_weights(90, 100)
     for m in [1] if config.one_row else [1, 4]:
         x, residual = 3 * torch.randn(m, 100), torch.randn(m, 100)
-        out, new_residual = norm_gemv_triton(x, residual, norm_w, 1e-6, w, bias, config, swiglu=True)
-        ref, ref_residual = norm_linear_ref(x, residual, norm_w, 1e-6, w, bias, linear=swiglu_linear_ref)
+        out, new_residual = norm_gemv(x, residual, norm_w, w, bias, config, swiglu=True)
+        ref, ref_residual = norm_ref(x, residual, norm_w, w, bias, linear=swiglu_linear_ref)
         torch.testing.assert_close(out, ref, **TOL)
         assert torch.equal(new_residual, ref_residual)
 
@@ -113,11 +127,9 @@ def test_one_row_programs_walking_blocks_equal_a_program_a_block(block_k, monkey
     w, bias, norm_w = fold_weights(90, 100)
     x, residual = 3 * torch.randn(1, 100), torch.randn(1, 100)
     for swiglu, n in ((False, 45), (True, 90)):
-        outs = [norm_gemv_triton(x, residual, norm_w, 1e-6, w[:n], bias[:n], c, swiglu=swiglu) for c in
-                (walking, a_block)]
+        outs = [norm_gemv(x, residual, norm_w, w[:n], bias[:n], c, swiglu) for c in (walking, a_block)]
         assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
-        ref = norm_linear_ref(x, residual, norm_w, 1e-6, w[:n], bias[:n],
-                              linear=swiglu_linear_ref if swiglu else linear_ref)
+        ref = norm_ref(x, residual, norm_w, w[:n], bias[:n], linear=swiglu_linear_ref if swiglu else F.linear)
         torch.testing.assert_close(outs[0][0], ref[0], **TOL)
         assert torch.equal(gemv_triton(x, w[:n], None, walking, swiglu), gemv_triton(x, w[:n], None, a_block, swiglu))
 
@@ -130,10 +142,11 @@ def test_swiglu_gemv_refuses_split_k_and_an_odd_weight():
     assert all(c.split_k == 1 for c in candidate_configs(64, 8960, 132, rows=1, swiglu=True))
 
 
-def test_gemv_triton_default_config_takes_more_rows_than_one_tile():
+def test_gemv_triton_takes_more_rows_than_one_tile():
     w, bias = torch.randn(70, 300), torch.randn(70)
     x = strided_rows(gemv.BLOCK_M + 3, 300)
-    torch.testing.assert_close(gemv_triton(x, w, bias), linear_ref(x, w, bias), **TOL)
+    torch.testing.assert_close(gemv_triton(x, w, bias, candidate_configs(70, 300, 132)[0]), F.linear(x, w, bias),
+                               **TOL)
 
 
 @pytest.mark.parametrize("shape", QWEN_1_5B.values(), ids=QWEN_1_5B.keys())
@@ -164,7 +177,7 @@ def test_every_candidate_matches_float32_at_qwen_shapes_in_bf16(name):
     w, bias = _weights(name)
     for m in (1, 4, 8, 16):
         x = torch.randn(m, w.shape[1], device="cuda", dtype=torch.bfloat16)
-        ref = linear_ref(x.float(), w.float(), None if bias is None else bias.float())
+        ref = F.linear(x.float(), w.float(), None if bias is None else bias.float())
         for cfg in candidate_configs(*w.shape, gemv.num_sms(x.device), rows=m):  # one-row kernels at m = 1
             out = gemv_triton(x, w, bias, cfg)
             assert _rel_err(out, ref) <= 1e-2, (name, m, cfg)
@@ -193,17 +206,16 @@ def test_every_fused_candidate_matches_the_unfused_float32_path_at_qwen_shapes_i
     def as_input(inputs: tuple):
         return NormedInput.of(*inputs)[0] if fold.startswith("norm") else inputs[0]
 
-    unfused, fused = PATHS[fold]
     w, bias = _weights(name)
     for m in (1, 4, 16):
         inputs = fold_inputs(fold, m, w.shape[1])
         x = as_input(inputs)
-        ref = unfused(as_input(tuple(t.float() if torch.is_tensor(t) else t for t in inputs)), w.float(),
-                      None if bias is None else bias.float())
+        ref = UNFUSED[fold](as_input(tuple(t.float() if torch.is_tensor(t) else t for t in inputs)), w.float(),
+                            None if bias is None else bias.float())
         for cfg in candidate_configs(*w.shape, gemv.num_sms(w.device), rows=m, swiglu=fold.endswith("swiglu")):
             if fold.startswith("norm"):
                 x.residual_out.zero_()
-            out = fused(x, w, bias, cfg)
+            out = gemv_triton(x, w, bias, cfg, fold.endswith("swiglu"))
             if fold.startswith("norm"):  # the new residual, in bf16
                 assert torch.equal(x.residual_out, inputs[0] + inputs[1]), (name, m, cfg)
             assert _rel_err(out, ref) <= 1e-2, (name, m, cfg)
@@ -217,13 +229,14 @@ def test_graph_replay_of_the_split_k_norm_gemv_equals_the_eager_call():
     x, residual, norm_w, eps = fold_inputs("norm", 4, w.shape[1])
     cfg = candidate_configs(*w.shape, gemv.num_sms(x.device))[0]
     assert cfg.split_k > 1
-    eager, _ = norm_gemv_triton(x, residual, norm_w, eps, w, bias, cfg)  # also compiles before capture
+    normed, new_residual = NormedInput.of(x, residual, norm_w, eps)
+    eager = gemv_triton(normed, w, bias, cfg)  # also compiles before capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out, new_residual = norm_gemv_triton(x, residual, norm_w, eps, w, bias, cfg)
+        out = gemv_triton(normed, w, bias, cfg)
     x.copy_(torch.randn_like(x))
     graph.replay()
-    again = norm_gemv_triton(x, residual, norm_w, eps, w, bias, cfg)
+    again = norm_gemv(x, residual, norm_w, w, bias, cfg)
     assert torch.equal(out, again[0]) and torch.equal(new_residual, again[1]) and not torch.equal(out, eager)
 
 

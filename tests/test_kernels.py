@@ -8,14 +8,14 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from kernels import arrivals
+from kernels import arrivals, decode_attention, sampling
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
-from kernels.decode_attention import paged_decode_attention_ref, paged_decode_attention_triton
-from kernels.embedding import embed_rows_ref, embed_rows_triton
+from kernels.attention_tile import paged_attention_ref
+from kernels.decode_attention import NewTokenKV, rope_store_decode_attention_triton
+from kernels.embedding import embed_rows_triton
 from kernels.kv_store import make_cos_sin, rope_store_kv_ref, rope_store_kv_triton
-from kernels.norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
-from kernels.prefill_attention import (max_prefill_work, paged_prefill_attention_ref, paged_prefill_attention_triton,
-                                       prefill_work)
+from kernels.norm import rms_norm_ref, rms_norm_triton
+from kernels.prefill_attention import max_prefill_work, paged_prefill_attention_triton, prefill_work
 from kernels.sampling import gumbel_argmax_ref, gumbel_argmax_triton
 
 TOL = dict(atol=1e-4, rtol=1e-4)
@@ -28,6 +28,28 @@ def qkv_views(num_tokens: int, hq: int, hkv: int, d: int) -> tuple[torch.Tensor,
     qkv = torch.randn(num_tokens, (hq + 2 * hkv) * d)
     q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
     return q.view(num_tokens, hq, d), k.view(num_tokens, hkv, d), v.view(num_tokens, hkv, d)
+
+
+def decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+               ctx: torch.Tensor, scale: float) -> torch.Tensor:
+    """Decode attention's reference: the attention reference at one query a row."""
+    cu = torch.arange(q.shape[0] + 1, device=q.device)
+    return paged_attention_ref(q, k_cache, v_cache, tables, cu, ctx, scale)
+
+
+def no_new_kv(q: torch.Tensor, k_cache: torch.Tensor) -> NewTokenKV:
+    """A step's own token that leaves decode attention as attention alone: at position 0 (RoPE is the identity),
+    slot -1 (not stored)."""
+    rows, dev = q.shape[0], q.device
+    kv = torch.zeros(rows, k_cache.shape[1], q.shape[2], dtype=q.dtype, device=dev)
+    return NewTokenKV(kv, kv, torch.zeros(rows, dtype=torch.int64, device=dev), make_cos_sin(1, q.shape[2], 1e4, dev),
+                      torch.full((rows,), -1, device=dev))
+
+
+def decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                  ctx: torch.Tensor, scale: float, table_rows: torch.Tensor | None = None) -> torch.Tensor:
+    return rope_store_decode_attention_triton(q, no_new_kv(q, k_cache), k_cache, v_cache, tables, ctx, scale,
+                                              table_rows)
 
 
 def paged_cache(lens: list[int], hkv: int, d: int, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -47,13 +69,15 @@ def paged_cache(lens: list[int], hkv: int, d: int, width: int) -> tuple[torch.Te
 def test_rms_norm_triton_matches_reference_on_strided_rows():
     x = torch.randn(5, 200)[:, :96]  # row stride 200: a view, like a slice of a larger activation
     w = torch.randn(96)
-    torch.testing.assert_close(rms_norm_triton(x, w, 1e-6), rms_norm_ref(x, w, 1e-6), **TOL)
+    out, new_residual = rms_norm_triton(x, None, w, 1e-6)
+    torch.testing.assert_close(out, rms_norm_ref(x, w, 1e-6), **TOL)
+    assert new_residual is None
 
 
 def test_add_rms_norm_returns_normed_sum_and_new_residual():
     x, res, w = torch.randn(7, 96), torch.randn(7, 96), torch.randn(96)
-    out, new_res = add_rms_norm_triton(x, res, w, 1e-6)
-    ref_out, ref_res = add_rms_norm_ref(x, res, w, 1e-6)
+    out, new_res = rms_norm_triton(x, res, w, 1e-6)
+    ref_out, ref_res = kernels.add_rms_norm(x, res, w, 1e-6)  # the CPU reference
     torch.testing.assert_close(new_res, x + res, **TOL)
     torch.testing.assert_close(new_res, ref_res, **TOL)
     torch.testing.assert_close(out, ref_out, **TOL)
@@ -63,14 +87,14 @@ def test_add_rms_norm_returns_normed_sum_and_new_residual():
 def test_norms_write_into_a_buffer_of_the_rows_asked_and_refuse_fewer_than_the_input():
     # kernels/linear.py's padded_rows: a GEMM after the norm may run on more rows than the step has.
     x, res, w = torch.randn(5, 96), torch.randn(5, 96), torch.randn(96)
-    out, new_res = add_rms_norm_triton(x, res, w, 1e-6, rows=13)
+    out, new_res = rms_norm_triton(x, res, w, 1e-6, rows=13)
     assert out.shape == (13, 96) and new_res.shape == (5, 96)
-    torch.testing.assert_close(out[:5], add_rms_norm_ref(x, res, w, 1e-6)[0], **TOL)
-    assert rms_norm_triton(x, w, 1e-6, rows=8).shape == (8, 96)
+    torch.testing.assert_close(out[:5], rms_norm_ref(x + res, w, 1e-6), **TOL)
+    assert rms_norm_triton(x, None, w, 1e-6, rows=8)[0].shape == (8, 96)
     assert kernels.rms_norm(x, w, 1e-6, rows=8).shape == (8, 96)  # the CPU reference pads the same way
     torch.testing.assert_close(kernels.add_rms_norm(x, res, w, 1e-6, rows=9)[0][:5], out[:5], **TOL)
     with pytest.raises(ValueError, match="rows=4 is under the input's 5"):
-        add_rms_norm_triton(x, res, w, 1e-6, rows=4)
+        rms_norm_triton(x, res, w, 1e-6, rows=4)
 
 
 def test_silu_and_mul_triton_matches_reference():
@@ -113,13 +137,14 @@ def test_rope_store_kv_triton_matches_reference_and_skips_slot_minus_one(hq, hkv
 
 
 @pytest.mark.parametrize("hq,hkv,d", GQA_SHAPES)
-def test_decode_triton_matches_reference_across_splits(hq, hkv, d):
+def test_decode_triton_matches_reference_across_splits(hq, hkv, d, monkeypatch):
     lens = [80, 0, 33, 16, 1]  # on and off block boundaries, an empty (padded) row
     k_cache, v_cache, tables = paged_cache(lens, hkv, d, width=6)
     q = qkv_views(len(lens), hq, hkv, d)[0]
     ctx = torch.tensor(lens, dtype=torch.int32)
-    out = paged_decode_attention_triton(q, k_cache, v_cache, tables, ctx, 0.125, partition_size=32)  # 3 splits
-    torch.testing.assert_close(out, paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.125), **TOL)
+    monkeypatch.setattr(decode_attention, "_partition_size", lambda *shape: 32)  # 3 splits
+    out = decode_triton(q, k_cache, v_cache, tables, ctx, 0.125)
+    torch.testing.assert_close(out, decode_ref(q, k_cache, v_cache, tables, ctx, 0.125), **TOL)
     assert out[1].abs().max() == 0
 
 
@@ -131,26 +156,25 @@ def test_decode_reads_each_rows_block_table_through_table_rows(lens, hkv):
     rows = torch.randperm(len(lens) + 3)[:len(lens)]  # the runner's mirror rows: any order, some unused
     whole = torch.full((len(lens) + 3, tables.shape[1]), -1, dtype=torch.int32)
     whole[rows] = tables
-    want = paged_decode_attention_triton(q, k_cache, v_cache, tables, ctx, 0.125)
-    assert torch.equal(paged_decode_attention_triton(q, k_cache, v_cache, whole, ctx, 0.125, table_rows=rows), want)
-    assert torch.equal(paged_decode_attention_ref(q, k_cache, v_cache, whole, ctx, 0.125, rows),
-                       paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.125))
+    want = decode_triton(q, k_cache, v_cache, tables, ctx, 0.125)
+    assert torch.equal(decode_triton(q, k_cache, v_cache, whole, ctx, 0.125, table_rows=rows), want)
+    cpu = kernels.rope_store_decode_attention(q, no_new_kv(q, k_cache), k_cache, v_cache, whole, ctx, 0.125, rows)
+    torch.testing.assert_close(cpu, decode_ref(q, k_cache, v_cache, tables, ctx, 0.125), **TOL)
 
 
 def test_embed_rows_triton_looks_up_each_rows_token():
     weight, tokens = torch.randn(50, 1100), torch.randint(0, 50, (9,))  # 1100: more than one 1024-wide block
     rows = torch.tensor([4, 0, 4, 8])  # a row may repeat (padded graph lanes all read the dummy row)
-    out = embed_rows_triton(weight, tokens, rows)
-    assert torch.equal(out, embed_rows_ref(weight, tokens, rows))
-    assert torch.equal(out, weight[tokens[rows]])
+    assert torch.equal(embed_rows_triton(weight, tokens, rows), weight[tokens[rows]])
+    assert torch.equal(kernels.embed_rows(weight, tokens, rows), weight[tokens[rows]])
 
 
 def test_decode_triton_with_default_partition_matches_reference():
     k_cache, v_cache, tables = paged_cache([5, 47], 2, 64, width=4)
     q = torch.randn(2, 4, 64)
     ctx = torch.tensor([5, 47], dtype=torch.int32)
-    torch.testing.assert_close(paged_decode_attention_triton(q, k_cache, v_cache, tables, ctx, 0.1),
-                               paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.1), **TOL)
+    torch.testing.assert_close(decode_triton(q, k_cache, v_cache, tables, ctx, 0.1),
+                               decode_ref(q, k_cache, v_cache, tables, ctx, 0.1), **TOL)
 
 
 def prefill_batch(lens: list[int], qlens: list[int], hq: int, d: int) -> tuple[torch.Tensor, ...]:
@@ -168,7 +192,7 @@ def test_prefill_triton_matches_reference_with_cached_prefix(hq, hkv, d):
     q, cu, ctx = prefill_batch(lens, qlens, hq, d)
     work = torch.from_numpy(prefill_work(qlens, hq // hkv))
     out = paged_prefill_attention_triton(q, k_cache, v_cache, tables, cu, ctx, 0.125, work)
-    ref = paged_prefill_attention_ref(q, k_cache, v_cache, tables, cu, ctx, 0.125)
+    ref = paged_attention_ref(q, k_cache, v_cache, tables, cu, ctx, 0.125)
     torch.testing.assert_close(out, ref, **TOL)
 
 
@@ -190,7 +214,7 @@ def test_prefill_triton_skips_padded_work_items_and_sequences():
     items = prefill_work(qlens, 2)
     work[:, :items.shape[1]] = items
     out = paged_prefill_attention_triton(q, k_cache, v_cache, tables, cu, ctx, 0.125, torch.from_numpy(work))
-    torch.testing.assert_close(out, paged_prefill_attention_ref(q, k_cache, v_cache, tables, cu, ctx, 0.125), **TOL)
+    torch.testing.assert_close(out, paged_attention_ref(q, k_cache, v_cache, tables, cu, ctx, 0.125), **TOL)
     with pytest.raises(ValueError, match=r"contiguous \[2, W\] int32 items, got torch.int64 \(2, 3\)"):
         paged_prefill_attention_triton(q, k_cache, v_cache, tables, cu, ctx, 0.125,
                                        torch.zeros(2, 3, dtype=torch.int64))
@@ -200,25 +224,13 @@ def test_prefill_reference_of_whole_prompts_is_causal_attention():
     lens = [9, 20]
     k_cache, v_cache, tables = paged_cache(lens, 2, 16, width=2)
     q, cu, ctx = prefill_batch(lens, lens, 4, 16)
-    out = paged_prefill_attention_ref(q, k_cache, v_cache, tables, cu, ctx, 0.25)
+    out = paged_attention_ref(q, k_cache, v_cache, tables, cu, ctx, 0.25)
     for b, n in enumerate(lens):
         k = k_cache[tables[b, :2].long()].permute(1, 0, 2, 3).reshape(2, -1, 16)[:, :n].repeat_interleave(2, 0)
         v = v_cache[tables[b, :2].long()].permute(1, 0, 2, 3).reshape(2, -1, 16)[:, :n].repeat_interleave(2, 0)
         qb = q[cu[b]:cu[b + 1]].transpose(0, 1)
         dense = F.scaled_dot_product_attention(qb, k, v, is_causal=True, scale=0.25).transpose(0, 1)
         torch.testing.assert_close(out[cu[b]:cu[b + 1]], dense, **TOL)
-
-
-def test_decode_reference_equals_prefill_reference_of_one_query():
-    lens = [7, 0, 40]
-    k_cache, v_cache, tables = paged_cache(lens, 1, 16, width=3)
-    q = torch.randn(3, 3, 16)
-    ctx = torch.tensor(lens, dtype=torch.int32)
-    decode = paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.3)
-    cu = torch.tensor([0, 1, 1, 2], dtype=torch.int32)
-    prefill = paged_prefill_attention_ref(q[[0, 2]], k_cache, v_cache, tables, cu, ctx, 0.3)
-    torch.testing.assert_close(decode[[0, 2]], prefill, **TOL)
-    assert decode[1].abs().max() == 0
 
 
 def sampling_rows(rows: int, vocab: int) -> tuple[torch.Tensor, ...]:
@@ -231,16 +243,17 @@ def sampling_rows(rows: int, vocab: int) -> tuple[torch.Tensor, ...]:
     return logits, temps, seeds, torch.arange(rows, dtype=torch.int64) * 1000 + 3
 
 
-@pytest.mark.parametrize("vocab,block,chunks", [(1000, 128, 1), (1000, 128, 3), (4099, 256, 5), (300, 512, 2)])
-def test_gumbel_argmax_triton_matches_reference_for_any_chunking(vocab, block, chunks):
+@pytest.mark.parametrize("vocab,block", [(1000, 512), (1000, 128), (1000, 32), (4099, 128), (300, 16)],
+                         ids=["1-chunk", "2-chunks", "8-chunks", "9-chunks", "5-chunks"])
+def test_gumbel_argmax_triton_matches_reference_for_any_chunking(vocab, block, monkeypatch):
+    monkeypatch.setattr(sampling, "_BLOCK", block)
     logits, temps, seeds, positions = sampling_rows(6, vocab)
     ref = gumbel_argmax_ref(logits, temps, seeds, positions)
     assert ref[0] == 7 and ref[3] == logits[3].argmax()  # greedy rows: the first of equal maxima
-    out = gumbel_argmax_triton(logits, temps, seeds, positions, block=block, chunks=chunks)
-    assert torch.equal(out, ref)
+    assert torch.equal(gumbel_argmax_triton(logits, temps, seeds, positions), ref)
 
 
-def test_gumbel_argmax_reads_row_params_through_rows_and_stores_the_last_tokens():
+def test_gumbel_argmax_reads_row_params_through_rows_and_stores_the_last_tokens(monkeypatch):
     # The decode graph's draw: temperatures and seeds from the sampler's [rows, 6] / [rows, 3] tables (strided
     # columns), each token also stored at last_token[row]; every chunk counter back at zero afterwards.
     logits, temps, seeds, positions = sampling_rows(6, 1000)
@@ -248,7 +261,8 @@ def test_gumbel_argmax_reads_row_params_through_rows_and_stores_the_last_tokens(
     floats, ints = torch.zeros(8, 6), torch.zeros(8, 3, dtype=torch.int64)
     floats[rows, 0], ints[rows, 1] = temps, seeds
     last_token = torch.full((9,), -1, dtype=torch.int64)
-    out = gumbel_argmax_triton(logits, floats[:, 0], ints[:, 1], positions, rows, last_token, block=128, chunks=3)
+    monkeypatch.setattr(sampling, "_BLOCK", 128)  # two chunks a row
+    out = gumbel_argmax_triton(logits, floats[:, 0], ints[:, 1], positions, rows, last_token)
     assert torch.equal(out, gumbel_argmax_ref(logits, temps, seeds, positions))
     assert torch.equal(last_token[rows], out) and (last_token[[3, 6, 8]] == -1).all()
     assert not arrivals.arrival_counters(torch.device("cpu"), 6, "test").any()

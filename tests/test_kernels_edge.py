@@ -13,10 +13,12 @@ import torch.nn.functional as F
 
 from kernels import arrivals, decode_attention, gemv
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
-from kernels.decode_attention import NewTokenKV, paged_decode_attention_ref, paged_decode_attention_triton
-from kernels.gemv import GemvConfig, candidate_configs, gemv_triton, linear_ref
+from kernels.attention_tile import paged_attention_ref
+from kernels.decode_attention import NewTokenKV, rope_store_decode_attention_triton
+from kernels.gemv import GemvConfig, candidate_configs, gemv_triton
 from kernels.kv_store import make_cos_sin, rope_store_kv_ref, rope_store_kv_triton
-from kernels.prefill_attention import paged_prefill_attention_ref, paged_prefill_attention_triton, prefill_work
+from kernels.prefill_attention import paged_prefill_attention_triton, prefill_work
+from tests.test_kernels import decode_ref, decode_triton
 
 TOL = dict(atol=2e-4, rtol=2e-4)
 BLOCK_SIZES = (8, 16, 32, 64, 128)  # every block_size EngineConfig allows
@@ -54,15 +56,19 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     return out.transpose(0, 1)
 
 
-def run_decode(lens: list[int], group: int, hkv: int, d: int, block_size: int, partition: int | None,
-               calls: int = 1) -> list[torch.Tensor]:
+def split_every(monkeypatch, partition: int | None) -> None:
+    """Decode attention splits contexts every `partition` tokens (None: its own static choice)."""
+    if partition:
+        monkeypatch.setattr(decode_attention, "_partition_size", lambda *shape: partition)
+
+
+def run_decode(lens: list[int], group: int, hkv: int, d: int, block_size: int, calls: int = 1) -> list[torch.Tensor]:
     """Each of `calls` calls on the same random inputs against the reference; returns their outputs."""
     k_cache, v_cache, tables = paged_cache(lens, hkv, d, block_size)
     q = torch.randn(len(lens), group * hkv, d)
     ctx = torch.tensor(lens, dtype=torch.int32)
-    outs = [paged_decode_attention_triton(q, k_cache, v_cache, tables, ctx, d ** -0.5, partition_size=partition)
-            for _ in range(calls)]
-    ref = paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, d ** -0.5)
+    outs = [decode_triton(q, k_cache, v_cache, tables, ctx, d ** -0.5) for _ in range(calls)]
+    ref = decode_ref(q, k_cache, v_cache, tables, ctx, d ** -0.5)
     for out in outs:
         torch.testing.assert_close(out, ref, **TOL)
         assert all(out[b].abs().max() == 0 for b, n in enumerate(lens) if n == 0)
@@ -79,6 +85,7 @@ def run_decode(lens: list[int], group: int, hkv: int, d: int, block_size: int, p
 def test_decode_rotates_and_stores_the_steps_own_kv_as_rope_store_kv_then_attention(monkeypatch, lens, group, hkv,
                                                                                     d, block_size, partition,
                                                                                     split_group):
+    split_every(monkeypatch, partition)
     if split_group:  # a tree past split_group splits, at a few rows too
         monkeypatch.setattr(decode_attention, "_SPLIT_GROUP", split_group)
         monkeypatch.setattr(decode_attention, "_FEW_ROWS_ONE_LEVEL", split_group)
@@ -93,10 +100,10 @@ def test_decode_rotates_and_stores_the_steps_own_kv_as_rope_store_kv_then_attent
                           for b, n in enumerate(lens)])
     cos_sin = make_cos_sin(max(lens) + 1, d, 1e6, "cpu")
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    want = paged_decode_attention_ref(rope_store_kv_ref(q, k, v, positions, cos_sin, k_ref, v_ref, slots), k_ref,
-                                      v_ref, tables, ctx, d ** -0.5)
+    want = decode_ref(rope_store_kv_ref(q, k, v, positions, cos_sin, k_ref, v_ref, slots), k_ref, v_ref, tables, ctx,
+                      d ** -0.5)
     new_kv = NewTokenKV(k, v, positions, cos_sin, slots)
-    got = paged_decode_attention_triton(q, k_cache, v_cache, tables, ctx, d ** -0.5, partition, new_kv)
+    got = rope_store_decode_attention_triton(q, new_kv, k_cache, v_cache, tables, ctx, d ** -0.5)
     torch.testing.assert_close(got, want, **TOL)
     torch.testing.assert_close(k_cache, k_ref, **TOL)
     assert torch.equal(v_cache, v_ref)
@@ -109,12 +116,12 @@ def test_kernels_storing_the_steps_kv_refuse_what_they_cannot_address():
     ctx = torch.tensor([3], dtype=torch.int32)
     new_kv = NewTokenKV(kv, kv, ctx.long() - 1, make_cos_sin(4, 32, 1e6, "cpu"), torch.tensor([2]))
     with pytest.raises(ValueError, match="unit stride"):
-        paged_decode_attention_triton(q, k_cache, v_cache, tables, ctx, 1.0, new_kv=new_kv)
+        rope_store_decode_attention_triton(q, new_kv, k_cache, v_cache, tables, ctx, 1.0)
     k = torch.randn(1, 1, 32)
     half_table = make_cos_sin(4, 32, 1e6, "cpu").half()  # the kernels read the table as float32
-    for call in (lambda: paged_decode_attention_triton(q, k_cache, v_cache, tables, ctx, 1.0,
-                                                       new_kv=NewTokenKV(k, k, ctx.long() - 1, half_table,
-                                                                         torch.tensor([2]))),
+    for call in (lambda: rope_store_decode_attention_triton(q, NewTokenKV(k, k, ctx.long() - 1, half_table,
+                                                                          torch.tensor([2])), k_cache, v_cache,
+                                                            tables, ctx, 1.0),
                  lambda: rope_store_kv_triton(q, k, k, ctx.long() - 1, half_table, k_cache, v_cache,
                                               torch.tensor([2]))):
         with pytest.raises(ValueError, match=r"float32 \[max_pos, 32\] table, got head_dims 32, 32 and cos_sin "
@@ -123,22 +130,24 @@ def test_kernels_storing_the_steps_kv_refuse_what_they_cannot_address():
 
 
 @pytest.mark.parametrize("block_size,group,d", SWEEP)
-def test_decode_at_partition_and_tile_boundaries_for_every_block_size_and_group(block_size, group, d):
+def test_decode_at_partition_and_tile_boundaries_for_every_block_size_and_group(block_size, group, d, monkeypatch):
     # Partition 64 = the kernel's key tile: 63/64/65 and 128/129 sit on and one past both boundaries;
     # empty rows between long ones.
-    run_decode([0, 63, 64, 65, 1, 0, 128, 129], group, 1, d, block_size, 64)
+    split_every(monkeypatch, 64)
+    run_decode([0, 63, 64, 65, 1, 0, 128, 129], group, 1, d, block_size)
 
 
 @pytest.mark.parametrize("partition", [16, 32, 128, None])
-def test_decode_with_short_splits_and_the_default_partition(partition):
+def test_decode_with_short_splits_and_the_default_partition(partition, monkeypatch):
     # Partition 16 < block 64: a split covers part of a block; None: the static choice (256 here).
-    run_decode([0, 15, 16, 17, 255, 256, 257], 7, 2, 64, 64, partition)
+    split_every(monkeypatch, partition)
+    run_decode([0, 15, 16, 17, 255, 256, 257], 7, 2, 64, 64)
 
 
 def test_decode_cuts_each_rows_context_into_the_grids_splits():
     # Tables of 5 blocks of 1024 at 4 rows: 20 splits of 256 in the grid. Each row splits its own length:
     # 1 token -> one split, 65 -> two tiles of 64, 1000 -> 16 splits of 64, 4095 -> 16 of 256 (four tiles).
-    run_decode([1, 65, 1000, 4095], 3, 1, 32, 1024, None)
+    run_decode([1, 65, 1000, 4095], 3, 1, 32, 1024)
 
 
 @pytest.mark.parametrize("tile", [1, 2, 4], ids=["one-split-a-step", "two-a-step", "four-a-step"])
@@ -147,7 +156,8 @@ def test_decode_combine_takes_its_splits_in_steps_of_any_size(monkeypatch, tile)
     # (7 padded) x 32 dims a step, 2 two; partition 16 gives 8 splits in the grid, and rows using 2, 3, 5 and
     # 7 of them end on a partial step.
     monkeypatch.setattr(decode_attention, "_COMBINE_TILE", tile)
-    run_decode([0, 5, 33, 65, 100, 127], 7, 1, 32, 16, 16)
+    split_every(monkeypatch, 16)
+    run_decode([0, 5, 33, 65, 100, 127], 7, 1, 32, 16)
 
 
 @pytest.mark.parametrize("split_group", [2, 4])
@@ -156,7 +166,7 @@ def test_decode_combines_each_group_of_splits_then_the_groups(monkeypatch, split
     # group of one at 5, of three at 7, two whole groups at 8; groups of 2: a last group of one at 3, 5 and 7.
     # Seven rows x 2 KV heads: the many-rows launch, whose one level ends at split_group.
     monkeypatch.setattr(decode_attention, "_SPLIT_GROUP", split_group)
-    run_decode_twice_in_splits_of_16([40, 0, 64, 9, 80, 100, 128], split_group)
+    run_decode_twice_in_splits_of_16(monkeypatch, [40, 0, 64, 9, 80, 100, 128], split_group)
 
 
 def test_decode_at_a_few_rows_combines_up_to_its_one_level_limit_at_once_then_as_a_tree(monkeypatch):
@@ -164,27 +174,30 @@ def test_decode_at_a_few_rows_combines_up_to_its_one_level_limit_at_once_then_as
     # using 2 splits (the small tile), 3 and 4 (one level, the wide tile), 7 (a tree: three groups of 2 and one).
     monkeypatch.setattr(decode_attention, "_SPLIT_GROUP", 2)
     monkeypatch.setattr(decode_attention, "_FEW_ROWS_ONE_LEVEL", 4)
-    run_decode_twice_in_splits_of_16([20, 40, 64, 100], 2)
+    run_decode_twice_in_splits_of_16(monkeypatch, [20, 40, 64, 100], 2)
 
 
-def run_decode_twice_in_splits_of_16(lens: list[int], split_group: int) -> None:
-    first, second = run_decode(lens, 3, 2, 32, 16, 16, calls=2)
+def run_decode_twice_in_splits_of_16(monkeypatch, lens: list[int], split_group: int) -> None:
+    split_every(monkeypatch, 16)
+    first, second = run_decode(lens, 3, 2, 32, 16, calls=2)
     assert torch.equal(first, second)  # the second call found every group's and row's counter back at zero
     counters = arrivals.arrival_counters(torch.device("cpu"), 1, "test")
     assert counters.numel() >= len(lens) * 2 * (1 + decode_attention._MAX_SPLITS // split_group)
     assert not counters.any()
 
 
-def test_decode_leaves_every_arrival_counter_at_zero():
+def test_decode_leaves_every_arrival_counter_at_zero(monkeypatch):
     # Rows of 0 (padded graph lanes), 1 (one split: no counter), 24 splits of 16, and one split short of that.
-    run_decode([0, 1, 380, 0, 366], 3, 2, 32, 16, 16)
+    split_every(monkeypatch, 16)
+    run_decode([0, 1, 380, 0, 366], 3, 2, 32, 16)
     counters = arrivals.arrival_counters(torch.device("cpu"), 5 * 2, "test")
     assert counters.numel() >= 5 * 2 and not counters.any()
 
 
-def test_decode_twice_gives_the_same_bits():
+def test_decode_twice_gives_the_same_bits(monkeypatch):
     # The combine reads every split in order, whichever program arrives last: a replay equals the first call.
-    first, second = run_decode([700, 0, 64, 65, 1], 2, 2, 64, 32, 32, calls=2)
+    split_every(monkeypatch, 32)
+    first, second = run_decode([700, 0, 64, 65, 1], 2, 2, 64, 32, calls=2)
     assert torch.equal(first, second)
 
 
@@ -210,23 +223,14 @@ def test_decode_grid_splits_a_short_max_model_len_down_to_one_tile():
     assert decode_attention._partition_size(256, 2, 2048) == 2048
 
 
-def test_decode_refuses_more_splits_than_the_combine_takes():
-    k_cache, v_cache, tables = paged_cache([2100], 1, 16, 128)
-    q = torch.randn(1, 2, 16)
-    # 17 blocks of 128 and one padded: 2304 tokens in 144 splits of 16.
-    with pytest.raises(ValueError, match="into 144 splits, over 128: use a partition_size of at least 32"):
-        paged_decode_attention_triton(q, k_cache, v_cache, tables, torch.tensor([2100], dtype=torch.int32), 0.25,
-                                      partition_size=16)
-
-
 def test_decode_of_only_empty_rows_gives_zeros():
     k_cache, v_cache = torch.randn(2, 1, 16, 64), torch.randn(2, 1, 16, 64)
     tables = torch.full((3, 2), -1, dtype=torch.int32)
     q = torch.randn(3, 5, 64)
     ctx = torch.zeros(3, dtype=torch.int32)
-    out = paged_decode_attention_triton(q, k_cache, v_cache, tables, ctx, 0.125)
+    out = decode_triton(q, k_cache, v_cache, tables, ctx, 0.125)
     assert out.shape == q.shape and out.abs().max() == 0
-    assert paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.125).abs().max() == 0
+    assert decode_ref(q, k_cache, v_cache, tables, ctx, 0.125).abs().max() == 0
 
 
 def run_prefill(lens: list[int], qlens: list[int], group: int, hkv: int, d: int, block_size: int,
@@ -237,7 +241,7 @@ def run_prefill(lens: list[int], qlens: list[int], group: int, hkv: int, d: int,
     ctx = torch.tensor(lens, dtype=torch.int32)
     work = torch.from_numpy(prefill_work(qlens, group))
     out = paged_prefill_attention_triton(q, k_cache, v_cache, tables, cu, ctx, d ** -0.5, work)
-    ref = paged_prefill_attention_ref(q, k_cache, v_cache, tables, cu, ctx, d ** -0.5)
+    ref = paged_attention_ref(q, k_cache, v_cache, tables, cu, ctx, d ** -0.5)
     tol = TOL if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(out, ref, **tol)
 
@@ -265,8 +269,8 @@ def test_references_equal_dense_causal_attention_with_cached_prefixes(dtype):
     q = torch.randn(sum(qlens), group, d, dtype=dtype)
     cu = torch.tensor([0, 5, 6, 136], dtype=torch.int32)
     ctx = torch.tensor(lens, dtype=torch.int32)
-    prefill = paged_prefill_attention_ref(q, k_cache, v_cache, tables, cu, ctx, d ** -0.5)
-    decode = paged_decode_attention_ref(q[cu[1:] - 1], k_cache, v_cache, tables, ctx, d ** -0.5)
+    prefill = paged_attention_ref(q, k_cache, v_cache, tables, cu, ctx, d ** -0.5)
+    decode = decode_ref(q[cu[1:] - 1], k_cache, v_cache, tables, ctx, d ** -0.5)
     assert prefill.dtype == decode.dtype == dtype
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
     for b, n in enumerate(lens):
@@ -333,13 +337,13 @@ def test_kernels_address_cache_blocks_past_two_to_the_31_elements():
     assert torch.equal(k_cache[[0, 2]], ref_k[[0, 2]]) and torch.equal(v_cache[[0, 2]], ref_v[[0, 2]])
     tables, ctx = torch.tensor([[2, 0, -1]], dtype=torch.int32), torch.tensor([tokens], dtype=torch.int32)
     half_tol = dict(atol=2e-3, rtol=2e-3)
-    torch.testing.assert_close(paged_decode_attention_triton(q_rot[-1:], k_cache, v_cache, tables, ctx, 0.125),
-                               paged_decode_attention_ref(q_rot[-1:], ref_k, ref_v, tables, ctx, 0.125), **half_tol)
+    torch.testing.assert_close(decode_triton(q_rot[-1:], k_cache, v_cache, tables, ctx, 0.125),
+                               decode_ref(q_rot[-1:], ref_k, ref_v, tables, ctx, 0.125), **half_tol)
     cu = torch.tensor([0, 7], dtype=torch.int32)
     work = torch.from_numpy(prefill_work([7], hq // hkv))
     torch.testing.assert_close(paged_prefill_attention_triton(q_rot[-7:], k_cache, v_cache, tables, cu, ctx, 0.125,
                                                               work),
-                               paged_prefill_attention_ref(q_rot[-7:], ref_k, ref_v, tables, cu, ctx, 0.125),
+                               paged_attention_ref(q_rot[-7:], ref_k, ref_v, tables, cu, ctx, 0.125),
                                **half_tol)
 
 
@@ -351,7 +355,7 @@ def test_gemv_candidate_configs_match_linear_for_1_to_16_rows_at_ragged_shapes()
     for m in range(1, 17):
         x = torch.randn(m, k)
         b = bias if m % 2 else None
-        ref = linear_ref(x, w, b)
+        ref = F.linear(x, w, b)
         for cfg in configs:
             torch.testing.assert_close(gemv_triton(x, w, b, cfg), ref, atol=1e-4, rtol=1e-4)
 
@@ -365,7 +369,7 @@ def test_one_row_gemv_matches_linear_at_ragged_shapes_and_refuses_more_rows_or_s
     x = torch.randn(3, 2 * k)[1:2, ::2]  # one row, column stride 2
     for cfg in [*one_row, GemvConfig(8, 256, 1, one_row=True)]:
         for b in (bias, None):
-            torch.testing.assert_close(gemv_triton(x, w, b, cfg), linear_ref(x, w, b), atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(gemv_triton(x, w, b, cfg), F.linear(x, w, b), atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match=r"exactly one row of x \(got 2\)"):
         gemv_triton(torch.randn(2, k), w, bias, one_row[0])
     with pytest.raises(ValueError, match="split_k 1, got 3"):
@@ -385,14 +389,14 @@ def test_float32_attention_on_the_gpu_is_not_rounded_to_tf32():
     k_cache, v_cache, tables = (t.cuda() for t in paged_cache(lens, 1, d, 16))
     ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")
     q = 3 * torch.randn(len(lens), group, d, device="cuda")
-    out = paged_decode_attention_triton(q, k_cache, v_cache, tables, ctx, d ** -0.5)
-    torch.testing.assert_close(out, paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, d ** -0.5),
+    out = decode_triton(q, k_cache, v_cache, tables, ctx, d ** -0.5)
+    torch.testing.assert_close(out, decode_ref(q, k_cache, v_cache, tables, ctx, d ** -0.5),
                                atol=1e-5, rtol=1e-5)
     cu = torch.tensor([0, 1, 78], dtype=torch.int32, device="cuda")
     qp = 3 * torch.randn(78, group, d, device="cuda")
     work = torch.from_numpy(prefill_work([1, 77], group)).cuda()
     out = paged_prefill_attention_triton(qp, k_cache, v_cache, tables, cu, ctx, d ** -0.5, work)
-    torch.testing.assert_close(out, paged_prefill_attention_ref(qp, k_cache, v_cache, tables, cu, ctx, d ** -0.5),
+    torch.testing.assert_close(out, paged_attention_ref(qp, k_cache, v_cache, tables, cu, ctx, d ** -0.5),
                                atol=1e-5, rtol=1e-5)
 
 
@@ -402,7 +406,7 @@ def test_attention_refuses_a_query_without_a_unit_stride_on_head_dim():
     ctx = torch.tensor([20], dtype=torch.int32)
     cu = torch.tensor([0, 1], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"q needs a unit stride on head_dim, got strides \(64, 32, 2\)"):
-        paged_decode_attention_triton(q, k_cache, v_cache, tables, ctx, 0.25)
+        decode_triton(q, k_cache, v_cache, tables, ctx, 0.25)
     with pytest.raises(ValueError, match="q needs a unit stride on head_dim"):
         paged_prefill_attention_triton(q, k_cache, v_cache, tables, cu, ctx, 0.25,
                                        torch.from_numpy(prefill_work([1], 2)))

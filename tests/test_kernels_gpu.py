@@ -4,13 +4,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.activation import silu_and_mul, silu_and_mul_ref
 from kernels import arrivals, decode_attention
-from kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
+from kernels.activation import silu_and_mul, silu_and_mul_ref
+from kernels.attention_tile import paged_attention_ref
+from kernels.decode_attention import rope_store_decode_attention
 from kernels.kv_store import make_cos_sin, rope_store_kv, rope_store_kv_ref
-from kernels.norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
-from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref, prefill_work
+from kernels.norm import add_rms_norm, rms_norm, rms_norm_ref
+from kernels.prefill_attention import paged_prefill_attention, prefill_work
 from kernels.sampling import _gumbel_argmax_kernel, gumbel_argmax, gumbel_argmax_ref
+from tests.test_kernels import decode_ref, decode_triton, no_new_kv
 
 pytestmark = pytest.mark.gpu
 
@@ -55,7 +57,8 @@ def test_rms_norm_and_add_rms_norm_bf16():
     w = torch.rand(HIDDEN, device="cuda", dtype=BF16) + 0.5
     assert_close_rel(rms_norm(x, w, 1e-6), rms_norm_ref(*fp32(x, w), 1e-6))
     out, new_res = add_rms_norm(x, res, w, 1e-6)
-    ref_out, ref_res = add_rms_norm_ref(*fp32(x, res, w), 1e-6)
+    ref_res = x.float() + res.float()
+    ref_out = rms_norm_ref(ref_res, w.float(), 1e-6)
     assert_close_rel(out, ref_out)
     assert_close_rel(new_res, ref_res)
 
@@ -117,8 +120,8 @@ def test_decode_attention_bf16_long_contexts():
     k_cache, v_cache, tables = paged_cache(lens, width=32768 // BLOCK)
     q = qkv_views(len(lens))[0]
     ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    out = paged_decode_attention(q, k_cache, v_cache, tables, ctx, D ** -0.5)
-    ref = paged_decode_attention_ref(*fp32(q, k_cache, v_cache), tables, ctx, D ** -0.5)
+    out = decode_triton(q, k_cache, v_cache, tables, ctx, D ** -0.5)
+    ref = decode_ref(*fp32(q, k_cache, v_cache), tables, ctx, D ** -0.5)
     assert_close_rel(out, ref)
     assert out[1].abs().max() == 0
 
@@ -135,8 +138,8 @@ def test_decode_attention_rotating_and_storing_the_steps_kv_bf16(lens):
     k_ref, v_ref = fp32(k_cache, v_cache)
     q_ref = rope_store_kv_ref(*fp32(q, k, v), positions, cos_sin, k_ref, v_ref, slots)
     new_kv = decode_attention.NewTokenKV(k, v, positions, cos_sin, slots)
-    out = decode_attention.rope_store_decode_attention(q, new_kv, k_cache, v_cache, tables, ctx, D ** -0.5)
-    assert_close_rel(out, paged_decode_attention_ref(q_ref, k_ref, v_ref, tables, ctx, D ** -0.5))
+    out = rope_store_decode_attention(q, new_kv, k_cache, v_cache, tables, ctx, D ** -0.5)
+    assert_close_rel(out, decode_ref(q_ref, k_ref, v_ref, tables, ctx, D ** -0.5))
     assert_close_rel(k_cache, k_ref) and torch.equal(v_cache.float(), v_ref)
 
 
@@ -149,16 +152,17 @@ def test_decode_attention_replays_in_a_cuda_graph_with_new_lengths(one_level, mo
     k_cache, v_cache, tables = paged_cache([4096] * 4, width=4096 // BLOCK)
     q = torch.randn(4, HQ, D, device="cuda", dtype=BF16)
     ctx = torch.tensor([4096, 1, 100, 0], dtype=torch.int32, device="cuda")
-    paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.1)  # compile outside the capture
+    new_kv = no_new_kv(q, k_cache)
+    rope_store_decode_attention(q, new_kv, k_cache, v_cache, tables, ctx, 0.1)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.1)
+        out = rope_store_decode_attention(q, new_kv, k_cache, v_cache, tables, ctx, 0.1)
     ctx.copy_(torch.tensor([7, 3000, 0, 4096], dtype=torch.int32))
     graph.replay()
-    assert_close_rel(out, paged_decode_attention_ref(*fp32(q, k_cache, v_cache), tables, ctx, 0.1))
+    assert_close_rel(out, decode_ref(*fp32(q, k_cache, v_cache), tables, ctx, 0.1))
     # The combine reads its splits in order whichever program arrives last: a replay equals an eager call bit for
     # bit, and every arrival counter is back at zero after each.
-    assert torch.equal(out, paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.1))
+    assert torch.equal(out, rope_store_decode_attention(q, new_kv, k_cache, v_cache, tables, ctx, 0.1))
     assert not arrivals._arrivals[q.device].any()
 
 
@@ -167,9 +171,10 @@ def test_decode_attention_capture_without_an_eager_call_of_its_size_is_refused(m
     k_cache, v_cache, tables = paged_cache([100], width=512 // BLOCK)
     q = torch.randn(1, HQ, D, device="cuda", dtype=BF16)
     ctx = torch.tensor([100], dtype=torch.int32, device="cuda")
+    new_kv = no_new_kv(q, k_cache)
     with pytest.raises(RuntimeError, match="make the same call eagerly before capturing it"):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.1)
+            rope_store_decode_attention(q, new_kv, k_cache, v_cache, tables, ctx, 0.1)
 
 
 def test_prefill_attention_bf16_with_cached_prefixes():
@@ -179,7 +184,7 @@ def test_prefill_attention_bf16_with_cached_prefixes():
     cu = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")
     out = paged_prefill_attention(q, k_cache, v_cache, tables, cu, ctx, D ** -0.5, work_on_gpu(qlens, HQ // HKV))
-    ref = paged_prefill_attention_ref(*fp32(q, k_cache, v_cache), tables, cu, ctx, D ** -0.5)
+    ref = paged_attention_ref(*fp32(q, k_cache, v_cache), tables, cu, ctx, D ** -0.5)
     assert_close_rel(out, ref)
 
 
@@ -195,13 +200,13 @@ def test_attention_bf16_at_other_block_sizes_and_qwen_7b_heads(block, hq, hkv):
     k_cache, v_cache = (torch.randn(sum(blocks_of), hkv, block, D, device="cuda", dtype=BF16) for _ in range(2))
     ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")
     q = torch.randn(len(lens), hq, D, device="cuda", dtype=BF16)
-    assert_close_rel(paged_decode_attention(q, k_cache, v_cache, tables, ctx, D ** -0.5),
-                     paged_decode_attention_ref(*fp32(q, k_cache, v_cache), tables, ctx, D ** -0.5))
+    assert_close_rel(decode_triton(q, k_cache, v_cache, tables, ctx, D ** -0.5),
+                     decode_ref(*fp32(q, k_cache, v_cache), tables, ctx, D ** -0.5))
     qp = torch.randn(sum(qlens), hq, D, device="cuda", dtype=BF16)
     cu = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     assert_close_rel(paged_prefill_attention(qp, k_cache, v_cache, tables, cu, ctx, D ** -0.5,
                                              work_on_gpu(qlens, hq // hkv)),
-                     paged_prefill_attention_ref(*fp32(qp, k_cache, v_cache), tables, cu, ctx, D ** -0.5))
+                     paged_attention_ref(*fp32(qp, k_cache, v_cache), tables, cu, ctx, D ** -0.5))
 
 
 def test_kernels_address_a_cache_larger_than_int32_offsets():
@@ -216,8 +221,8 @@ def test_kernels_address_a_cache_larger_than_int32_offsets():
     q = torch.randn(1, HQ, D, device="cuda", dtype=BF16)
     tables = torch.tensor([[last]], dtype=torch.int32, device="cuda")
     ctx = torch.tensor([BLOCK], dtype=torch.int32, device="cuda")
-    out = paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.1)
-    ref = paged_decode_attention_ref(*fp32(q, k_cache[last:], v_cache[last:]), tables - last, ctx, 0.1)
+    out = decode_triton(q, k_cache, v_cache, tables, ctx, 0.1)
+    ref = decode_ref(*fp32(q, k_cache[last:], v_cache[last:]), tables - last, ctx, 0.1)
     assert_close_rel(out, ref)
     cu = torch.tensor([0, 1], dtype=torch.int32, device="cuda")
     work = work_on_gpu([1], HQ // HKV)

@@ -14,9 +14,10 @@ import torch.nn.functional as F
 from kernels import linear as lin
 from kernels import linear_plan as plan
 from kernels.activation import silu_and_mul_ref
-from kernels.gemv import GemvConfig, candidate_configs, gemv_triton, norm_linear_ref, swiglu_linear_ref
-from kernels.linear import NormedInput, linear
-from kernels.norm import add_rms_norm_ref, rms_norm_ref
+from kernels.gemv import GemvConfig, NormedInput, candidate_configs, gemv_triton, swiglu_linear_ref
+from kernels.linear import linear
+from kernels.norm import rms_norm_ref
+from tests.test_gemv import norm_ref
 
 
 def norm_linear(x, residual, norm_w, eps, w, bias=None, swiglu=False):
@@ -36,7 +37,8 @@ def test_off_the_gpu_every_op_is_its_unfused_torch_reference_without_a_choice(mo
     w, bias = torch.randn(8, 24), torch.randn(8)
     assert torch.equal(linear(x, w, bias), F.linear(x, w, bias))
     out, new_residual = norm_linear(x, residual, norm_w, 1e-6, w, bias)
-    normed, ref_residual = add_rms_norm_ref(x, residual, norm_w, 1e-6)
+    ref_residual = x + residual
+    normed = rms_norm_ref(ref_residual, norm_w, 1e-6)
     assert torch.equal(out, F.linear(normed, w, bias)) and torch.equal(new_residual, ref_residual)
     out, new_residual = norm_linear(x, None, norm_w, 1e-6, w)
     assert torch.equal(out, F.linear(rms_norm_ref(x, norm_w, 1e-6), w)) and new_residual is x
@@ -110,22 +112,22 @@ def test_an_unreadable_choice_cache_means_timing_again(monkeypatch, fresh_choice
 @pytest.mark.parametrize("fast", [GemvConfig(8, 512, 1, one_row=True), None], ids=["one-row-wins", "unfused-wins"])
 def test_the_unfused_side_is_timed_with_its_norm_and_the_faster_side_runs(monkeypatch, fast):
     ran = []  # the paths graph_us ran, in order: "unfused" or a config
-    unfused, fused = lin.PATHS["norm"]
-    monkeypatch.setitem(lin.PATHS, "norm", (lambda *a: ran.append("unfused") or unfused(*a),
-                                            lambda *a: ran.append(a[-1]) or fused(*a)))
+    unfused = lin.UNFUSED["norm"]
+    monkeypatch.setitem(lin.UNFUSED, "norm", lambda *a: ran.append("unfused") or unfused(*a))
+    monkeypatch.setattr(lin, "gemv_triton", lambda *a: ran.append(a[3]) or gemv_triton(*a))
     monkeypatch.setattr(plan, "cold_copies", lambda w, bias: [(w, bias)])
     monkeypatch.setattr(plan, "graph_us", lambda calls: [call() for call in calls] and (
         0.5 if ran[-1] == fast else 1.0 if ran[-1] == "unfused" else 2.0))
     x, residual, norm_w, w = torch.randn(1, 100), torch.randn(1, 100), torch.rand(100), torch.randn(45, 100)
     inputs = (x, residual, norm_w, 1e-6)
-    op = functools.partial(lin.run_path, "norm", NormedInput(*inputs))
+    op = functools.partial(lin.run_path, "norm", NormedInput.of(*inputs)[0])
     assert plan.fastest_config("norm", 1, w, None, op) == fast
     assert ran == ["unfused", *candidate_configs(45, 100, 132, rows=1)]  # one-row candidates too, at one row
     ran.clear()
     monkeypatch.setattr(lin, "choice", lambda *a: fast)
     out, new_residual = norm_linear(x, residual, norm_w, 1e-6, w)
     assert ran == [fast or "unfused"]
-    ref, ref_residual = norm_linear_ref(*inputs, w)
+    ref, ref_residual = norm_ref(x, residual, norm_w, w)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
     assert torch.equal(new_residual, ref_residual)
 
@@ -133,11 +135,11 @@ def test_the_unfused_side_is_timed_with_its_norm_and_the_faster_side_runs(monkey
 def test_the_unfused_norm_and_swiglu_run_their_linear_by_linears_own_pick(monkeypatch):
     plain = GemvConfig(32, 32)  # what linear() picked for the plain shape: a Triton GEMV, not cuBLAS
     ran = []
-    monkeypatch.setitem(lin.PATHS, "", (F.linear, lambda *a: ran.append(a[-1]) or gemv_triton(*a)))
+    monkeypatch.setattr(lin, "gemv_triton", lambda *a: ran.append(a[3]) or gemv_triton(*a))
     monkeypatch.setattr(lin, "choice", lambda fold, *a: plain if fold == "" else None)
     x, residual, norm_w, w = torch.randn(2, 24), torch.randn(2, 24), torch.rand(24), torch.randn(8, 24)
     out, _ = norm_linear(x, residual, norm_w, 1e-6, w)
-    torch.testing.assert_close(out, norm_linear_ref(x, residual, norm_w, 1e-6, w)[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out, norm_ref(x, residual, norm_w, w)[0], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(linear(x, w, swiglu=True), swiglu_linear_ref(x, w), atol=1e-4, rtol=1e-4)
     assert ran == [plain, plain]
 
@@ -152,13 +154,12 @@ def test_fastest_rows_pads_only_to_a_timed_row_count_faster_by_the_margin():
 
 def test_a_padded_norm_linear_runs_its_gemm_on_the_padded_rows_and_returns_the_steps(monkeypatch):
     gemm_rows = []
-    monkeypatch.setitem(lin.PATHS, "", (lambda x, w, b=None: gemm_rows.append(x.shape[0]) or F.linear(x, w, b),
-                                        gemv_triton))
+    monkeypatch.setitem(lin.UNFUSED, "", lambda x, w, b=None: gemm_rows.append(x.shape[0]) or F.linear(x, w, b))
     monkeypatch.setattr(plan, "padded_rows", lambda x, w, bias: x.shape[0] + 8)
     x, residual, norm_w, w, bias = torch.randn(3, 24), torch.randn(3, 24), torch.rand(24), torch.randn(8, 24), None
     for res in (residual, None):
         out, new_residual = norm_linear(x, res, norm_w, 1e-6, w, bias)
-        ref, ref_residual = norm_linear_ref(x, res, norm_w, 1e-6, w, bias)
+        ref, ref_residual = norm_ref(x, res, norm_w, w, bias)
         assert out.shape == (3, 8) and torch.equal(new_residual, ref_residual)
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     out, _ = norm_linear(x, residual, norm_w, 1e-6, torch.randn(16, 24), swiglu=True)
@@ -209,7 +210,7 @@ def test_padded_rows_are_timed_faster_and_give_the_unpadded_output_at_qwen_shape
             rows = plan.fastest_rows(times, m)
             assert rows >= m and times[rows] <= times[m]
             x, residual = torch.randn(m, 1536, device=dev, dtype=dt), torch.randn(m, 1536, device=dev, dtype=dt)
-            padded, _ = norm_linear_ref(x, residual, norm_w, 1e-6, w, None, rows=m + 8)
-            plain, _ = norm_linear_ref(x, residual, norm_w, 1e-6, w, None)
+            padded, _ = norm_ref(x, residual, norm_w, w, rows=m + 8)
+            plain, _ = norm_ref(x, residual, norm_w, w)
             assert padded.shape == plain.shape == (m, n)
             torch.testing.assert_close(padded, plain, atol=2e-2, rtol=2e-2)

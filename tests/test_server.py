@@ -17,8 +17,7 @@ import httpx
 import pytest
 
 from frontend import LLM, SamplingParams
-from frontend.api_models import (APIError, ChatCompletionRequest, CompletionRequest, generation_defaults,
-                                 parse_request, sampling_params)
+from frontend.api_models import APIError, ChatCompletionRequest, CompletionRequest, generation_defaults, parse_request
 from tests.server_fixture import REPO, assert_error, launch, poll_health, post
 
 openai = pytest.importorskip("openai", reason="the official client (the GPU image lacks it): pip install openai")
@@ -450,9 +449,9 @@ def test_generation_config_fills_only_what_the_request_leaves_out(tmp_path):
     defaults = generation_defaults(str(tmp_path))
     assert defaults == {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
     req = parse_request(ChatCompletionRequest, b'{"messages": [{"role": "user", "content": "x"}], "top_p": 0.5}')
-    params = sampling_params(req, defaults, None, None)
+    params = req.sampling_params(defaults)
     assert (params.temperature, params.top_p, params.top_k, params.repetition_penalty) == (0.7, 0.5, 20, 1.05)
-    assert sampling_params(req, {}, 16, None).temperature == SamplingParams().temperature
+    assert req.sampling_params({}).temperature == SamplingParams().temperature
     assert generation_defaults(None) == {} and generation_defaults(str(tmp_path / "missing")) == {}
 
 
@@ -460,6 +459,6 @@ def test_unknown_fields_are_ignored_and_errors_are_truncated():
     req = parse_request(CompletionRequest, b'{"prompt": "x", "metadata": {"a": "b"}, "best_of": 3, "user": "u"}')
     assert req.prompt == "x"
     with pytest.raises(APIError) as exc:
-        sampling_params(parse_request(CompletionRequest, json.dumps({"prompt": "x", "stop": ["s" * 5000, ""]})
-                                      .encode()), {}, 16, None)
+        parse_request(CompletionRequest, json.dumps({"prompt": "x", "stop": ["s" * 5000, ""]}).encode()
+                      ).sampling_params({})
     assert exc.value.param == "stop" and len(exc.value.body()["error"]["message"]) < 500

@@ -1,10 +1,6 @@
-"""The worker's static input buffers: a planned step becomes tensors with one host-to-device copy.
-
-Every array of a step is written with numpy into one pinned host staging buffer and reaches the device in
-a single host->device copy, where typed views of a static device buffer read it. The layout puts the
-arrays a captured graph reads first, so their offsets depend on the graph's size alone: a decode graph
-captured for batch size b, or a prefill graph for a bucket of b tokens, reads the same addresses on every
-replay. A step run by a graph is staged padded to the graph's size.
+"""The worker's static input buffers: a step's arrays, written with numpy into a pinned staging buffer, reach
+the device in one copy. The fields a graph reads come first, so their offsets depend on the graph's size alone
+and a graph reads the same addresses on every replay; a step run by a graph is staged padded to its size.
 """
 from __future__ import annotations
 
@@ -17,8 +13,7 @@ import torch
 from worker.attention import AttentionBackend
 from worker.row_mirror import HostStep
 
-# (name, dtype, size key). A decode graph of size b reads the first four fields at T == B == b; a prefill
-# graph reads the first seven.
+# (name, dtype, size key)
 _FIELDS = (
     ("rows", np.int64, "B"),  # mirror row of each scheduled sequence (padded lanes: the dummy row)
     ("positions", np.int64, "T"),
@@ -37,9 +32,7 @@ _TORCH = {np.int64: torch.int64, np.int32: torch.int32}
 _DECODE_READS = ("rows", "positions", "slot_mapping", "context_lens", "sample_pos")
 _PREFILL_READS = ("rows", "positions", "slot_mapping", "context_lens", "cu_seqlens_q", "input_ids", "work")
 
-
-# Triton specialises a pointer argument on whether it is 16-byte aligned: fields at 8-byte offsets that move
-# with the step's sizes made eager (prompt) steps compile new kernel variants in the middle of serving.
+# Triton specialises pointers on 16-byte alignment: unaligned fields made eager steps compile new variants.
 FIELD_ALIGN = 16
 
 
@@ -57,8 +50,7 @@ def _layout(tokens: int, seqs: int, samples: int, deltas: int,
 
 
 class StepBuffers:
-    """Two pinned host staging buffers (alternating, so one may be in flight) and one device buffer.
-    The attention backend says how many prefill work items a step lists."""
+    """Two pinned host staging buffers (alternating, so one may be in flight) and one device buffer."""
 
     def __init__(self, max_tokens: int, max_seqs: int, max_deltas: int, attention: AttentionBackend,
                  device: torch.device) -> None:
@@ -75,7 +67,6 @@ class StepBuffers:
         self._host_views: dict[tuple, dict[str, np.ndarray]] = {}
 
     def stage(self, tokens: int, seqs: int, samples: int, deltas: int, work: int) -> dict[str, np.ndarray]:
-        """Numpy views of the next host buffer under this step's layout, to fill."""
         layout, end = _layout(tokens, seqs, samples, deltas, work)
         if end > self.device_buf.numel():
             raise ValueError(f"a step of {tokens} tokens over {seqs} rows is over the worker's buffers: the "
@@ -92,16 +83,11 @@ class StepBuffers:
         return views
 
     def upload(self) -> None:
-        """The one host->device copy of the step (asynchronous from pinned memory)."""
         self.device_buf[:self._end].copy_(self._host[self._turn][:self._end], non_blocking=True)
 
     def write(self, step: HostStep, host_ids: np.ndarray, deltas: tuple[np.ndarray, np.ndarray], dummy_row: int,
               padded_to: int | None = None) -> None:
-        """Stage and upload a step. padded_to: the size of the graph that runs it, whose static layout the step
-        fills (a decode step's lanes, a prompt step's tokens); padded lanes store and attend nothing.
-
-        A decode step leaves input_ids, work, sample_idx and sample_rows unwritten: its reads are _DECODE_READS.
-        """
+        """Stage and upload a step, padded to the graph size that runs it; padded lanes store and attend nothing."""
         b, t = len(step.rows), len(step.positions)
         if step.is_decode:
             sampled, work, lanes = slice(None), None, padded_to or b
@@ -128,11 +114,10 @@ class StepBuffers:
         self.upload()
 
     def view(self, name: str) -> torch.Tensor:
-        """Device view of one field under the staged layout."""
         return self._device_view(*self._layout[name])
 
     def decode_views(self, size: int) -> dict[str, torch.Tensor]:
-        """The static device views a decode graph of batch `size` reads (the same for every step of it)."""
+        """The static device views a decode graph of batch `size` reads."""
         layout, _ = _layout(size, size, size, 0, 0)
         return {name: self._device_view(*layout[name]) for name in _DECODE_READS}
 
@@ -142,8 +127,7 @@ class StepBuffers:
         return tokens, seqs, self.attention.max_work_items(tokens, seqs)
 
     def prefill_views(self, tokens: int | None = None) -> dict[str, torch.Tensor]:
-        """The device views a prompt step reads: those of a prefill graph of `tokens` tokens (static), or with
-        tokens None those of the step staged last."""
+        """The views a prefill graph of `tokens` tokens reads, or (None) those of the step staged last."""
         if tokens is None:
             layout = self._layout
         else:

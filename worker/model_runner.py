@@ -1,8 +1,7 @@
 """ModelRunner: the model, its paged KV cache and the row mirror of one worker rank; one StepPlan per call.
 
-A decode step feeds each row the token it sampled last, read on the device (last_token[row]): no token
-crosses back from the host. On CUDA a decode step replays a captured graph, and so does a step holding prompt
-chunks of up to 2,048 tokens (worker/cuda_graphs.py); larger steps run eagerly.
+A decode row's input is the token it sampled last, still on the device (last_token[row]): no token crosses
+back from the host, so step N+1 can be launched before step N is collected.
 """
 from __future__ import annotations
 
@@ -26,9 +25,7 @@ from worker.row_mirror import HostStep, RowMirror
 from worker.sampler import Sampler, SamplerOutput
 from worker.step_output import Launched, step_result
 
-# A graph's warm-up runs the first layer (no residual yet) and one as every later layer runs: every kernel
-# variant the full model launches at that size compiles, at a fraction of its time.
-WARMUP_LAYERS = 2
+WARMUP_LAYERS = 2  # the first layer (no residual yet) and one like every later one: every kernel variant
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -53,7 +50,6 @@ def select_dtype(dtype: str, model_config: ModelConfig, device: torch.device) ->
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, rank: int = 0, tp_size: int = 1) -> None:
-        """config comes resolved (frontend.model_resolution.resolve_config): model_config and max_model_len set."""
         if config.model_config is None or config.max_model_len is None:
             raise ValueError(f"EngineConfig for {config.model!r} is not resolved: pass it through "
                              "frontend.model_resolution.resolve_config first")
@@ -67,8 +63,8 @@ class ModelRunner:
         self.step = 0
         cuda = self.device.type == "cuda"
         use_graphs = cuda and not config.enforce_eager
-        # On CUDA a prompt step is padded to its token bucket, graphs or not: eager, it runs a graph's shapes
-        # (cuBLAS picks its kernels by shape), so the two give the same tokens.
+        # On CUDA a prompt step is padded to its bucket even eagerly: cuBLAS picks kernels by shape, so eager
+        # and graphs give the same tokens.
         buckets = prefill_buckets(config.max_num_batched_tokens) if cuda else []
         sizes = graph_batch_sizes(self.max_rows) if use_graphs else []
         max_batch = max(sizes + [self.max_rows])
@@ -82,16 +78,14 @@ class ModelRunner:
             self._capture("decode", {s: self.buffers.decode_views(s) for s in sizes}, self._decode_forward)
             decode_done = time.perf_counter()
             self._capture("prefill", {b: self.buffers.prefill_views(b) for b in buckets}, self._prefill_forward)
-        # Seconds per start-up phase, reported in Ready for bench/startup.py.
         self.startup = {"weights_s": weights_done - started, "kv_cache_s": kv_done - weights_done,
                         "graph_capture_s": time.perf_counter() - kv_done,
                         "prefill_capture_s": time.perf_counter() - decode_done,
                         "graph_warmup_s": self.graphs.warmup_s}
 
     def _init_step_state(self, max_batch: int, max_tokens: int) -> None:
-        """The sampler, the device tables of rows, the staging buffers and the KV cache."""
         max_blocks = -(-self.max_model_len // self.config.block_size)
-        # One row more than the engine's: the dummy row that padded graph lanes draw from (temperature 0).
+        # One row more than the engine's: the dummy row of padded graph lanes.
         self.sampler = Sampler(self.max_rows + 1, self.model_config.vocab_size, self.device)
         self.last_token = torch.zeros(self.max_rows + 1, dtype=torch.int64, device=self.device)
         block_tables = torch.zeros(self.max_rows + 1, max_blocks, dtype=torch.int32, device=self.device)
@@ -105,8 +99,6 @@ class ModelRunner:
         self.mirror = RowMirror(self.max_rows, max_blocks, self.config.block_size, self.num_kv_blocks)
         self.kv_caches = allocate_kv_cache(self.model_config, self.num_kv_blocks, self._local_kv_heads(),
                                            self.config.block_size, self.dtype, self.device)
-
-    # ---- set-up -------------------------------------------------------------------------------------
 
     def _build_model(self, model_dir: str | None) -> torch.nn.Module:
         previous = torch.get_default_dtype()
@@ -160,19 +152,13 @@ class ModelRunner:
         hidden = self.model(torch.zeros(tokens, dtype=torch.int64, device=self.device), positions, meta, cache)
         self.sampler.profile(self.model.compute_logits(hidden[:min(self.max_rows, tokens)]))
 
-    # ---- one step -----------------------------------------------------------------------------------
-
     def execute(self, plan: StepPlan) -> StepResult:
-        """Run one step and wait for its tokens: collect(launch(plan))."""
         return self.collect(self.launch(plan))
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> Launched:
-        """Apply the plan's deltas and queue the step's work; nothing here waits for the device.
-
-        The host never needs the sampled values, so step N+1 may be launched before step N is collected
-        (at most one step may stay uncollected: the staging and output buffers alternate between two).
-        """
+        """Apply the plan's deltas and queue the step; nothing waits for the device. At most one launched step
+        may stay uncollected: staging and output buffers alternate between two."""
         if plan.step != self.step + 1:
             raise ValueError(f"StepPlan step {plan.step} after step {self.step}: plans must come one by one")
         self.step = plan.step
@@ -195,23 +181,20 @@ class ModelRunner:
         return launched
 
     def _padded_size(self, step: HostStep) -> int | None:
-        """What the step is staged padded to: a decode step's graph batch size, a prompt step's token bucket."""
         if step.is_decode:
             return self.graphs.size_for("decode", len(step.rows))
         return self.graphs.size_for("prefill", len(step.positions))
 
     def is_done(self, launched: Launched) -> bool:
-        """Whether collect() would return without waiting for the device."""
         return launched.done is None or launched.done.query()
 
     def collect(self, launched: Launched) -> StepResult:
-        """Wait for a launched step's tokens; they are aligned with plan.rows (-1: a row still mid-prompt)."""
+        """The step's tokens, aligned with plan.rows (-1: a row still mid-prompt)."""
         if launched.done is not None:
             launched.done.synchronize()
         return step_result(launched)
 
     def _copy_out(self, step_no: int, samples: np.ndarray, out: SamplerOutput | None) -> Launched:
-        """Queue the device->host copies of the sampled tokens (and logprobs) behind the step's work."""
         self._out_turn ^= 1
         launched = Launched(step_no, samples)
         if out is not None:
@@ -252,8 +235,7 @@ class ModelRunner:
             self.sampler.remove_row(row)
 
     def _decode_forward(self, views: Views, layers: int | None = None) -> tuple[torch.Tensor, SamplerOutput | None]:
-        """One token per row, the row's last sampled token, which a plain sampler's draw then replaces: the body
-        a decode graph captures (it reads only static views). `layers` runs only the first few layers (a warm-up)."""
+        """The body a decode graph captures (static views only); `layers` < all is a warm-up."""
         rows = views["rows"]
         meta = self.attention.decode_metadata(views)
         hidden = self.model(self.last_token, views["positions"], meta, self.kv_caches[:layers], rows)
@@ -262,8 +244,7 @@ class ModelRunner:
         return logits, self.sampler(logits, rows, views["sample_pos"], None, self.last_token) if plain else None
 
     def _prefill_forward(self, views: Views, layers: int | None = None) -> torch.Tensor:
-        """The final hidden states of a step with prompt chunks, one row per staged token: the body a prefill
-        graph captures (it reads only static views). `layers` runs only the first few layers (a warm-up)."""
+        """The body a prefill graph captures: a prompt step's hidden states, one row per staged token."""
         meta = self.attention.prefill_metadata(views)
         return self.model(views["input_ids"], views["positions"], meta, self.kv_caches[:layers])
 
@@ -278,8 +259,7 @@ class ModelRunner:
         return self.sampler(logits[:b], views["rows"][:b], views["sample_pos"][:b], step.rows, self.last_token)
 
     def _run_mixed(self, step: HostStep, size: int | None) -> SamplerOutput | None:
-        """A step with prompt chunks: decode rows first take their tokens from the device, then one forward
-        (a prefill graph's replay when one holds the step), then sampling of the rows that finish here."""
+        """A step with prompt chunks; its decode rows take their input tokens from the device."""
         views = self.graphs.views["prefill"][size] if size else self.buffers.prefill_views()
         num_device = step.num_device_tokens
         if num_device:

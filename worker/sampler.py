@@ -65,10 +65,8 @@ class Sampler:
 
     def add_row(self, row: int, params: SamplingParams, prompt_ids: np.ndarray,
                 output_ids: np.ndarray) -> None:
-        """Enter a row; output_ids are tokens generated before a preemption (they count for penalties).
-
-        params come resolved by the scheduler: a seed, and stop_token_ids holding the EOS ids unless ignore_eos.
-        """
+        """output_ids: tokens generated before a preemption (they count for penalties). params come resolved
+        by the scheduler: a seed, and stop_token_ids with the EOS ids unless ignore_eos."""
         self.remove_row(row)
         top_k = params.top_k if params.top_k > 0 else 0
         self._floats[row] = (params.temperature, params.top_p, params.min_p, params.presence_penalty,
@@ -116,10 +114,7 @@ class Sampler:
             self.output_counts[row].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
 
     def profile(self, logits: torch.Tensor) -> None:
-        """Run every stage once on logits[N] (N <= max rows), so a memory profile sees the sampler's peak.
-
-        Rows 0..N-1 are borrowed and left empty again.
-        """
+        """Every stage once on logits[N], so a memory profile sees the sampler's peak (rows 0..N-1 borrowed)."""
         n = logits.shape[0]
         params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, seed=0, logprobs=20,
                                 repetition_penalty=1.1, presence_penalty=0.1, min_tokens=1, stop_token_ids=[0],
@@ -135,12 +130,10 @@ class Sampler:
 
     @property
     def plain(self) -> bool:
-        """True when no active row needs more than a temperature and a seed: then sampling is the one draw
-        kernel, which a decode graph captures."""
+        """No active row needs more than a temperature and a seed: sampling is one draw, which a graph captures."""
         return not any(count for name, count in self._count.items() if name != "random")
 
     def sync_params(self) -> None:
-        """Refresh the device tables after rows were added: sampling reads them on the device."""
         if self._dirty:
             self.floats.copy_(_upload(self._floats, self.device))
             self.ints.copy_(_upload(self._ints, self.device))
@@ -150,12 +143,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
                  rows_host: np.ndarray | None, last_token: torch.Tensor) -> SamplerOutput:
-        """Sample logits[N, V] for rows[N] and store each token at last_token[row]; positions[N] are the sampled
-        tokens' indices in their sequences (the seeds hash them).
-
-        With every row plain this reads only device tables (a decode graph captures it); rows_host, the host
-        copy of rows, is read only when some row needs top-k/top-p.
-        """
+        """Sample logits[N, V] for rows[N] and store each token at last_token[row]; positions[N] are the tokens'
+        indices in their sequences (the seeds hash them); rows_host is read only for top-k/top-p."""
         self.sync_params()
         out = SamplerOutput(token_ids=None)
         if self.plain:
