@@ -289,11 +289,17 @@ def test_short_name_tokenizers_render_their_stored_template_as_transformers_does
 
 
 def test_text_prompts_start_with_bos_where_the_tokenizer_has_one(llama_tokenizer, qwen3_tokenizer):
-    from frontend.inputs import prepare_prompt
+    from types import SimpleNamespace
+
+    from frontend.engine_client import EngineClient
     from protocol.sampling import SamplingParams
 
-    _, llama_ids = prepare_prompt(llama_tokenizer, "Hello world", SamplingParams(max_tokens=4), 64, 128256)
-    _, qwen_ids = prepare_prompt(qwen3_tokenizer, "Hello world", SamplingParams(max_tokens=4), 64, 151936)
+    def prepare(tokenizer, vocab_size: int) -> list[int]:  # the engine client's prompt path, without an engine
+        client = SimpleNamespace(tokenizer=tokenizer, model_config=SimpleNamespace(vocab_size=vocab_size),
+                                 max_model_len=64)
+        return EngineClient.prepare(client, "Hello world", SamplingParams(max_tokens=4))[1]
+
+    llama_ids, qwen_ids = prepare(llama_tokenizer, 128256), prepare(qwen3_tokenizer, 151936)
     assert (llama_ids, qwen_ids) == ([128000, 9906, 1917], [9707, 1879])
 
 
