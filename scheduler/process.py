@@ -36,19 +36,19 @@ class _Exit(Exception):
         self.code, self.reason = code, reason
 
 
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise _Exit(0, "the scheduler got SIGTERM")
+
+
 def run_scheduler(config_dict: dict, addresses_dict: dict, parent_pid: int | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
-    def on_sigterm(signum: int, frame: object) -> None:
-        raise _Exit(0, "the scheduler got SIGTERM")
-
-    signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGTERM, _on_sigterm)
     sys.exit(serve(EngineConfig.from_dict(config_dict), Addresses(**addresses_dict), parent_pid))
 
 
 def serve(config: EngineConfig, addresses: Addresses, parent_pid: int | None = None) -> int:
-    """Serve until Shutdown or `parent_pid` (the launcher, maybe dead while we imported) dies; return the exit code.
-    The ipc directory goes too: if the launcher died first, nobody else is left to remove it."""
+    """Serve until Shutdown or `parent_pid` dies; return the exit code. The ipc dir goes too: nobody else may be left."""
     server = SchedulerServer(config, addresses, parent_pid or os.getppid())
     try:
         return server.run()
@@ -110,8 +110,7 @@ class SchedulerServer:
             return self._exit(e)
 
     def _exit(self, e: _Exit) -> int:
-        """EngineDead to every client, also those whose messages can no longer be served; Shutdown to the workers
-        that take it within a second (the launcher reaps the others)."""
+        """EngineDead to every client, even unserved ones; Shutdown to workers that take it within a second."""
         (log.error if e.code else log.info)("scheduler stopping: %s", e.reason)
         self.clients.update(identity for identity, _ in self.early + self._recv_clients())
         frame = encode(EngineDead(e.reason))
@@ -150,13 +149,11 @@ class SchedulerServer:
         if self.engine in events:
             for identity, msg in self._recv_clients():
                 self._handle(identity, msg)
-        self._check_parent()
+        if os.getppid() != self.parent:
+            raise _Exit(1, f"the parent process (pid {self.parent}) died")
         msg = None
         if read_results and self.results in events:
-            try:
-                msg = _decode(self.results.recv(zmq.NOBLOCK), "a worker")
-            except zmq.Again:
-                pass
+            msg = _decode(self.results.recv(), "a worker")  # POLLIN: a whole message is there
         if isinstance(msg, WorkerError):
             raise _Exit(1, f"worker {msg.rank} failed{' to start' if self.scheduler is None else ''}: {msg.reason}")
         return msg
@@ -240,10 +237,6 @@ class SchedulerServer:
             elif msg is not None:
                 what = f"StepResult for step {msg.step}" if isinstance(msg, StepResult) else type(msg).__name__
                 log.warning("dropped a %s from a worker while waiting for step %d", what, step)
-
-    def _check_parent(self) -> None:
-        if os.getppid() != self.parent:
-            raise _Exit(1, f"the parent process (pid {self.parent}) died")
 
 
 def _decode(frame: bytes, source: str):

@@ -1,9 +1,7 @@
 """The policy: continuous batching, chunked prefill, preemption by recompute, stop checks.
-
-A running request holds a row, its mirror on the workers: its tokens go once (NewRow), then deltas.
-Plans in flight: computed counts advance when a step is planned, and a result is matched to its plan by step,
-dropping tokens of requests finished or preempted since; so step N+1 can be planned before result N returns.
-"""
+A running request holds a row, mirrored on the workers: its tokens go once (NewRow), then deltas. Computed counts
+advance when a step is planned; a result is matched to its plan by step, dropping tokens of requests finished or
+preempted since: so step N+1 can be planned before result N returns."""
 from __future__ import annotations
 
 import bisect
@@ -117,8 +115,7 @@ class Scheduler:
         """Plan one step: a token for every decode row, then prompt chunks, within the token budget."""
         budget = self.config.max_num_batched_tokens
         decodes, appends, preempted = self._schedule_decodes(budget)
-        # Longest context first: decode attention launches its programs in plan order, so the short rows fill
-        # the GPU at the end of the step.
+        # Longest context first: decode attention launches in plan order, so short rows fill the step's tail.
         decodes.sort(key=attrgetter("num_computed_tokens"), reverse=True)
         # After a preemption the cache is short: admitting now would only preempt again next step.
         chunks, new_rows = self._schedule_prefills(budget - len(decodes), admit=not preempted)
@@ -237,21 +234,15 @@ class Scheduler:
 
 
 def _split_logprobs(lp: dict | None, n: int):
-    """None, or (row i, its k) -> [sampled logprob, top ids, top logprobs], cut from arrays of k columns per row
-    (the most any row of the step asked for); the arrays are raw bytes over the wire, arrays in process."""
+    """None, or (row i, its k) -> [sampled logprob, top ids, top logprobs], from k columns per row (bytes or arrays)."""
     if lp is None:
         return None
     k = lp.get("k")
     if not isinstance(k, int) or isinstance(k, bool) or k < 0:
         raise ValueError(f"StepResult.logprobs['k'] must be an int >= 0, got {k!r}")
-    arrays = []
-    for name, dtype in (("sampled", "<f4"), ("top_ids", "<i4"), ("top_logprobs", "<f4")):
-        value = lp.get(name)
-        if isinstance(value, bytes) and len(value) % 4:
-            raise ValueError(f"StepResult.logprobs holds {len(value)} bytes, not a whole number of {dtype}")
-        arrays.append(np.frombuffer(value, dtype=dtype) if isinstance(value, bytes)
-                      else np.asarray(value if value is not None else [], dtype=dtype).reshape(-1))
-    sampled, top_ids, top_lps = arrays
+    sampled, top_ids, top_lps = (np.frombuffer(v, dtype) if isinstance(v := lp.get(name), bytes)  # ValueError
+                                 else np.asarray([] if v is None else v, dtype).reshape(-1)  # unless whole
+                                 for name, dtype in (("sampled", "<f4"), ("top_ids", "<i4"), ("top_logprobs", "<f4")))
     if sampled.shape != (n,) or top_ids.shape != (n * k,) or top_lps.shape != (n * k,):
         raise ValueError(f"StepResult.logprobs does not fit {n} rows of k={k}: "
                          f"{sampled.shape}, {top_ids.shape}, {top_lps.shape}")
