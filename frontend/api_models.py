@@ -98,6 +98,7 @@ _SamplingFields = create_model("_SamplingFields", __base__=_Lenient, **{
 
 class _SamplingRequest(_SamplingFields):
     prompt_field: ClassVar[str] = "prompt"
+    max_tokens_field: ClassVar[str] = "max_tokens"
     id_prefix: ClassVar[str] = "cmpl"
     model: str | None = None
     max_tokens: int | None = None
@@ -123,10 +124,6 @@ class _SamplingRequest(_SamplingFields):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and bool(self.stream_options.include_usage)
-
-    @property
-    def max_tokens_field(self) -> str:
-        return "max_tokens"
 
     def _params(self, defaults: dict, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The request's explicit fields over the model's generation defaults over SamplingParams' own."""

@@ -99,10 +99,8 @@ class EngineProcesses:
         """Wait for every child within one shared deadline (not `timeout` each)."""
         deadline = time.monotonic() + timeout
         for proc in self.procs.values():
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
 
 
 def run_headless(config: EngineConfig, address: str) -> int:

@@ -62,7 +62,6 @@ class LLM:
         those waiting in it); return how many are unfinished."""
         def room() -> bool:
             return bool(unsent) and (not unfinished or unfinished + unsent[0][2].n <= self._max_unfinished)
-
         if room():
             with self.client.tracer.span("frontend.send"):
                 while room():

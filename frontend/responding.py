@@ -16,7 +16,7 @@ from frontend.api_models import APIError, Job, bad_request
 from frontend.api_render import Renderer
 from frontend.async_llm import AsyncLLM, EngineRequestError
 from frontend.engine_client import EngineDeadError
-from frontend.metrics import Metrics
+from frontend.metrics import Metrics, RequestTimer
 from frontend.output_processor import RequestOutput
 from protocol.messages import OVERLOADED
 
@@ -43,7 +43,7 @@ async def generate(engine: AsyncLLM, jobs: list[Job], metrics: Metrics) -> Async
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, job: Job) -> None:
-        timer, out = metrics.request(len(job.token_ids)), None
+        timer, out = RequestTimer(metrics, len(job.token_ids)), None
         try:
             async with aclosing(engine.generate(job.token_ids, job.params, job.request_id)) as outputs:
                 async for out in outputs:
