@@ -28,8 +28,7 @@ def decode(frame: bytes) -> object:
     if len(frame) > MAX_FRAME_BYTES:
         raise ProtocolError(f"frame of {len(frame)} bytes is over the {MAX_FRAME_BYTES}-byte cap")
     try:
-        obj = msgpack.unpackb(frame, raw=False, strict_map_key=False, max_bin_len=MAX_FRAME_BYTES,
-                              max_str_len=MAX_FRAME_BYTES)
+        obj = msgpack.unpackb(frame, raw=False, strict_map_key=False)  # limits default to len(frame)
     except Exception as e:  # msgpack raises several unrelated types for bad bytes
         raise ProtocolError(f"not msgpack: {type(e).__name__}: {e}") from None
     if not isinstance(obj, dict):

@@ -16,7 +16,6 @@ def cache_root() -> Path:
 @dataclass(slots=True)
 class ModelConfig:
     """The architecture of a Qwen2-family model (what config.json says, in our names)."""
-
     hidden_size: int
     intermediate_size: int
     num_hidden_layers: int
@@ -39,7 +38,6 @@ class ModelConfig:
 @dataclass(slots=True)
 class EngineConfig:
     """Everything the engine is launched with. Field names are the CLI flags in snake_case."""
-
     model: str
     device: str = "auto"
     dtype: str = "auto"

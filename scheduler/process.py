@@ -42,7 +42,6 @@ def _on_sigterm(signum: int, frame: object) -> None:
 
 def run_scheduler(config_dict: dict, addresses_dict: dict, parent_pid: int | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-
     signal.signal(signal.SIGTERM, _on_sigterm)
     sys.exit(serve(EngineConfig.from_dict(config_dict), Addresses(**addresses_dict), parent_pid))
 

@@ -214,14 +214,14 @@ class Scheduler:
         for i, (req, epoch, samples) in enumerate(scheduled):
             if not samples or req.status is not Status.RUNNING or req.num_preemptions != epoch:
                 continue  # a chunk, or finished, aborted or preempted since this step was planned
-            req.token_ids.append(int(tokens[i]))
-            reason = ("stop" if req.num_generated >= req.params.min_tokens and req.token_ids[-1] in req.stop_ids
-                      else "length" if req.num_generated >= req.max_tokens or req.num_tokens >= self.max_model_len
-                      else None)
+            req.token_ids.append(token := int(tokens[i]))
+            generated = req.num_tokens - req.num_prompt_tokens
+            reason = ("stop" if generated >= req.params.min_tokens and token in req.stop_ids
+                      else "length" if generated >= req.max_tokens or req.num_tokens >= self.max_model_len else None)
             if reason is not None:
                 self._finish(req)
             lp = logprobs(i, req.params.logprobs) if logprobs and req.params.logprobs is not None else None
-            updates.setdefault(req.client, []).append((req.request_id, int(tokens[i]), reason, None, lp))
+            updates.setdefault(req.client, []).append((req.request_id, token, reason, None, lp))
         return [(c, self._batch(u, result.step)) for c, u in updates.items()]
 
     def _batch(self, updates: list[tuple], step: int | None = None) -> TokenBatch:
