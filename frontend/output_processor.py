@@ -32,7 +32,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     error: str | None = None  # set when the engine failed the request
-    num_cached_tokens: int = 0
 
 
 @dataclass(slots=True)

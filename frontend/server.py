@@ -31,7 +31,8 @@ from protocol.config import EngineConfig, InvalidParam
 log = logging.getLogger("pico_vllm.server")
 MAX_BODY_BYTES = 4 << 20  # a 128k-token prompt is well under 1 MB of text; far larger bodies are abuse
 DEAD_EXIT_DELAY_S = 2.0  # after the engine dies, /health answers 503 this long before the process exits
-RENDERERS = {CompletionRequest: CompletionRenderer, ChatCompletionRequest: ChatRenderer}
+GENERATION_ROUTES = {"/v1/completions": (CompletionRequest, CompletionRenderer),
+                     "/v1/chat/completions": (ChatCompletionRequest, ChatRenderer)}
 try:
     VERSION = importlib.metadata.version("pico-vllm")
 except importlib.metadata.PackageNotFoundError:
@@ -194,28 +195,22 @@ def _routes(state: ServerState) -> APIRouter:
         return {"prompt": engine.tokenizer.decode(req.tokens)}
 
     @router.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await _generate(state, request, CompletionRequest)
-
     @router.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await _generate(state, request, ChatCompletionRequest)
+    async def generate(request: Request) -> Response:
+        """Each prompt of the request is one engine request (its n samples fan out inside AsyncLLM)."""
+        kind, render = GENERATION_ROUTES[request.scope["route"].path]
+        req, engine = await state.accept(request, kind)
+        rid = f"{kind.id_prefix}-{uuid.uuid4().hex}"
+        params = req.sampling_params(state.defaults)
+        try:
+            jobs = [Job(f"{rid}-{i}", *engine.client.prepare(prompt, params), params)
+                    for i, prompt in enumerate(req.prompts(engine.tokenizer))]
+        except InvalidParam as exc:
+            raise from_invalid_param(exc, kind.prompt_field, req.max_tokens_field) from None
+        renderer = render(rid, state.names[0], jobs, engine.tokenizer, req.echo)
+        return await respond(request, state.ready_engine(), state.metrics, renderer, req.stream, req.include_usage)
 
     return router
-
-
-async def _generate(state: ServerState, request: Request, kind: type) -> Response:
-    """Each prompt of the request is one engine request (its n samples fan out inside AsyncLLM)."""
-    req, engine = await state.accept(request, kind)
-    rid = f"{kind.id_prefix}-{uuid.uuid4().hex}"
-    params = req.sampling_params(state.defaults)
-    try:
-        jobs = [Job(f"{rid}-{i}", *engine.client.prepare(prompt, params), params)
-                for i, prompt in enumerate(req.prompts(engine.tokenizer))]
-    except InvalidParam as exc:
-        raise from_invalid_param(exc, kind.prompt_field, req.max_tokens_field) from None
-    renderer = RENDERERS[kind](rid, state.names[0], jobs, engine.tokenizer, req.echo)
-    return await respond(request, state.ready_engine(), state.metrics, renderer, req.stream, req.include_usage)
 
 
 def run_server(config: EngineConfig, options: ServerOptions) -> int:
