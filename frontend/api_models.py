@@ -59,8 +59,7 @@ def bad_request(message: str, param: str | None = None, code: str = "invalid_val
 
 def from_invalid_param(exc: InvalidParam, prompt_field: str = "prompt", max_tokens_field: str = "max_tokens"
                        ) -> APIError:
-    """A 400 naming the field the client sent: chat's prompt is its messages, its max_tokens may be
-    max_completion_tokens."""
+    """A 400 naming the field the client sent (chat: messages, maybe max_completion_tokens)."""
     message, field = str(exc), {"prompt": prompt_field, "max_tokens": max_tokens_field}.get(exc.field, exc.field)
     if exc.field == "max_tokens":
         message = message.replace("max_tokens", max_tokens_field)

@@ -1,5 +1,4 @@
-"""launch.py's command line: vLLM `serve`'s flags, plus one-prompt and headless modes. Engine flags are EngineConfig's
-fields under the same names, with its defaults (but the server's step budget), so that they cannot drift apart."""
+"""launch.py's command line: vLLM `serve`'s flags, plus one-prompt and headless modes."""
 from __future__ import annotations
 
 import argparse
@@ -123,8 +122,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def check_port_free(host: str, port: int, flags: str) -> None:
-    """ValueError naming `flags` when host:port cannot be listened on, found before the engine spends its start-up
-    (uvicorn finds it only after the engine is up; the scheduler dies of it in a traceback of its own)."""
+    """ValueError naming `flags` if host:port cannot be bound: found before the engine's start-up, not after."""
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         with socket.socket(family, socket.SOCK_STREAM) as sock:

@@ -1,5 +1,4 @@
-"""Prometheus metrics under vLLM's names, types and buckets, so that vLLM's dashboards and alerts work unchanged.
-One registry per server (not the process-global one), so that several apps can live in one test process."""
+"""Prometheus metrics under vLLM's names, types and buckets (its dashboards work); one registry per server."""
 from __future__ import annotations
 
 import time

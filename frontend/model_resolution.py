@@ -1,5 +1,4 @@
-"""An EngineConfig resolved once, in the frontend: the model name becomes a Hugging Face directory and a ModelConfig,
-max_model_len gets its value; child processes receive the result and resolve nothing."""
+"""An EngineConfig resolved once, here: model dir, ModelConfig, max_model_len; children resolve nothing."""
 from __future__ import annotations
 
 import json

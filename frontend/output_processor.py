@@ -1,5 +1,4 @@
-"""What a caller gets back (RequestOutput, one CompletionOutput per sample), made from the engine's TokenBatches
-(detokenize, stop strings); a request's n samples are n engine requests. Shared by LLM and AsyncLLM."""
+"""RequestOutputs from the engine's TokenBatches (detokenized, stop strings cut); one engine request per sample."""
 from __future__ import annotations
 
 import itertools

@@ -1,5 +1,4 @@
-"""One HTTP request's jobs on the engine, answered with JSON or server-sent events; a client that goes away
-cancels every path that waits on the engine, which aborts its engine requests."""
+"""A request's jobs answered as JSON or server-sent events; a client that hangs up aborts its engine requests."""
 from __future__ import annotations
 
 import asyncio

@@ -77,8 +77,7 @@ class ServerState:
                 "max_model_len": self.engine.max_model_len if self.engine is not None else None}
 
     async def accept(self, request: Request, model: type[BaseModel]) -> tuple:
-        """The validated request, for a model this server serves, and the engine ready to take it. The body is
-        refused (413) past MAX_BODY_BYTES before it is all buffered."""
+        """The validated request (413 past MAX_BODY_BYTES, before all is buffered) and the ready engine."""
         declared = request.headers.get("content-length", "")
         too_large = APIError(413, f"request body is over {MAX_BODY_BYTES} bytes", code="request_too_large")
         if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
@@ -214,8 +213,7 @@ def _routes(state: ServerState) -> APIRouter:
 
 
 def run_server(config: EngineConfig, options: ServerOptions) -> int:
-    """Serve until SIGINT (130) or SIGTERM (uvicorn re-raises it after the graceful shutdown: the process
-    ends by the signal, status 143), or until the engine fails to start or dies (1)."""
+    """Serve until SIGINT (130), SIGTERM (the process ends by the signal: 143), or the engine fails or dies (1)."""
     config = resolve_config(config)
     state = ServerState(options, config.model, generation_defaults(config.model_path))
     app = build_app(state, lambda: AsyncLLM(client=EngineClient(config)))

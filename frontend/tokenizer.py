@@ -1,5 +1,4 @@
-"""The model's Hugging Face tokenizer and chat template; with no files, Qwen2.5's real BPE is rebuilt offline from
-Qwen's ranks (dashscope's qwen.tiktoken) into a cache directory that later loads read as a Hugging Face repo."""
+"""The model's HF tokenizer and chat template; with no files, Qwen2.5's BPE is rebuilt offline from Qwen's ranks."""
 from __future__ import annotations
 
 import base64
@@ -115,8 +114,7 @@ def read_qwen_ranks() -> dict[bytes, int]:
 
 
 def recover_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
-    """One merge per multi-byte token, in rank order: the two parts BPE reaches using only lower ranks (as in
-    Qwen's merges.txt)."""
+    """One merge per multi-byte token, in rank order: the two parts BPE reaches by lower ranks (as merges.txt)."""
     merges = []
     for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
         if len(token) == 1:
