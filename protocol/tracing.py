@@ -17,8 +17,7 @@ class Tracer:
     """Spans of one process. `with tracer.span("schedule", step):` or `tracer.add(...)` for known times."""
 
     def __init__(self, process: str, trace_dir: str | None) -> None:
-        self.process = process
-        self.trace_dir = trace_dir
+        self.process, self.trace_dir = process, trace_dir
         self.events: list[tuple[str, int, int, int, int]] = []
 
     def span(self, name: str, step: int = -1):

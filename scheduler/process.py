@@ -1,8 +1,7 @@
 """The scheduler process: frontends on a ROUTER, one PUSH of plans per worker rank, results on a PULL.
 
 No torch here. A malformed frame is dropped; a worker error, a stalled step or a dead parent ends the process
-(EngineDead to every client, exit code 1). Two plans in flight: plan N+1 is sent before result N is awaited.
-"""
+(EngineDead to every client, exit code 1). Two plans in flight: plan N+1 is sent before result N is awaited."""
 from __future__ import annotations
 
 import gc
@@ -59,8 +58,7 @@ def serve(config: EngineConfig, addresses: Addresses, parent_pid: int | None = N
 
 class SchedulerServer:
     def __init__(self, config: EngineConfig, addresses: Addresses, parent_pid: int) -> None:
-        self.config = config
-        self.parent = parent_pid
+        self.config, self.parent = config, parent_pid
         self.ctx = zmq.Context()
         self.engine = self._bind(zmq.ROUTER, addresses.engine)
         self.plans = [self._bind(zmq.PUSH, addr) for addr in addresses.plans]
@@ -125,8 +123,7 @@ class SchedulerServer:
 
     def _wait_workers(self) -> int:
         """Collect Ready from every rank; return the fewest KV blocks of any."""
-        blocks: dict[int, int] = {}
-        deadline = time.monotonic() + READY_TIMEOUT_S
+        blocks, deadline = {}, time.monotonic() + READY_TIMEOUT_S  # rank -> its num_kv_blocks
         while len(blocks) < len(self.plans):
             if time.monotonic() > deadline:
                 missing = sorted(set(range(len(self.plans))) - set(blocks))
@@ -150,9 +147,7 @@ class SchedulerServer:
                 self._handle(identity, msg)
         if os.getppid() != self.parent:
             raise _Exit(1, f"the parent process (pid {self.parent}) died")
-        msg = None
-        if read_results and self.results in events:
-            msg = _decode(self.results.recv(), "a worker")  # POLLIN: a whole message is there
+        msg = _decode(self.results.recv(), "a worker") if read_results and self.results in events else None
         if isinstance(msg, WorkerError):
             raise _Exit(1, f"worker {msg.rank} failed{' to start' if self.scheduler is None else ''}: {msg.reason}")
         return msg
@@ -184,8 +179,7 @@ class SchedulerServer:
         elif isinstance(msg, Abort):
             replies = sched.abort(msg.request_ids, identity)
         elif isinstance(msg, GetStats):
-            replies = [(identity, TokenBatch(step=sched.step, request_ids=[], token_ids=i32([]),
-                                             stats=sched.stats()))]
+            replies = [(identity, TokenBatch(sched.step, [], i32([]), stats=sched.stats()))]
         elif isinstance(msg, Shutdown):
             raise _Exit(0, "a frontend asked to shut down")
         elif msg is not None:

@@ -33,8 +33,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # sorted by arrival: the newest is preempted first
         self.requests: dict[tuple[bytes, str], Request] = {}  # waiting or running, by (client, id)
-        self.step = 0
-        self.num_preemptions = 0
+        self.step = self.num_preemptions = 0
         self._free_rows = list(range(config.max_num_seqs - 1, -1, -1))
         self._rows_freed: set[int] = set()  # for the next plan's free_rows, unless a NewRow reuses one first
         # step -> (request, its num_preemptions then, whether the step samples a real token for it) per row
