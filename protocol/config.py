@@ -68,8 +68,7 @@ class EngineConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> EngineConfig:
-        mc = d.get("model_config")
-        return cls(**{**d, "model_config": ModelConfig.from_dict(mc) if mc else None})
+        return cls(**{**d, "model_config": ModelConfig.from_dict(mc) if (mc := d.get("model_config")) else None})
 
 
 _ENGINE_RULES = (  # field, valid, fix

@@ -46,7 +46,7 @@ def run_scheduler(config_dict: dict, addresses_dict: dict, parent_pid: int | Non
 
 
 def serve(config: EngineConfig, addresses: Addresses, parent_pid: int | None = None) -> int:
-    """Serve until Shutdown or `parent_pid` dies; return the exit code. The ipc dir goes too: nobody else may be left."""
+    """Serve until Shutdown or `parent_pid` dies; return the exit code. The ipc dir goes: nobody else may be left."""
     server = SchedulerServer(config, addresses, parent_pid or os.getppid())
     try:
         return server.run()
@@ -69,7 +69,6 @@ class SchedulerServer:
         self.clients: set[bytes] = set()  # every frontend identity seen; each got Ready once
         self.tracer = Tracer("scheduler", config.trace_dir)
         self.scheduler: Scheduler | None = None
-        self.worker_startup: dict = {}  # rank 0's seconds per start-up phase, passed on to frontends
         self.early: list[tuple[bytes, object]] = []  # frontend messages from before the workers were ready
         self.in_flight: deque[int] = deque()  # steps sent and not yet answered, oldest first
 
@@ -86,12 +85,13 @@ class SchedulerServer:
 
     def run(self) -> int:
         try:
-            self.scheduler = sched = Scheduler(self.config, self._wait_workers())
+            num_blocks, startup = self._wait_workers()
+            self.scheduler = sched = Scheduler(self.config, num_blocks)
             self.info = {"num_kv_blocks": sched.block_manager.num_blocks, "max_model_len": sched.max_model_len,
                          "vocab_size": sched.vocab_size, "eos_token_ids": sorted(sched.eos_token_ids),
                          "block_size": self.config.block_size, "model": self.config.model,
                          "model_path": self.config.model_path, "model_config": asdict(self.config.model_config),
-                         "startup": self.worker_startup}
+                         "startup": startup}
             gc.collect()
             gc.freeze()  # start-up objects leave the collector's view: a full collection stays short
             log.info("scheduler ready: %s", {k: self.info[k] for k in ("num_kv_blocks", "max_model_len")})
@@ -121,23 +121,21 @@ class SchedulerServer:
                 log.warning("worker %d took no Shutdown: it is gone or stuck", rank)
         return e.code
 
-    def _wait_workers(self) -> int:
-        """Collect Ready from every rank; return the fewest KV blocks of any."""
-        blocks, deadline = {}, time.monotonic() + READY_TIMEOUT_S  # rank -> its num_kv_blocks
-        while len(blocks) < len(self.plans):
+    def _wait_workers(self) -> tuple[int, dict]:
+        """Collect Ready from every rank; return the fewest KV blocks of any, and rank 0's start-up seconds."""
+        infos, deadline = {}, time.monotonic() + READY_TIMEOUT_S  # rank -> its Ready.info
+        while len(infos) < len(self.plans):
             if time.monotonic() > deadline:
-                missing = sorted(set(range(len(self.plans))) - set(blocks))
+                missing = sorted(set(range(len(self.plans))) - set(infos))
                 raise _Exit(1, f"worker ranks {missing} sent no Ready within {READY_TIMEOUT_S:.0f} s")
             msg = self._poll(POLL_MS)
             if isinstance(msg, Ready) and msg.role == "worker" and 0 <= msg.rank < len(self.plans):
                 num = msg.info.get("num_kv_blocks")
                 if isinstance(num, int) and num >= 2:
-                    blocks[msg.rank] = num
-                    if msg.rank == 0:
-                        self.worker_startup = msg.info.get("startup", {})
+                    infos[msg.rank] = msg.info
                 else:
                     log.warning("dropped Ready from worker %d: num_kv_blocks=%r is not an int >= 2", msg.rank, num)
-        return min(blocks.values())
+        return min(info["num_kv_blocks"] for info in infos.values()), infos[0].get("startup", {})
 
     def _poll(self, timeout_ms: float, read_results: bool = True):
         """Serve frontends and check the parent for up to timeout_ms; return a worker's message, if one came."""

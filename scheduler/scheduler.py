@@ -26,8 +26,7 @@ class Scheduler:
             raise ValueError("EngineConfig.model_config or max_model_len is None: resolve the config first "
                              "(frontend.model_resolution.resolve_config)")
         self.config = config
-        self.vocab_size = mc.vocab_size
-        self.max_model_len = config.max_model_len
+        self.vocab_size, self.max_model_len = mc.vocab_size, config.max_model_len
         self.eos_token_ids = frozenset(mc.eos_token_ids)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.waiting: deque[Request] = deque()
@@ -143,8 +142,7 @@ class Scheduler:
             while not bm.may_append(req, total):
                 victim = self.running[-1]  # freed whole, recomputed later from prompt + generated tokens
                 self._release(victim)
-                victim.status = Status.WAITING
-                victim.num_computed_tokens = victim.num_row_tokens = 0
+                victim.status, victim.num_computed_tokens, victim.num_row_tokens = Status.WAITING, 0, 0
                 victim.num_preemptions += 1
                 self.num_preemptions += 1
                 self.waiting.appendleft(victim)
@@ -177,8 +175,7 @@ class Scheduler:
             req.row = self._free_rows.pop()
             self._rows_freed.discard(req.row)  # the NewRow replaces the row's old mirror: no free_rows entry
             req.num_computed_tokens = self.block_manager.allocate(req)
-            req.num_row_tokens = req.num_tokens
-            req.status = Status.RUNNING
+            req.num_row_tokens, req.status = req.num_tokens, Status.RUNNING
             bisect.insort(self.running, req, key=lambda r: r.arrival)
             new_rows.append(NewRow(req.row, i32(req.token_ids), req.num_prompt_tokens, req.num_computed_tokens,
                                    i32(req.block_table), req.params.to_dict()))
