@@ -120,18 +120,16 @@ def build_app(state: ServerState, load_engine: Callable[[], AsyncLLM]) -> FastAP
     app.add_exception_handler(APIError, _error)
     app.add_exception_handler(StarletteHTTPException, _error)
     app.add_exception_handler(ClientGone, lambda request, exc: Response(status_code=499))
-    public = APIRouter()  # what a load balancer or supervisor polls: no API key
 
-    @public.get("/health")
+    @app.get("/health")  # what a load balancer or supervisor polls: no API key, as /version
     async def health() -> Response:
         state.ready_engine()
         return Response(status_code=200)
 
-    @public.get("/version")
+    @app.get("/version")
     async def version() -> dict:
         return {"version": VERSION}
 
-    app.include_router(public)
     app.include_router(_routes(state), dependencies=[Depends(state.check_key)])
     return app
 
