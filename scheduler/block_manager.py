@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from itertools import takewhile
 
 import numpy as np
 
@@ -94,12 +95,7 @@ class BlockManager:
         # Leave the last token to compute, so the step samples (and writes no KV into a block others share).
         usable = (req.num_tokens - 1) // self.block_size
         self._compute_hashes(req, usable)
-        hits = []
-        for h in req.block_hashes[:usable]:
-            if (b := self._hash_to_block.get(h)) is None:
-                break
-            hits.append(b)
-        return hits
+        return list(takewhile(lambda b: b is not None, map(self._hash_to_block.get, req.block_hashes[:usable])))
 
     def _compute_hashes(self, req: Request, num_blocks: int) -> None:
         bs = self.block_size
@@ -109,8 +105,7 @@ class BlockManager:
 
     def _take_free(self) -> int:
         b, _ = self._free.popitem(last=False)
-        h = self._hashes[b]
-        if h is not None:  # evict: the block's old content is about to be overwritten
+        if (h := self._hashes[b]) is not None:  # evict: the block's old content is about to be overwritten
             del self._hash_to_block[h]
             self._hashes[b] = None
         self._ref_counts[b] = 1

@@ -21,8 +21,7 @@ from scheduler.request import Request, Status
 
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int) -> None:
-        mc = config.model_config
-        if mc is None or config.max_model_len is None:
+        if (mc := config.model_config) is None or config.max_model_len is None:
             raise ValueError("EngineConfig.model_config or max_model_len is None: resolve the config first "
                              "(frontend.model_resolution.resolve_config)")
         self.config = config
@@ -35,8 +34,7 @@ class Scheduler:
         self.step = self.num_preemptions = 0
         self._free_rows = list(range(config.max_num_seqs - 1, -1, -1))
         self._rows_freed: set[int] = set()  # for the next plan's free_rows, unless a NewRow reuses one first
-        # step -> (request, its num_preemptions then, whether the step samples a real token for it) per row
-        self._in_flight: dict[int, list[tuple[Request, int, bool]]] = {}
+        self._in_flight: dict[int, list] = {}  # step -> per row (request, its num_preemptions then, samples a token)
         self._arrivals = itertools.count()
         self._rng = random.Random(config.seed)
 
@@ -78,8 +76,7 @@ class Scheduler:
         params = SamplingParams.from_dict(msg.params)
         params.check_vocab(self.vocab_size)
         prompt = check_prompt(msg.prompt_token_ids, self.vocab_size)
-        n, bm = len(prompt), self.block_manager
-        capacity = bm.num_blocks * bm.block_size
+        n, bm, capacity = len(prompt), self.block_manager, self.block_manager.num_blocks * self.config.block_size
         max_tokens = check_length(n, params.max_tokens, self.max_model_len)
         if params.max_tokens is None:
             max_tokens = min(max_tokens, max(capacity - n, 1))
@@ -150,8 +147,7 @@ class Scheduler:
                 if victim is req:
                     break
             if req.status is Status.RUNNING:
-                new_blocks = bm.append_slot(req, total)
-                if new_blocks:
+                if new_blocks := bm.append_slot(req, total):
                     appends.append((req.row, i32(new_blocks)))
                 req.num_computed_tokens += 1
                 bm.cache_blocks(req, min(req.num_computed_tokens, req.num_tokens))
