@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 _OFF = nullcontext()
 GPU_TRACK = 1  # tid of the worker's GPU spans; CPU spans use tid 0
@@ -20,7 +20,7 @@ class Tracer:
         self.process, self.trace_dir = process, trace_dir
         self.events: list[tuple[str, int, int, int, int]] = []
 
-    def span(self, name: str, step: int = -1):
+    def span(self, name: str, step: int = -1) -> AbstractContextManager:
         return _OFF if self.trace_dir is None else self._timed(name, step)
 
     @contextmanager
