@@ -36,7 +36,6 @@ class RequestOutput:
 @dataclass(slots=True)
 class _Sample:
     """One of a request's n samples (its own engine request)."""
-
     state: RequestState
     out: CompletionOutput
     detok: IncrementalDetokenizer | StreamDetokenizer

@@ -103,7 +103,6 @@ async def _collect(merged: AsyncIterator[tuple[int, RequestOutput]]) -> dict[int
 
 class EventStream(StreamingResponse):
     """Server-sent events whose generator is closed however the response ends (hang-up, shutdown)."""
-
     media_type = "text/event-stream"
 
     async def __call__(self, scope, receive, send) -> None:
