@@ -59,8 +59,7 @@ def bad_request(message: str, param: str | None = None, code: str = "invalid_val
 
 def from_invalid_param(exc: InvalidParam, prompt_field: str = "prompt", max_tokens_field: str = "max_tokens"
                        ) -> APIError:
-    """A 400 naming the field the client sent: chat's prompt is its messages, its max_tokens may be
-    max_completion_tokens."""
+    """A 400 naming the field the client sent (chat: messages, maybe max_completion_tokens)."""
     message, field = str(exc), {"prompt": prompt_field, "max_tokens": max_tokens_field}.get(exc.field, exc.field)
     if exc.field == "max_tokens":
         message = message.replace("max_tokens", max_tokens_field)
@@ -98,6 +97,7 @@ _SamplingFields = create_model("_SamplingFields", __base__=_Lenient, **{
 
 class _SamplingRequest(_SamplingFields):
     prompt_field: ClassVar[str] = "prompt"
+    max_tokens_field: ClassVar[str] = "max_tokens"
     id_prefix: ClassVar[str] = "cmpl"
     model: str | None = None
     max_tokens: int | None = None
@@ -123,10 +123,6 @@ class _SamplingRequest(_SamplingFields):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and bool(self.stream_options.include_usage)
-
-    @property
-    def max_tokens_field(self) -> str:
-        return "max_tokens"
 
     def _params(self, defaults: dict, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The request's explicit fields over the model's generation defaults over SamplingParams' own."""

@@ -51,7 +51,6 @@ class Renderer:
             if isinstance(piece, str) and piece and all(c in _BYTE_OF_CHAR for c in piece):
                 return text, logprob, [_BYTE_OF_CHAR[c] for c in piece]
             return text, logprob, list(text.encode())
-
         k = self.jobs[0].params.logprobs or 0
         return [(entry(token, lps[token]), [entry(t, lp) for t, lp in sorted(lps.items(), key=lambda kv: -kv[1])[:k]])
                 for token, lps in zip(o.token_ids[start:], o.logprobs[start:])]

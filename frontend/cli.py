@@ -1,5 +1,4 @@
-"""launch.py's command line: vLLM `serve`'s flags, plus one-prompt and headless modes. Engine flags are EngineConfig's
-fields under the same names, with its defaults (but the server's step budget), so that they cannot drift apart."""
+"""launch.py's command line: vLLM `serve`'s flags, plus one-prompt and headless modes."""
 from __future__ import annotations
 
 import argparse
@@ -60,23 +59,20 @@ def build_parser() -> argparse.ArgumentParser:
                         default=_DEFAULTS["enable_prefix_caching"],
                         help="reuse the KV blocks of prompts that share a prefix (default: on)")
     engine.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (slower decode, faster start)")
-    server = p.add_argument_group("HTTP server")
-    server.add_argument("--host", default=_SERVER_DEFAULTS["host"],
-                        help="address to bind (default: %(default)s; 0.0.0.0 exposes the server to the network)")
-    server.add_argument("--port", type=int, default=_SERVER_DEFAULTS["port"], metavar="N",
-                        help="(default: %(default)s)")
-    server.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"), metavar="KEY",
-                        help="require 'Authorization: Bearer KEY' on every route but /health and /version "
-                             "(default: $VLLM_API_KEY; the environment keeps the key out of `ps`)")
-    server.add_argument("--shutdown-timeout", type=float, default=_SERVER_DEFAULTS["shutdown_timeout"], metavar="X",
-                        help="on SIGTERM, seconds in-flight requests may take before they are aborted "
-                             "(default: %(default)s)")
-    offline = p.add_argument_group("one prompt, no server")
-    offline.add_argument("--prompt", metavar="TEXT", help="complete this text, print the completion and exit")
-    offline.add_argument("--max-tokens", type=int, default=16, metavar="N",
-                         help="tokens to generate for --prompt (default: %(default)s)")
-    offline.add_argument("--temperature", type=float, default=0.0, metavar="X",
-                         help="sampling temperature for --prompt (default: %(default)s, greedy)")
+    server, offline = p.add_argument_group("HTTP server"), p.add_argument_group("one prompt, no server")
+    for group, flag, default, metavar, help_text in (
+            (server, "--host", _SERVER_DEFAULTS["host"], "HOST", "address to bind (0.0.0.0 exposes the server)"),
+            (server, "--port", _SERVER_DEFAULTS["port"], "N", ""),
+            (server, "--api-key", os.environ.get("VLLM_API_KEY"), "KEY", "require 'Authorization: Bearer KEY' on "
+             "every route but /health and /version ($VLLM_API_KEY by default keeps the key out of `ps`)"),
+            (server, "--shutdown-timeout", _SERVER_DEFAULTS["shutdown_timeout"], "X",
+             "on SIGTERM, seconds in-flight requests may take before they are aborted"),
+            (offline, "--prompt", None, "TEXT", "complete this text, print the completion and exit"),
+            (offline, "--max-tokens", 16, "N", "tokens to generate for --prompt"),
+            (offline, "--temperature", 0.0, "X", "sampling temperature for --prompt; 0 is greedy")):
+        shown = "" if default is None or flag == "--api-key" else " (default: %(default)s)"
+        group.add_argument(flag, type=type(default) if default is not None else str, default=default,
+                           metavar=metavar, help=help_text + shown)
     headless = p.add_argument_group("headless engine, no HTTP")
     headless.add_argument("--headless", action="store_true",
                           help="run the scheduler and workers only; frontends attach with AsyncLLM.connect")
@@ -123,8 +119,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def check_port_free(host: str, port: int, flags: str) -> None:
-    """ValueError naming `flags` when host:port cannot be listened on, found before the engine spends its start-up
-    (uvicorn finds it only after the engine is up; the scheduler dies of it in a traceback of its own)."""
+    """ValueError naming `flags` if host:port cannot be bound: found before the engine's start-up, not after."""
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         with socket.socket(family, socket.SOCK_STREAM) as sock:

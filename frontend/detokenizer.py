@@ -1,5 +1,4 @@
-"""Incremental detokenization (token ids in, newly completed text out, O(1) amortized per token), and the stop
-strings matched on that text: never emitted, nor any part of one that may still complete."""
+"""Incremental detokenization (token ids in, new text out) and the stop strings cut from that text."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -92,8 +91,7 @@ class StreamDetokenizer:
 
 def make_detokenizer(tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], skip_special_tokens: bool = True,
                      spaces_between_special_tokens: bool = True) -> IncrementalDetokenizer | StreamDetokenizer:
-    """tokenizers' DecodeStream (one native call per token) where it decodes as tokenizer.decode does: a fast
-    tokenizer (which ignores the spaces flag) that does not clean up spaces; the windowed decode otherwise."""
+    """DecodeStream (one native call per token) where it decodes as tokenizer.decode does; else the windowed decode."""
     if getattr(tokenizer, "backend_tokenizer", None) is not None and not tokenizer.clean_up_tokenization_spaces:
         return StreamDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
     return IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens, spaces_between_special_tokens)

@@ -147,8 +147,7 @@ class EngineClient:
 
 
 def merge_traces(trace_dir: str) -> None:
-    """Every process's trace file joined into trace.json (Perfetto opens it), and summary.txt: per process and
-    stage, count and p50/p90/p99 in µs; then the GPU idle time between decode steps."""
+    """trace.json (every process's trace, for Perfetto) and summary.txt (per stage p50/p90/p99 µs, GPU idle)."""
     events: list[dict] = []
     for path in sorted(glob.glob(os.path.join(trace_dir, "*-*.json"))):
         with open(path) as f:

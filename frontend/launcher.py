@@ -83,8 +83,7 @@ class EngineProcesses:
         return self.dead_reason is None and all(p.poll() is None for p in self.procs.values())
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        """Wait for the children (the client has asked the scheduler to stop), then terminate, then kill; after a
-        death at once (a worker may be stuck, and a supervisor waiting to restart us must not wait)."""
+        """Wait for the children, then terminate, then kill (no wait after a death: a supervisor may be waiting)."""
         with self._lock:
             self._stopping = True
         self._wait_all(0.0 if self.dead_reason else timeout)
@@ -99,10 +98,8 @@ class EngineProcesses:
         """Wait for every child within one shared deadline (not `timeout` each)."""
         deadline = time.monotonic() + timeout
         for proc in self.procs.values():
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
 
 
 def run_headless(config: EngineConfig, address: str) -> int:

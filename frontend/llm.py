@@ -58,11 +58,9 @@ class LLM:
         return [state.output for state in states]
 
     def _send_while_room(self, unsent: deque, states: list[RequestState], unfinished: int) -> int:
-        """Submit prompts while the engine's queue surely has room (engine requests sent and unfinished bound
-        those waiting in it); return how many are unfinished."""
+        """Submit prompts while the engine's queue surely has room; return how many engine requests are unfinished."""
         def room() -> bool:
             return bool(unsent) and (not unfinished or unfinished + unsent[0][2].n <= self._max_unfinished)
-
         if room():
             with self.client.tracer.span("frontend.send"):
                 while room():

@@ -1,5 +1,4 @@
-"""Prometheus metrics under vLLM's names, types and buckets, so that vLLM's dashboards and alerts work unchanged.
-One registry per server (not the process-global one), so that several apps can live in one test process."""
+"""Prometheus metrics under vLLM's names, types and buckets (its dashboards work); one registry per server."""
 from __future__ import annotations
 
 import time
@@ -13,6 +12,17 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)
+_METRICS = {  # attribute: (type, vLLM's name, help, buckets)
+    "running": (Gauge, "vllm:num_requests_running", "Requests in the running batch.", None),
+    "waiting": (Gauge, "vllm:num_requests_waiting", "Requests waiting to be scheduled.", None),
+    "kv_usage": (Gauge, "vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", None),
+    "preemptions": (Counter, "vllm:num_preemptions", "Preemptions by the scheduler.", None),
+    "prompt_tokens": (Counter, "vllm:prompt_tokens", "Prompt tokens processed.", None),
+    "generation_tokens": (Counter, "vllm:generation_tokens", "Tokens generated.", None),
+    "ttft": (Histogram, "vllm:time_to_first_token_seconds", "Time from arrival to the first token.", TTFT_BUCKETS),
+    "itl": (Histogram, "vllm:inter_token_latency_seconds", "Time between two output tokens.", ITL_BUCKETS),
+    "e2e": (Histogram, "vllm:e2e_request_latency_seconds", "Time from arrival to the last token.", E2E_BUCKETS),
+}
 
 
 class Metrics:
@@ -23,23 +33,11 @@ class Metrics:
         self.registry = CollectorRegistry()
         self.model_name = model_name
 
-        def labelled(kind, name: str, doc: str, **kwargs):
-            return kind(name, doc, ["model_name"], registry=self.registry, **kwargs).labels(model_name)
-
-        self.running = labelled(Gauge, "vllm:num_requests_running", "Requests in the running batch.")
-        self.waiting = labelled(Gauge, "vllm:num_requests_waiting", "Requests waiting to be scheduled.")
-        self.kv_usage = labelled(Gauge, "vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).")
-        self.preemptions = labelled(Counter, "vllm:num_preemptions", "Preemptions by the scheduler.")
-        self.prompt_tokens = labelled(Counter, "vllm:prompt_tokens", "Prompt tokens processed.")
-        self.generation_tokens = labelled(Counter, "vllm:generation_tokens", "Tokens generated.")
+        for attr, (kind, name, doc, buckets) in _METRICS.items():  # each labelled once, with this model's name
+            extra = {} if buckets is None else {"buckets": buckets}
+            setattr(self, attr, kind(name, doc, ["model_name"], registry=self.registry, **extra).labels(model_name))
         self.success = Counter("vllm:request_success", "Requests finished, by finish reason.",
                                ["model_name", "finished_reason"], registry=self.registry)
-        self.ttft = labelled(Histogram, "vllm:time_to_first_token_seconds", "Time from arrival to the first token.",
-                             buckets=TTFT_BUCKETS)
-        self.itl = labelled(Histogram, "vllm:inter_token_latency_seconds", "Time between two output tokens.",
-                            buckets=ITL_BUCKETS)
-        self.e2e = labelled(Histogram, "vllm:e2e_request_latency_seconds", "Time from arrival to the last token.",
-                            buckets=E2E_BUCKETS)
         self._preemptions_seen = 0
 
     def observe_engine(self, stats: dict) -> None:
@@ -52,9 +50,6 @@ class Metrics:
         if new > 0:
             self.preemptions.inc(new)
             self._preemptions_seen = stats["num_preemptions"]
-
-    def request(self, prompt_tokens: int) -> RequestTimer:
-        return RequestTimer(self, prompt_tokens)  # fed as the request streams
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,5 +1,4 @@
-"""Resolving an EngineConfig once, in the frontend: the model name becomes a local Hugging Face directory and an
-architecture (ModelConfig), max_model_len gets its value; children receive the result and resolve nothing."""
+"""An EngineConfig resolved once, here: model dir, ModelConfig, max_model_len; children resolve nothing."""
 from __future__ import annotations
 
 import json

@@ -1,5 +1,4 @@
-"""What a caller gets back (RequestOutput, one CompletionOutput per sample), made from the engine's TokenBatches
-(detokenize, stop strings); a request's n samples are n engine requests. Shared by LLM and AsyncLLM."""
+"""RequestOutputs from the engine's TokenBatches (detokenized, stop strings cut); one engine request per sample."""
 from __future__ import annotations
 
 import itertools
@@ -32,13 +31,11 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     error: str | None = None  # set when the engine failed the request
-    num_cached_tokens: int = 0
 
 
 @dataclass(slots=True)
 class _Sample:
     """One of a request's n samples (its own engine request)."""
-
     state: RequestState
     out: CompletionOutput
     detok: IncrementalDetokenizer | StreamDetokenizer

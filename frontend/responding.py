@@ -1,5 +1,4 @@
-"""One HTTP request's jobs on the engine, answered with JSON or server-sent events; a client that goes away
-cancels every path that waits on the engine, which aborts its engine requests."""
+"""A request's jobs answered as JSON or server-sent events; a client that hangs up aborts its engine requests."""
 from __future__ import annotations
 
 import asyncio
@@ -16,7 +15,7 @@ from frontend.api_models import APIError, Job, bad_request
 from frontend.api_render import Renderer
 from frontend.async_llm import AsyncLLM, EngineRequestError
 from frontend.engine_client import EngineDeadError
-from frontend.metrics import Metrics
+from frontend.metrics import Metrics, RequestTimer
 from frontend.output_processor import RequestOutput
 from protocol.messages import OVERLOADED
 
@@ -43,7 +42,7 @@ async def generate(engine: AsyncLLM, jobs: list[Job], metrics: Metrics) -> Async
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, job: Job) -> None:
-        timer, out = metrics.request(len(job.token_ids)), None
+        timer, out = RequestTimer(metrics, len(job.token_ids)), None
         try:
             async with aclosing(engine.generate(job.token_ids, job.params, job.request_id)) as outputs:
                 async for out in outputs:
@@ -104,7 +103,6 @@ async def _collect(merged: AsyncIterator[tuple[int, RequestOutput]]) -> dict[int
 
 class EventStream(StreamingResponse):
     """Server-sent events whose generator is closed however the response ends (hang-up, shutdown)."""
-
     media_type = "text/event-stream"
 
     async def __call__(self, scope, receive, send) -> None:

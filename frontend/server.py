@@ -31,7 +31,8 @@ from protocol.config import EngineConfig, InvalidParam
 log = logging.getLogger("pico_vllm.server")
 MAX_BODY_BYTES = 4 << 20  # a 128k-token prompt is well under 1 MB of text; far larger bodies are abuse
 DEAD_EXIT_DELAY_S = 2.0  # after the engine dies, /health answers 503 this long before the process exits
-RENDERERS = {CompletionRequest: CompletionRenderer, ChatCompletionRequest: ChatRenderer}
+GENERATION_ROUTES = {"/v1/completions": (CompletionRequest, CompletionRenderer),
+                     "/v1/chat/completions": (ChatCompletionRequest, ChatRenderer)}
 try:
     VERSION = importlib.metadata.version("pico-vllm")
 except importlib.metadata.PackageNotFoundError:
@@ -76,8 +77,7 @@ class ServerState:
                 "max_model_len": self.engine.max_model_len if self.engine is not None else None}
 
     async def accept(self, request: Request, model: type[BaseModel]) -> tuple:
-        """The validated request, for a model this server serves, and the engine ready to take it. The body is
-        refused (413) past MAX_BODY_BYTES before it is all buffered."""
+        """The validated request (413 past MAX_BODY_BYTES, before all is buffered) and the ready engine."""
         declared = request.headers.get("content-length", "")
         too_large = APIError(413, f"request body is over {MAX_BODY_BYTES} bytes", code="request_too_large")
         if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
@@ -120,18 +120,16 @@ def build_app(state: ServerState, load_engine: Callable[[], AsyncLLM]) -> FastAP
     app.add_exception_handler(APIError, _error)
     app.add_exception_handler(StarletteHTTPException, _error)
     app.add_exception_handler(ClientGone, lambda request, exc: Response(status_code=499))
-    public = APIRouter()  # what a load balancer or supervisor polls: no API key
 
-    @public.get("/health")
+    @app.get("/health")  # what a load balancer or supervisor polls: no API key, as /version
     async def health() -> Response:
         state.ready_engine()
         return Response(status_code=200)
 
-    @public.get("/version")
+    @app.get("/version")
     async def version() -> dict:
         return {"version": VERSION}
 
-    app.include_router(public)
     app.include_router(_routes(state), dependencies=[Depends(state.check_key)])
     return app
 
@@ -194,33 +192,26 @@ def _routes(state: ServerState) -> APIRouter:
         return {"prompt": engine.tokenizer.decode(req.tokens)}
 
     @router.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await _generate(state, request, CompletionRequest)
-
     @router.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await _generate(state, request, ChatCompletionRequest)
+    async def generate(request: Request) -> Response:
+        """Each prompt of the request is one engine request (its n samples fan out inside AsyncLLM)."""
+        kind, render = GENERATION_ROUTES[request.scope["route"].path]
+        req, engine = await state.accept(request, kind)
+        rid = f"{kind.id_prefix}-{uuid.uuid4().hex}"
+        params = req.sampling_params(state.defaults)
+        try:
+            jobs = [Job(f"{rid}-{i}", *engine.client.prepare(prompt, params), params)
+                    for i, prompt in enumerate(req.prompts(engine.tokenizer))]
+        except InvalidParam as exc:
+            raise from_invalid_param(exc, kind.prompt_field, req.max_tokens_field) from None
+        renderer = render(rid, state.names[0], jobs, engine.tokenizer, req.echo)
+        return await respond(request, state.ready_engine(), state.metrics, renderer, req.stream, req.include_usage)
 
     return router
 
 
-async def _generate(state: ServerState, request: Request, kind: type) -> Response:
-    """Each prompt of the request is one engine request (its n samples fan out inside AsyncLLM)."""
-    req, engine = await state.accept(request, kind)
-    rid = f"{kind.id_prefix}-{uuid.uuid4().hex}"
-    params = req.sampling_params(state.defaults)
-    try:
-        jobs = [Job(f"{rid}-{i}", *engine.client.prepare(prompt, params), params)
-                for i, prompt in enumerate(req.prompts(engine.tokenizer))]
-    except InvalidParam as exc:
-        raise from_invalid_param(exc, kind.prompt_field, req.max_tokens_field) from None
-    renderer = RENDERERS[kind](rid, state.names[0], jobs, engine.tokenizer, req.echo)
-    return await respond(request, state.ready_engine(), state.metrics, renderer, req.stream, req.include_usage)
-
-
 def run_server(config: EngineConfig, options: ServerOptions) -> int:
-    """Serve until SIGINT (130) or SIGTERM (uvicorn re-raises it after the graceful shutdown: the process
-    ends by the signal, status 143), or until the engine fails to start or dies (1)."""
+    """Serve until SIGINT (130), SIGTERM (the process ends by the signal: 143), or the engine fails or dies (1)."""
     config = resolve_config(config)
     state = ServerState(options, config.model, generation_defaults(config.model_path))
     app = build_app(state, lambda: AsyncLLM(client=EngineClient(config)))

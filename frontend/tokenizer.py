@@ -1,10 +1,5 @@
-"""The model's Hugging Face tokenizer and chat template; for short names without files, the real BPE built offline.
-
-The offline build reads BPE ranks (Qwen's `qwen.tiktoken`, shipped by the PyPI package `dashscope`: install it with
-`pip install --no-deps dashscope`; Llama 3's `tokenizer.model`, shipped by `llama-models`), recovers the merges,
-and writes tokenizer.json + tokenizer_config.json the way the Qwen2.5, Qwen3 and Llama 3 repos ship them into a
-cache directory, so that later loads are an ordinary AutoTokenizer.from_pretrained of that directory.
-"""
+"""The model's HF tokenizer and chat template; with no files, the real BPE of a short name (Qwen2.5, Qwen3,
+Llama 3) is rebuilt offline from the ranks dashscope and llama-models ship."""
 from __future__ import annotations
 
 import base64
@@ -199,10 +194,7 @@ def llama3_ranks_file() -> Path:
 
 
 def recover_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
-    """One merge per multi-byte token, in rank order: the two parts BPE reaches using only lower ranks.
-
-    This is how Qwen's merges.txt relates to its ranks (its first merges are 'Ġ Ġ', 'ĠĠ ĠĠ', 'i n', ...).
-    """
+    """One merge per multi-byte token, in rank order: the two parts BPE reaches by lower ranks (as merges.txt)."""
     merges = []
     for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
         if len(token) == 1:

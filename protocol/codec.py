@@ -18,7 +18,7 @@ class ProtocolError(ValueError):
 
 
 def encode(msg: object) -> bytes:
-    frame = msgpack.packb({"v": VERSION, **_to_wire(msg)}, use_bin_type=True)
+    frame = msgpack.packb({"v": VERSION, **_to_wire(msg)}, use_bin_type=True, default=_to_wire)
     if len(frame) > MAX_FRAME_BYTES:
         raise ProtocolError(f"{type(msg).__name__} is {len(frame)} bytes, over the {MAX_FRAME_BYTES}-byte cap")
     return frame
@@ -28,8 +28,7 @@ def decode(frame: bytes) -> object:
     if len(frame) > MAX_FRAME_BYTES:
         raise ProtocolError(f"frame of {len(frame)} bytes is over the {MAX_FRAME_BYTES}-byte cap")
     try:
-        obj = msgpack.unpackb(frame, raw=False, strict_map_key=False, max_bin_len=MAX_FRAME_BYTES,
-                              max_str_len=MAX_FRAME_BYTES)
+        obj = msgpack.unpackb(frame, raw=False, strict_map_key=False)  # limits default to len(frame)
     except Exception as e:  # msgpack raises several unrelated types for bad bytes
         raise ProtocolError(f"not msgpack: {type(e).__name__}: {e}") from None
     if not isinstance(obj, dict):
@@ -40,17 +39,14 @@ def decode(frame: bytes) -> object:
 
 
 def _to_wire(obj):
+    """msgpack's hook for what it cannot pack: messages, arrays (raw little-endian bytes), numpy scalars."""
     if dataclasses.is_dataclass(obj):
-        return {"type": type(obj).__name__, **{name: _to_wire(getattr(obj, name)) for name in obj.WIRE}}
+        return {"type": type(obj).__name__, **{name: getattr(obj, name) for name in obj.WIRE}}
     if isinstance(obj, np.ndarray):
         return obj.astype(obj.dtype.newbyteorder("<"), copy=False).tobytes()
-    if isinstance(obj, (list, tuple)):
-        return [_to_wire(x) for x in obj]
-    if isinstance(obj, dict):
-        return {k: _to_wire(v) for k, v in obj.items()}
     if isinstance(obj, np.generic):
         return obj.item()
-    return obj
+    raise TypeError(f"cannot encode a {type(obj).__name__}")
 
 
 def _from_wire(obj: dict, depth: int = 0):

@@ -19,7 +19,6 @@ def cache_root() -> Path:
 @dataclass(slots=True)
 class ModelConfig:
     """The architecture of a model (what config.json says, in our names)."""
-
     hidden_size: int
     intermediate_size: int
     num_hidden_layers: int
@@ -45,7 +44,6 @@ class ModelConfig:
 @dataclass(slots=True)
 class EngineConfig:
     """Everything the engine is launched with. Field names are the CLI flags in snake_case."""
-
     model: str
     device: str = "auto"
     dtype: str = "auto"
@@ -76,8 +74,7 @@ class EngineConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> EngineConfig:
-        mc = d.get("model_config")
-        return cls(**{**d, "model_config": ModelConfig.from_dict(mc) if mc else None})
+        return cls(**{**d, "model_config": ModelConfig.from_dict(mc) if (mc := d.get("model_config")) else None})
 
 
 _ENGINE_RULES = (  # field, valid, fix

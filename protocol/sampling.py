@@ -43,8 +43,6 @@ class SamplingParams:
             require(valid(getattr(self, name)), name, getattr(self, name), fix)
         require(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
                 f"use at most max_tokens={self.max_tokens}")
-        require(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"{len(self.stop)} strings",
-                f"use at most {MAX_STOP_STRINGS}")
         self.logit_bias = {int(t): float(b) for t, b in (self.logit_bias or {}).items()} or None
 
     def check_vocab(self, vocab_size: int) -> None:
@@ -60,9 +58,7 @@ class SamplingParams:
         """Build from a wire map; an unknown key (a typo) is an error."""
         if not isinstance(d, dict):
             raise InvalidParam("params", f"sampling params must be a map, got {type(d).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
+        if unknown := sorted(set(d) - (known := {f.name for f in fields(cls)})):
             raise InvalidParam(str(unknown[0]), f"unknown sampling params {unknown}: known ones are {sorted(known)}")
         return cls(**d)
 
@@ -91,10 +87,10 @@ _RULES = (  # field, valid, fix: one InvalidParam naming the field each
     ("top_k", lambda v: _is_int(v) and v >= -1, "use -1 or 0 (off) or a positive k"),
     ("min_p", lambda v: _is_num(v) and 0.0 <= v <= 1.0, "use a value in [0, 1]"),
     ("seed", lambda v: v is None or (_is_int(v) and -2**63 <= v < 2**64), "use an integer or None"),
-    ("max_tokens", lambda v: v is None or (_is_int(v) and v >= 1),
-     "use at least 1 (or None for as many as the context allows)"),
+    ("max_tokens", lambda v: v is None or (_is_int(v) and v >= 1), "use at least 1 (None: what the context allows)"),
     ("min_tokens", lambda v: _is_int(v) and v >= 0, "use 0 or more"),
-    ("stop", lambda v: all(isinstance(s, str) and s for s in v), "use non-empty strings"),
+    ("stop", lambda v: len(v) <= MAX_STOP_STRINGS and all(isinstance(s, str) and s for s in v),
+     f"use at most {MAX_STOP_STRINGS} non-empty strings"),
     ("stop_token_ids", lambda v: all(t >= 0 for t in v), "use non-negative token ids"),
     ("presence_penalty", lambda v: _is_num(v) and -2.0 <= v <= 2.0, "use a value in [-2, 2]"),
     ("frequency_penalty", lambda v: _is_num(v) and -2.0 <= v <= 2.0, "use a value in [-2, 2]"),

@@ -1,44 +1,35 @@
 """Step-latency tracing in every process, and the trace file each one writes (the frontend merges them).
-
 Spans (name, start, duration, step) are on `time.perf_counter_ns`, one monotonic clock for all processes of a
-host. When tracing is off, `span()` hands back one shared no-op object: no clock read, no allocation.
-"""
+host. When tracing is off, `span()` hands back one shared no-op object: no clock read, no allocation."""
 from __future__ import annotations
 
 import json
 import os
 import time
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 _OFF = nullcontext()
 GPU_TRACK = 1  # tid of the worker's GPU spans; CPU spans use tid 0
 DECODE_GPU_SPAN = "gpu.decode"
 
 
-class _Span:
-    __slots__ = ("tracer", "name", "step", "start")
-
-    def __init__(self, tracer: Tracer, name: str, step: int) -> None:
-        self.tracer, self.name, self.step = tracer, name, step
-
-    def __enter__(self) -> _Span:
-        self.start = time.perf_counter_ns()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.tracer.add(self.name, self.start, time.perf_counter_ns() - self.start, self.step)
-
-
 class Tracer:
     """Spans of one process. `with tracer.span("schedule", step):` or `tracer.add(...)` for known times."""
 
     def __init__(self, process: str, trace_dir: str | None) -> None:
-        self.process = process
-        self.trace_dir = trace_dir
+        self.process, self.trace_dir = process, trace_dir
         self.events: list[tuple[str, int, int, int, int]] = []
 
-    def span(self, name: str, step: int = -1) -> _Span | nullcontext:
-        return _OFF if self.trace_dir is None else _Span(self, name, step)
+    def span(self, name: str, step: int = -1) -> AbstractContextManager:
+        return _OFF if self.trace_dir is None else self._timed(name, step)
+
+    @contextmanager
+    def _timed(self, name: str, step: int):
+        start = time.perf_counter_ns()
+        try:
+            yield
+        finally:
+            self.add(name, start, time.perf_counter_ns() - start, step)
 
     def add(self, name: str, start_ns: int, dur_ns: int, step: int = -1, track: int = 0) -> None:
         self.events.append((name, start_ns, dur_ns, step, track))

@@ -1,18 +1,16 @@
-"""KV-cache blocks: free list, per-request block tables, reference counts and the prefix cache.
-
-Invariants:
+"""KV-cache blocks: free list, per-request block tables, reference counts and the prefix cache. Invariants:
 - A block is in `_free` iff its reference count is 0; `_free` evicts unhashed blocks first, then hashed ones
   least recently freed first.
 - A hash in `_hash_to_block` names a FULL block whose KV is computed or being computed by a planned step (steps
   run in order and each layer stores KV before attention reads it, so a request of the same step may share it);
   it stays reusable at reference count 0 until taken for another request.
 - Only blocks below a request's `num_computed_tokens` are shared and every write goes at or past it, so no request
-  writes into a block another one reads.
-"""
+  writes into a block another one reads."""
 from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from itertools import takewhile
 
 import numpy as np
 
@@ -26,9 +24,7 @@ def hash_block(parent: bytes, token_ids: list[int]) -> bytes:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
+        self.num_blocks, self.block_size, self.enable_prefix_caching = num_blocks, block_size, enable_prefix_caching
         self._ref_counts = [0] * num_blocks
         self._hashes: list[bytes | None] = [None] * num_blocks
         self._hash_to_block: dict[bytes, int] = {}
@@ -56,8 +52,7 @@ class BlockManager:
                 del self._free[b]
             self._ref_counts[b] += 1
         fresh = [self._take_free() for _ in range(self.blocks_needed(req.num_tokens) - len(hits))]
-        req.block_table = hits + fresh
-        req.num_cached_blocks = len(hits)
+        req.block_table, req.num_cached_blocks = hits + fresh, len(hits)
         self.num_cached_tokens += len(hits) * self.block_size
         return len(hits) * self.block_size
 
@@ -81,8 +76,7 @@ class BlockManager:
             b, h = req.block_table[i], req.block_hashes[i]
             # A block computed twice (two requests missed together) keeps the first one as the key.
             if h not in self._hash_to_block and self._hashes[b] is None:
-                self._hash_to_block[h] = b
-                self._hashes[b] = h
+                self._hash_to_block[h], self._hashes[b] = b, h
         req.num_cached_blocks = full
 
     def free(self, req: Request) -> None:
@@ -93,22 +87,15 @@ class BlockManager:
                 self._free[b] = None
                 if self._hashes[b] is None:
                     self._free.move_to_end(b, last=False)
-        req.block_table = []
-        req.num_cached_blocks = 0
+        req.block_table, req.num_cached_blocks = [], 0
 
     def _match_prefix(self, req: Request) -> list[int]:
         if not self.enable_prefix_caching:
             return []
-        # Keep at least the last token to compute, so the step samples; a whole-prompt hit gives back its
-        # last block rather than write that token's KV into a block others share.
+        # Leave the last token to compute, so the step samples (and writes no KV into a block others share).
         usable = (req.num_tokens - 1) // self.block_size
         self._compute_hashes(req, usable)
-        hits = []
-        for h in req.block_hashes[:usable]:
-            if (b := self._hash_to_block.get(h)) is None:
-                break
-            hits.append(b)
-        return hits
+        return list(takewhile(lambda b: b is not None, map(self._hash_to_block.get, req.block_hashes[:usable])))
 
     def _compute_hashes(self, req: Request, num_blocks: int) -> None:
         bs = self.block_size
@@ -118,8 +105,7 @@ class BlockManager:
 
     def _take_free(self) -> int:
         b, _ = self._free.popitem(last=False)
-        h = self._hashes[b]
-        if h is not None:  # evict: the block's old content is about to be overwritten
+        if (h := self._hashes[b]) is not None:  # evict: the block's old content is about to be overwritten
             del self._hash_to_block[h]
             self._hashes[b] = None
         self._ref_counts[b] = 1

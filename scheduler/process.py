@@ -1,8 +1,7 @@
 """The scheduler process: frontends on a ROUTER, one PUSH of plans per worker rank, results on a PULL.
 
 No torch here. A malformed frame is dropped; a worker error, a stalled step or a dead parent ends the process
-(EngineDead to every client, exit code 1). Two plans in flight: plan N+1 is sent before result N is awaited.
-"""
+(EngineDead to every client, exit code 1). Two plans in flight: plan N+1 is sent before result N is awaited."""
 from __future__ import annotations
 
 import gc
@@ -36,19 +35,18 @@ class _Exit(Exception):
         self.code, self.reason = code, reason
 
 
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise _Exit(0, "the scheduler got SIGTERM")
+
+
 def run_scheduler(config_dict: dict, addresses_dict: dict, parent_pid: int | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-
-    def on_sigterm(signum: int, frame: object) -> None:
-        raise _Exit(0, "the scheduler got SIGTERM")
-
-    signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGTERM, _on_sigterm)
     sys.exit(serve(EngineConfig.from_dict(config_dict), Addresses(**addresses_dict), parent_pid))
 
 
 def serve(config: EngineConfig, addresses: Addresses, parent_pid: int | None = None) -> int:
-    """Serve until Shutdown or `parent_pid` (the launcher, maybe dead while we imported) dies; return the exit code.
-    The ipc directory goes too: if the launcher died first, nobody else is left to remove it."""
+    """Serve until Shutdown or `parent_pid` dies; return the exit code. The ipc dir goes: nobody else may be left."""
     server = SchedulerServer(config, addresses, parent_pid or os.getppid())
     try:
         return server.run()
@@ -60,8 +58,7 @@ def serve(config: EngineConfig, addresses: Addresses, parent_pid: int | None = N
 
 class SchedulerServer:
     def __init__(self, config: EngineConfig, addresses: Addresses, parent_pid: int) -> None:
-        self.config = config
-        self.parent = parent_pid
+        self.config, self.parent = config, parent_pid
         self.ctx = zmq.Context()
         self.engine = self._bind(zmq.ROUTER, addresses.engine)
         self.plans = [self._bind(zmq.PUSH, addr) for addr in addresses.plans]
@@ -72,7 +69,6 @@ class SchedulerServer:
         self.clients: set[bytes] = set()  # every frontend identity seen; each got Ready once
         self.tracer = Tracer("scheduler", config.trace_dir)
         self.scheduler: Scheduler | None = None
-        self.worker_startup: dict = {}  # rank 0's seconds per start-up phase, passed on to frontends
         self.early: list[tuple[bytes, object]] = []  # frontend messages from before the workers were ready
         self.in_flight: deque[int] = deque()  # steps sent and not yet answered, oldest first
 
@@ -89,12 +85,13 @@ class SchedulerServer:
 
     def run(self) -> int:
         try:
-            self.scheduler = sched = Scheduler(self.config, self._wait_workers())
+            num_blocks, startup = self._wait_workers()
+            self.scheduler = sched = Scheduler(self.config, num_blocks)
             self.info = {"num_kv_blocks": sched.block_manager.num_blocks, "max_model_len": sched.max_model_len,
                          "vocab_size": sched.vocab_size, "eos_token_ids": sorted(sched.eos_token_ids),
                          "block_size": self.config.block_size, "model": self.config.model,
                          "model_path": self.config.model_path, "model_config": asdict(self.config.model_config),
-                         "startup": self.worker_startup}
+                         "startup": startup}
             gc.collect()
             gc.freeze()  # start-up objects leave the collector's view: a full collection stays short
             log.info("scheduler ready: %s", {k: self.info[k] for k in ("num_kv_blocks", "max_model_len")})
@@ -110,8 +107,7 @@ class SchedulerServer:
             return self._exit(e)
 
     def _exit(self, e: _Exit) -> int:
-        """EngineDead to every client, also those whose messages can no longer be served; Shutdown to the workers
-        that take it within a second (the launcher reaps the others)."""
+        """EngineDead to every client, even unserved ones; Shutdown to workers that take it within a second."""
         (log.error if e.code else log.info)("scheduler stopping: %s", e.reason)
         self.clients.update(identity for identity, _ in self.early + self._recv_clients())
         frame = encode(EngineDead(e.reason))
@@ -125,24 +121,21 @@ class SchedulerServer:
                 log.warning("worker %d took no Shutdown: it is gone or stuck", rank)
         return e.code
 
-    def _wait_workers(self) -> int:
-        """Collect Ready from every rank; return the fewest KV blocks of any."""
-        blocks: dict[int, int] = {}
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while len(blocks) < len(self.plans):
+    def _wait_workers(self) -> tuple[int, dict]:
+        """Collect Ready from every rank; return the fewest KV blocks of any, and rank 0's start-up seconds."""
+        infos, deadline = {}, time.monotonic() + READY_TIMEOUT_S  # rank -> its Ready.info
+        while len(infos) < len(self.plans):
             if time.monotonic() > deadline:
-                missing = sorted(set(range(len(self.plans))) - set(blocks))
+                missing = sorted(set(range(len(self.plans))) - set(infos))
                 raise _Exit(1, f"worker ranks {missing} sent no Ready within {READY_TIMEOUT_S:.0f} s")
             msg = self._poll(POLL_MS)
             if isinstance(msg, Ready) and msg.role == "worker" and 0 <= msg.rank < len(self.plans):
                 num = msg.info.get("num_kv_blocks")
                 if isinstance(num, int) and num >= 2:
-                    blocks[msg.rank] = num
-                    if msg.rank == 0:
-                        self.worker_startup = msg.info.get("startup", {})
+                    infos[msg.rank] = msg.info
                 else:
                     log.warning("dropped Ready from worker %d: num_kv_blocks=%r is not an int >= 2", msg.rank, num)
-        return min(blocks.values())
+        return min(info["num_kv_blocks"] for info in infos.values()), infos[0].get("startup", {})
 
     def _poll(self, timeout_ms: float, read_results: bool = True):
         """Serve frontends and check the parent for up to timeout_ms; return a worker's message, if one came."""
@@ -150,13 +143,9 @@ class SchedulerServer:
         if self.engine in events:
             for identity, msg in self._recv_clients():
                 self._handle(identity, msg)
-        self._check_parent()
-        msg = None
-        if read_results and self.results in events:
-            try:
-                msg = _decode(self.results.recv(zmq.NOBLOCK), "a worker")
-            except zmq.Again:
-                pass
+        if os.getppid() != self.parent:
+            raise _Exit(1, f"the parent process (pid {self.parent}) died")
+        msg = _decode(self.results.recv(), "a worker") if read_results and self.results in events else None
         if isinstance(msg, WorkerError):
             raise _Exit(1, f"worker {msg.rank} failed{' to start' if self.scheduler is None else ''}: {msg.reason}")
         return msg
@@ -188,8 +177,7 @@ class SchedulerServer:
         elif isinstance(msg, Abort):
             replies = sched.abort(msg.request_ids, identity)
         elif isinstance(msg, GetStats):
-            replies = [(identity, TokenBatch(step=sched.step, request_ids=[], token_ids=i32([]),
-                                             stats=sched.stats()))]
+            replies = [(identity, TokenBatch(sched.step, [], i32([]), stats=sched.stats()))]
         elif isinstance(msg, Shutdown):
             raise _Exit(0, "a frontend asked to shut down")
         elif msg is not None:
@@ -240,10 +228,6 @@ class SchedulerServer:
             elif msg is not None:
                 what = f"StepResult for step {msg.step}" if isinstance(msg, StepResult) else type(msg).__name__
                 log.warning("dropped a %s from a worker while waiting for step %d", what, step)
-
-    def _check_parent(self) -> None:
-        if os.getppid() != self.parent:
-            raise _Exit(1, f"the parent process (pid {self.parent}) died")
 
 
 def _decode(frame: bytes, source: str):

@@ -37,9 +37,5 @@ class Request:
         return len(self.token_ids)
 
     @property
-    def num_generated(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
     def is_prefill(self) -> bool:
         return self.num_computed_tokens < self.num_row_tokens

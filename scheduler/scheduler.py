@@ -1,9 +1,7 @@
 """The policy: continuous batching, chunked prefill, preemption by recompute, stop checks.
-
-A running request holds a row, its mirror on the workers: its tokens go once (NewRow), then deltas.
-Plans in flight: computed counts advance when a step is planned, and a result is matched to its plan by step,
-dropping tokens of requests finished or preempted since; so step N+1 can be planned before result N returns.
-"""
+A running request holds a row, mirrored on the workers: its tokens go once (NewRow), then deltas. Computed counts
+advance when a step is planned; a result is matched to its plan by step, dropping tokens of requests finished or
+preempted since: so step N+1 can be planned before result N returns."""
 from __future__ import annotations
 
 import bisect
@@ -23,24 +21,20 @@ from scheduler.request import Request, Status
 
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int) -> None:
-        mc = config.model_config
-        if mc is None or config.max_model_len is None:
+        if (mc := config.model_config) is None or config.max_model_len is None:
             raise ValueError("EngineConfig.model_config or max_model_len is None: resolve the config first "
                              "(frontend.model_resolution.resolve_config)")
         self.config = config
-        self.vocab_size = mc.vocab_size
-        self.max_model_len = config.max_model_len
+        self.vocab_size, self.max_model_len = mc.vocab_size, config.max_model_len
         self.eos_token_ids = frozenset(mc.eos_token_ids)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # sorted by arrival: the newest is preempted first
         self.requests: dict[tuple[bytes, str], Request] = {}  # waiting or running, by (client, id)
-        self.step = 0
-        self.num_preemptions = 0
+        self.step = self.num_preemptions = 0
         self._free_rows = list(range(config.max_num_seqs - 1, -1, -1))
         self._rows_freed: set[int] = set()  # for the next plan's free_rows, unless a NewRow reuses one first
-        # step -> (request, its num_preemptions then, whether the step samples a real token for it) per row
-        self._in_flight: dict[int, list[tuple[Request, int, bool]]] = {}
+        self._in_flight: dict[int, list] = {}  # step -> per row (request, its num_preemptions then, samples a token)
         self._arrivals = itertools.count()
         self._rng = random.Random(config.seed)
 
@@ -82,8 +76,7 @@ class Scheduler:
         params = SamplingParams.from_dict(msg.params)
         params.check_vocab(self.vocab_size)
         prompt = check_prompt(msg.prompt_token_ids, self.vocab_size)
-        n, bm = len(prompt), self.block_manager
-        capacity = bm.num_blocks * bm.block_size
+        n, bm, capacity = len(prompt), self.block_manager, self.block_manager.num_blocks * self.config.block_size
         max_tokens = check_length(n, params.max_tokens, self.max_model_len)
         if params.max_tokens is None:
             max_tokens = min(max_tokens, max(capacity - n, 1))
@@ -117,8 +110,7 @@ class Scheduler:
         """Plan one step: a token for every decode row, then prompt chunks, within the token budget."""
         budget = self.config.max_num_batched_tokens
         decodes, appends, preempted = self._schedule_decodes(budget)
-        # Longest context first: decode attention launches its programs in plan order, so the short rows fill
-        # the GPU at the end of the step.
+        # Longest context first: decode attention launches in plan order, so short rows fill the step's tail.
         decodes.sort(key=attrgetter("num_computed_tokens"), reverse=True)
         # After a preemption the cache is short: admitting now would only preempt again next step.
         chunks, new_rows = self._schedule_prefills(budget - len(decodes), admit=not preempted)
@@ -147,8 +139,7 @@ class Scheduler:
             while not bm.may_append(req, total):
                 victim = self.running[-1]  # freed whole, recomputed later from prompt + generated tokens
                 self._release(victim)
-                victim.status = Status.WAITING
-                victim.num_computed_tokens = victim.num_row_tokens = 0
+                victim.status, victim.num_computed_tokens, victim.num_row_tokens = Status.WAITING, 0, 0
                 victim.num_preemptions += 1
                 self.num_preemptions += 1
                 self.waiting.appendleft(victim)
@@ -156,8 +147,7 @@ class Scheduler:
                 if victim is req:
                     break
             if req.status is Status.RUNNING:
-                new_blocks = bm.append_slot(req, total)
-                if new_blocks:
+                if new_blocks := bm.append_slot(req, total):
                     appends.append((req.row, i32(new_blocks)))
                 req.num_computed_tokens += 1
                 bm.cache_blocks(req, min(req.num_computed_tokens, req.num_tokens))
@@ -181,8 +171,7 @@ class Scheduler:
             req.row = self._free_rows.pop()
             self._rows_freed.discard(req.row)  # the NewRow replaces the row's old mirror: no free_rows entry
             req.num_computed_tokens = self.block_manager.allocate(req)
-            req.num_row_tokens = req.num_tokens
-            req.status = Status.RUNNING
+            req.num_row_tokens, req.status = req.num_tokens, Status.RUNNING
             bisect.insort(self.running, req, key=lambda r: r.arrival)
             new_rows.append(NewRow(req.row, i32(req.token_ids), req.num_prompt_tokens, req.num_computed_tokens,
                                    i32(req.block_table), req.params.to_dict()))
@@ -217,14 +206,14 @@ class Scheduler:
         for i, (req, epoch, samples) in enumerate(scheduled):
             if not samples or req.status is not Status.RUNNING or req.num_preemptions != epoch:
                 continue  # a chunk, or finished, aborted or preempted since this step was planned
-            req.token_ids.append(int(tokens[i]))
-            reason = ("stop" if req.num_generated >= req.params.min_tokens and req.token_ids[-1] in req.stop_ids
-                      else "length" if req.num_generated >= req.max_tokens or req.num_tokens >= self.max_model_len
-                      else None)
+            req.token_ids.append(token := int(tokens[i]))
+            generated = req.num_tokens - req.num_prompt_tokens
+            reason = ("stop" if generated >= req.params.min_tokens and token in req.stop_ids
+                      else "length" if generated >= req.max_tokens or req.num_tokens >= self.max_model_len else None)
             if reason is not None:
                 self._finish(req)
             lp = logprobs(i, req.params.logprobs) if logprobs and req.params.logprobs is not None else None
-            updates.setdefault(req.client, []).append((req.request_id, int(tokens[i]), reason, None, lp))
+            updates.setdefault(req.client, []).append((req.request_id, token, reason, None, lp))
         return [(c, self._batch(u, result.step)) for c, u in updates.items()]
 
     def _batch(self, updates: list[tuple], step: int | None = None) -> TokenBatch:
@@ -237,21 +226,15 @@ class Scheduler:
 
 
 def _split_logprobs(lp: dict | None, n: int):
-    """None, or (row i, its k) -> [sampled logprob, top ids, top logprobs], cut from arrays of k columns per row
-    (the most any row of the step asked for); the arrays are raw bytes over the wire, arrays in process."""
+    """None, or (row i, its k) -> [sampled logprob, top ids, top logprobs], from k columns per row (bytes or arrays)."""
     if lp is None:
         return None
     k = lp.get("k")
     if not isinstance(k, int) or isinstance(k, bool) or k < 0:
         raise ValueError(f"StepResult.logprobs['k'] must be an int >= 0, got {k!r}")
-    arrays = []
-    for name, dtype in (("sampled", "<f4"), ("top_ids", "<i4"), ("top_logprobs", "<f4")):
-        value = lp.get(name)
-        if isinstance(value, bytes) and len(value) % 4:
-            raise ValueError(f"StepResult.logprobs holds {len(value)} bytes, not a whole number of {dtype}")
-        arrays.append(np.frombuffer(value, dtype=dtype) if isinstance(value, bytes)
-                      else np.asarray(value if value is not None else [], dtype=dtype).reshape(-1))
-    sampled, top_ids, top_lps = arrays
+    sampled, top_ids, top_lps = (np.frombuffer(v, dtype) if isinstance(v := lp.get(name), bytes)  # ValueError
+                                 else np.asarray([] if v is None else v, dtype).reshape(-1)  # unless whole
+                                 for name, dtype in (("sampled", "<f4"), ("top_ids", "<i4"), ("top_logprobs", "<f4")))
     if sampled.shape != (n,) or top_ids.shape != (n * k,) or top_lps.shape != (n * k,):
         raise ValueError(f"StepResult.logprobs does not fit {n} rows of k={k}: "
                          f"{sampled.shape}, {top_ids.shape}, {top_lps.shape}")

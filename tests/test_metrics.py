@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import frontend.metrics as metrics_module
-from frontend.metrics import Metrics
+from frontend.metrics import Metrics, RequestTimer
 
 
 def _histogram(m: Metrics, name: str) -> tuple[float, float]:
@@ -15,7 +15,7 @@ def test_inter_token_latency_is_per_sample_for_n_outputs(monkeypatch):
     clock = iter([0.0, 0.5, 1.5, 3.5])  # arrival, first tokens, then steps of 1 s and 2 s
     monkeypatch.setattr(metrics_module.time, "perf_counter", lambda: next(clock))
     m = Metrics("m")
-    timer = m.request(prompt_tokens=7)
+    timer = RequestTimer(m, prompt_tokens=7)
     timer.on_tokens([1, 1])  # both samples' first tokens
     timer.on_tokens([2, 2])  # one token each after 1 s
     timer.on_tokens([3, 5])  # after 2 s: one token, and three tokens that share the gap
@@ -28,9 +28,9 @@ def test_inter_token_latency_is_per_sample_for_n_outputs(monkeypatch):
 
 def test_prompt_tokens_count_once_the_prompt_is_processed_and_never_for_a_refused_request():
     m = Metrics("m")
-    refused = m.request(prompt_tokens=50)
+    refused = RequestTimer(m, prompt_tokens=50)
     refused.finish(["abort"])  # the engine refused it: no output ever came
-    served = m.request(prompt_tokens=7)
+    served = RequestTimer(m, prompt_tokens=7)
     counted = {s.name: s.value for metric in m.registry.collect() for s in metric.samples}
     assert counted.get("vllm:prompt_tokens_total", 0) == 0  # (a labelled counter shows once incremented)
     served.on_tokens([1])

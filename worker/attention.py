@@ -1,8 +1,5 @@
-"""The attention backend: one layer's RoPE + KV-cache store + paged attention, and the metadata of a step.
-
-The backend is the only part of the worker that knows how the attention kernels want their inputs: the
-prefill kernel's work items and which decode launch reads block tables through the rows.
-"""
+"""The attention backend: a step's attention metadata and launch choices, and one layer's RoPE + KV-cache store +
+paged attention. The rest of the worker knows nothing of how the kernels want their inputs."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -44,7 +41,6 @@ class AttentionBackend:
         self._decode_cu = torch.arange(max_batch + 1, dtype=torch.int32, device=block_tables.device)
 
     def work_items(self, num_tokens: np.ndarray) -> np.ndarray:
-        """[2, W] prefill work items of sequences of num_tokens[b] queries."""
         return prefill_work(num_tokens, self.gqa_group)
 
     def max_work_items(self, tokens: int, seqs: int) -> int:

@@ -36,11 +36,8 @@ def prefill_buckets(max_num_batched_tokens: int) -> list[int]:
 
 
 class CudaGraphs:
-    """forward(views) captured per kind ("decode", "prefill") and size over that size's static views.
-
-    With graphs=False (CPU, enforce_eager, tests) a "replay" is a plain call of forward over the same padded
-    views: the graphs' flow without CUDA.
-    """
+    """forward(views) captured per kind ("decode", "prefill") and size; with graphs=False (CPU, enforce_eager,
+    tests) a replay is a plain call over the same padded views."""
 
     def __init__(self, dummy_row: int, graphs: bool = True) -> None:
         self.dummy_row, self.graphs = dummy_row, graphs
@@ -51,7 +48,6 @@ class CudaGraphs:
 
     def capture(self, kind: str, views: dict[int, Views], forward: Callable[[Views], object],
                 warmup: Callable[[Views], object]) -> None:
-        """Capture forward for every size of views, largest first; warmup launches every kernel forward does."""
         self.sizes[kind], self.views[kind] = sorted(views), views
         pool = torch.cuda.graph_pool_handle() if self.graphs else None
         for size in tqdm(self.sizes[kind][::-1], desc=f"Capturing {kind} graphs", unit="graph",
@@ -72,7 +68,6 @@ class CudaGraphs:
             torch.cuda.synchronize()
 
     def size_for(self, kind: str, n: int) -> int | None:
-        """The smallest captured size of `kind` that holds n (rows or tokens), or None."""
         sizes = self.sizes.get(kind, [])
         i = bisect.bisect_left(sizes, n)
         return sizes[i] if i < len(sizes) else None
@@ -81,7 +76,6 @@ class CudaGraphs:
         return self._replays[kind, size]()
 
     def _fill_padding(self, views: Views) -> None:
-        """Every lane a padded lane while capturing: nothing is stored, nothing attended."""
         for name, view in views.items():
             view.fill_(self.dummy_row if name == "rows" else _PAD.get(name, 0))
 

@@ -1,8 +1,5 @@
-"""The worker process of one rank: StepPlans in, StepResults out (rank 0 answers for all ranks).
-
-Plans come only from our own scheduler, so a frame that does not decode is a fatal error, not a bad
-request: the worker says why (WorkerError) and exits non-zero, and the engine reports itself dead.
-"""
+"""The worker process of one rank: StepPlans in, StepResults out (rank 0 answers for all ranks). Plans come only
+from our scheduler, so a bad frame is fatal: the worker says why (WorkerError) and exits non-zero."""
 from __future__ import annotations
 
 import gc
@@ -16,15 +13,14 @@ import zmq
 from protocol.addresses import Addresses
 from protocol.codec import decode, encode
 from protocol.config import EngineConfig
-from protocol.messages import Ready, Shutdown, StepPlan, StepResult, WorkerError
+from protocol.messages import Ready, Shutdown, StepPlan, WorkerError
 from protocol.tracing import DECODE_GPU_SPAN, GPU_TRACK, Tracer
 
 log = logging.getLogger("pico_vllm.worker")
 
 
 def run_worker(config_dict: dict, addresses_dict: dict, rank: int, parent_pid: int | None = None) -> None:
-    """Process entry (`python -m worker`): build the runner, say Ready, serve plans until Shutdown (exit 0) or an
-    error (exit 1)."""
+    """`python -m worker`: build the runner, say Ready, serve plans until Shutdown (exit 0) or an error (exit 1)."""
     clock = {"worker_entered": time.time()}  # wall-clock marks: bench/startup places them on its launch's timeline
     config = EngineConfig.from_dict(config_dict)
     addresses = Addresses(**addresses_dict)
@@ -49,8 +45,10 @@ def run_worker(config_dict: dict, addresses_dict: dict, rank: int, parent_pid: i
         failed = True
     finally:
         tracer.flush()
-        if config.tensor_parallel_size > 1:
-            _leave_tp_group()
+        if config.tensor_parallel_size > 1:  # a gloo group left to static destructors can abort the exit
+            from worker.parallel import destroy_tp_group
+
+            destroy_tp_group()
         plans.close(linger=0)
         results.close(linger=2000)  # let a WorkerError get out before the process ends
         ctx.term()
@@ -74,20 +72,8 @@ def _build_runner(config: EngineConfig, addresses: Addresses, rank: int, clock: 
     return ModelRunner(config, rank, tp_size)
 
 
-def _leave_tp_group() -> None:
-    # Before the interpreter exits: a gloo group left to static destructors aborted the process now and then
-    # ("terminate called without an active exception", exit -6) after a clean Shutdown.
-    from worker.parallel import destroy_tp_group
-
-    destroy_tp_group()
-
-
 def _serve(runner, plans: zmq.Socket, results: zmq.Socket, rank: int, tracer: Tracer) -> None:
-    """Launch each plan as it comes; collect a launched step once its GPU work is done.
-
-    The scheduler sends plan N+1 before it has result N, so plan N+1 usually arrives while step N runs:
-    it is launched at once, queued behind step N, and the GPU never waits for the host.
-    """
+    """Launch each plan as it comes, so plan N+1 queues behind step N on the GPU; collect a step once it is done."""
     pending = None
     while True:
         if pending is not None and not plans.poll(0):
@@ -110,18 +96,13 @@ def _serve(runner, plans: zmq.Socket, results: zmq.Socket, rank: int, tracer: Tr
 
 def _finish(runner, launched, results: zmq.Socket, rank: int, tracer: Tracer) -> None:
     result = runner.collect(launched)
-    if result.timings:
-        _trace(tracer, result)
+    if t := result.timings:
+        tracer.add("worker.launch", t["start_ns"], t["end_ns"] - t["start_ns"], result.step)
+        if "gpu_ns" in t:  # the GPU finished about when the host's wait for it returned
+            name = DECODE_GPU_SPAN if t["decode"] else "gpu.step"
+            tracer.add(name, t["synced_ns"] - t["gpu_ns"], t["gpu_ns"], result.step, GPU_TRACK)
     if rank == 0:
         results.send(encode(result), copy=False)
-
-
-def _trace(tracer: Tracer, result: StepResult) -> None:
-    t = result.timings
-    tracer.add("worker.launch", t["start_ns"], t["end_ns"] - t["start_ns"], result.step)
-    if "gpu_ns" in t:  # the GPU finished about when the host's wait for it returned
-        name = DECODE_GPU_SPAN if t["decode"] else "gpu.step"
-        tracer.add(name, t["synced_ns"] - t["gpu_ns"], t["gpu_ns"], result.step, GPU_TRACK)
 
 
 def _exit_with_parent(parent: int) -> None:

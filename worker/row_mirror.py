@@ -29,11 +29,8 @@ class HostStep:
 
 
 class RowMirror:
-    """Per row: known tokens, computed count and block table, kept in step with the scheduler by deltas.
-
-    Invariant: computed[row] <= total[row]; tokens past the host copy (len(tokens[row])) live only on the
-    device as the row's last sampled token, so at most one of them is ever waiting to be computed.
-    """
+    """Invariant: computed[row] <= total[row]; tokens past the host copy live only on the device as the row's
+    last sampled token, so at most one of them is ever waiting to be computed."""
 
     def __init__(self, max_rows: int, max_blocks_per_seq: int, block_size: int, num_kv_blocks: int) -> None:
         self.max_rows, self.block_size, self.max_blocks = max_rows, block_size, max_blocks_per_seq
@@ -101,13 +98,9 @@ class RowMirror:
         if not 0 <= row < self.max_rows:
             raise ValueError(f"{what}={row} is outside [0, {self.max_rows}): rows must be < max_num_seqs")
 
-    # ---- one step -----------------------------------------------------------------------------------
-
     def plan(self, plan: StepPlan) -> HostStep:
-        """Positions, slots and lengths of the plan's tokens, checked against the mirror (numpy, no loops).
-
-        Checks use np.count_nonzero: on arrays this small it costs a third of .any() or .min().
-        """
+        """Positions, slots and lengths of the plan's tokens, checked against the mirror (numpy, no loops;
+        np.count_nonzero is the cheapest check on arrays this small)."""
         rows = plan.rows.astype(np.int64)
         n = plan.num_tokens.astype(np.int64)
         start, total = self._gather_checked(rows, n)
