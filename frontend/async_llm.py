@@ -179,6 +179,12 @@ class AsyncLLM:
         if (event := self._events.get(request_id)) is not None:
             event.set()
 
+    def abort_all(self) -> None:
+        """End every request in flight as finish_reason "abort" (a stream gets its last chunk): a stop's deadline."""
+        for request_id, event in list(self._events.items()):
+            self._abort_now(request_id)
+            event.set()
+
     async def get_stats(self, timeout: float = 5.0) -> dict:
         """Fresh engine counters: a round trip to the scheduler."""
         if self.dead_reason:

@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import logging
 import os
 import socket
 from dataclasses import fields
+from typing import NoReturn
 
+from frontend.engine_client import EngineDeadError
 from frontend.launcher import run_headless
 from frontend.llm import LLM
 from frontend.server import ServerOptions, run_server
@@ -23,13 +26,15 @@ _DEFAULTS = {**{f.name: f.default for f in fields(EngineConfig)},
 _SERVER_DEFAULTS = {f.name: f.default for f in fields(ServerOptions)}
 # (flag, type, help) of every EngineConfig field the CLI sets, grouped as --help shows them.
 _MODEL_FLAGS = [
-    ("--load-format", str, "'auto' (safetensors when found), 'safetensors', or 'dummy' (random weights)"),
-    ("--dtype", str, "weights and activations: 'auto' (the checkpoint's), 'float32', 'float16', 'bfloat16'"),
+    ("--load-format", str, "auto: safetensors when found; dummy: random weights"),
+    ("--dtype", str, "weights and activations; auto: the checkpoint's"),
     ("--seed", int, "random seed of the engine (dummy weights, sampling)"),
     ("--max-model-len", int, "longest prompt + output in tokens (default: the model's own limit)"),
 ]
+_CHOICES = {"--load-format": ("auto", "safetensors", "dummy"), "--dtype": ("auto", "float32", "float16", "bfloat16"),
+            "--device": ("auto", "cpu", "cuda")}  # EngineConfig checks them again (tests keep the two in step)
 _ENGINE_FLAGS = [
-    ("--device", str, "'auto' (cuda when there is one), 'cpu' or 'cuda'"),
+    ("--device", str, "auto: cuda when there is one"),
     ("--gpu-memory-utilization", float, "fraction of the GPU's memory for weights, activations and KV cache"),
     ("--num-kv-blocks", int, "fix the number of KV-cache blocks instead of sizing them from memory"),
     ("--block-size", int, "tokens per KV-cache block: 8, 16, 32, 64 or 128"),
@@ -42,8 +47,14 @@ _ENGINE_FLAGS = [
 ]
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        """The error first, then the usage (argparse's order hides the one line that matters under the flags)."""
+        self.exit(2, f"{self.prog}: error: {message}\n\n{self.format_usage()}")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="launch.py", description="Serve a Qwen2-family model with an OpenAI-compatible "
+    p = _Parser(prog="launch.py", description="Serve a Qwen2-family model with an OpenAI-compatible "
                                 "API (default), run one prompt (--prompt), or run the engine alone (--headless).")
     model = p.add_argument_group("model")
     model.add_argument("--model", required=True, help="HF directory, HF hub id, or a short name such as qwen2.5-1.5b")
@@ -54,7 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
         for flag, kind, help_text in flags:
             default = _DEFAULTS[flag.lstrip("-").replace("-", "_")]
             shown = "" if default is None else " (default: %(default)s)"
-            group.add_argument(flag, type=kind, default=default, metavar=_METAVARS[kind], help=help_text + shown)
+            choices = _CHOICES.get(flag)
+            group.add_argument(flag, type=kind, default=default, choices=choices,
+                               metavar=None if choices else _METAVARS[kind], help=help_text + shown)
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=_DEFAULTS["enable_prefix_caching"],
                         help="reuse the KV blocks of prompts that share a prefix (default: on)")
@@ -79,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     headless.add_argument("--engine-address", default=None, metavar="ADDR",
                           help="ipc://PATH or tcp://HOST:PORT the engine listens on (tcp binds 127.0.0.1 "
                                "unless a host is named; default: a fresh private ipc path)")
+    headless.add_argument("--allow-remote-shutdown", action="store_true",
+                          help="let any frontend stop the engine with Shutdown (default: only its own signal)")
     return p
 
 
@@ -114,8 +129,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_headless(config, ns.engine_address) or 0
         check_port_free(options.host, options.port, f"--host {options.host} --port {options.port}")
         return run_server(config, options)
-    except ValueError as exc:  # a model that does not resolve, a too-long --max-model-len, a bad --prompt
-        parser.error(str(exc))
+    except ValueError as exc:  # a model that does not resolve, a too-long --max-model-len, no CUDA: one line
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
+    except EngineDeadError as exc:  # the engine failed to start (its process logged why)
+        parser.exit(1, f"{parser.prog}: error: {exc}\n")
 
 
 def check_port_free(host: str, port: int, flags: str) -> None:
@@ -131,7 +148,7 @@ def check_port_free(host: str, port: int, flags: str) -> None:
 
 
 def run_prompt(config: EngineConfig, prompt: str, max_tokens: int, temperature: float) -> int:
-    with LLM(**{f.name: getattr(config, f.name) for f in fields(config)}) as llm:
+    with LLM(**{name: getattr(config, name) for name in inspect.signature(LLM).parameters}) as llm:
         out = llm.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=temperature), use_tqdm=False)
     print(out[0].outputs[0].text)
     return 0

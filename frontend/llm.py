@@ -20,10 +20,28 @@ if TYPE_CHECKING:
 
 
 class LLM:
-    """`LLM(model, **engine options)`; options are EngineConfig's fields (the CLI flags in snake_case)."""
+    """Offline batches: `LLM(model, ...)`, then `generate(prompts, SamplingParams(...))`; a context manager.
 
-    def __init__(self, model: str, **kwargs) -> None:
-        config = resolve_config(EngineConfig(model=model, **kwargs))
+    model: a local Hugging Face directory, a Hugging Face repo id, or a short name such as "qwen2.5-1.5b".
+    The keywords are EngineConfig's fields (launch.py's flags in snake_case):
+    device "auto" | "cpu" | "cuda"; dtype "auto" (the checkpoint's) | "float32" | "float16" | "bfloat16";
+    load_format "auto" | "safetensors" | "dummy" (random weights); seed of dummy weights and sampling;
+    max_model_len: longest prompt + output (default: the model's); max_num_seqs: most requests in a batch;
+    max_num_batched_tokens: token budget of one step; block_size: tokens per KV block (8..128);
+    num_kv_blocks: a fixed KV cache size (default: from gpu_memory_utilization, the GPU's share to use);
+    enable_prefix_caching: reuse the KV of shared prompt prefixes; tensor_parallel_size: GPUs to shard over;
+    enforce_eager: no CUDA graphs; trace_dir: write a Perfetto trace there; max_waiting_requests: bound of
+    the waiting queue; step_timeout: seconds without progress before the engine counts as dead.
+    """
+
+    def __init__(self, model: str, *, device: str = "auto", dtype: str = "auto", load_format: str = "auto",
+                 seed: int = 0, max_model_len: int | None = None, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 8192, block_size: int = 16, num_kv_blocks: int | None = None,
+                 gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
+                 tensor_parallel_size: int = 1, enforce_eager: bool = False, trace_dir: str | None = None,
+                 max_waiting_requests: int = 4096, step_timeout: float = 60.0) -> None:
+        # Every parameter is an EngineConfig field of the same name (a test keeps the two in step).
+        config = resolve_config(EngineConfig(**{k: v for k, v in locals().items() if k != "self"}))
         self.client = EngineClient(config)
         self._max_unfinished = config.max_waiting_requests  # more could be refused as "engine overloaded"
         self.processor = OutputProcessor(self.client.tokenizer)

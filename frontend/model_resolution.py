@@ -39,6 +39,8 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
     """Resolve the model name once, here, so that child processes start from files and numbers."""
     model_config, model_path = resolve_model(config.model, config.load_format)
     check_tp_size(model_config, config.tensor_parallel_size)
+    if config.device == "cuda":
+        _check_gpus(config.tensor_parallel_size)
     if config.trace_dir is not None:
         _check_writable_dir(config.trace_dir)
     config.model_config, config.model_path = model_config, model_path
@@ -49,6 +51,20 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
         raise InvalidParam("max_model_len", f"max_model_len={config.max_model_len} is over the model's "
                                             f"max_position_embeddings={limit}: use at most {limit}")
     return config
+
+
+def _check_gpus(needed: int) -> None:
+    """Refuse device='cuda' before any process starts when torch sees too few GPUs."""
+    import torch  # lazy: only device='cuda' needs it; device_count asks NVML and leaves CUDA uninitialised here
+
+    count = torch.cuda.device_count()
+    if count == 0:
+        why = "this torch is a CPU build" if torch.version.cuda is None else "no GPU is visible"
+        raise InvalidParam("device", f"device='cuda' but torch sees no CUDA GPU ({why}): use device='cpu' or "
+                                     "'auto', or a machine with a GPU")
+    if count < needed:
+        raise InvalidParam("tensor_parallel_size", f"tensor_parallel_size={needed} needs {needed} GPUs but torch "
+                                                   f"sees {count}: use at most {count}")
 
 
 def _check_writable_dir(path: str) -> None:
@@ -115,6 +131,9 @@ def resolve_model(name: str, load_format: str = "auto") -> tuple[ModelConfig, st
     path = Path(name).expanduser()
     if path.is_dir():
         return config_from_dir(path), str(path)
+    if name.startswith(("/", ".", "~")):  # a path, not a repo id: the hub cannot help
+        raise InvalidParam("model", f"model={name!r} is not a directory: pass a Hugging Face-format model "
+                                    "directory, a Hugging Face repo id or a short name such as qwen2.5-1.5b")
     short = short_model(name)
     repo = short[0] if short else name
     # Dummy weights never justify a download of the real ones; a short name has its config built in.
@@ -124,11 +143,11 @@ def resolve_model(name: str, load_format: str = "auto") -> tuple[ModelConfig, st
         return config_from_dir(local), local
     if short and dummy:
         return short[1], None
+    online = f"go online (unset HF_HUB_OFFLINE) so that {repo!r} can be downloaded; " if _hf_offline() else ""
     raise InvalidParam("model",
         f"cannot resolve model {name!r}: it is not a local directory; {'; '.join(tried)}. "
-        "Ways out: pass a local path to a Hugging Face-format model directory; go online (unset "
-        f"HF_HUB_OFFLINE) so that {repo!r} can be downloaded; or use `--load-format dummy` with a short name "
-        f"({', '.join(short_names())}, optionally with -base) for random weights.")
+        f"Ways out: pass a local path to a Hugging Face-format model directory; {online}or use load_format='dummy' "
+        f"with a short name ({', '.join(short_names())}, optionally with -base) for random weights.")
 
 
 def _find_on_hub(repo: str, weights: bool, download: bool) -> tuple[str | None, list[str]]:

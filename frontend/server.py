@@ -30,6 +30,7 @@ from protocol.config import EngineConfig, InvalidParam
 
 log = logging.getLogger("pico_vllm.server")
 MAX_BODY_BYTES = 4 << 20  # a 128k-token prompt is well under 1 MB of text; far larger bodies are abuse
+ABORT_MARGIN_S = 0.5  # on SIGTERM, requests still running this long before --shutdown-timeout are aborted
 DEAD_EXIT_DELAY_S = 2.0  # after the engine dies, /health answers 503 this long before the process exits
 GENERATION_ROUTES = {"/v1/completions": (CompletionRequest, CompletionRenderer),
                      "/v1/chat/completions": (ChatCompletionRequest, ChatRenderer)}
@@ -210,13 +211,32 @@ def _routes(state: ServerState) -> APIRouter:
     return router
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server, but what still runs near the end of the graceful stop is aborted, not cancelled: each
+    request ends as finish_reason "abort" (a stream with its last chunk and [DONE]) and nothing logs an error."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+
+    async def shutdown(self, sockets: list | None = None) -> None:
+        delay = max(0.0, self.state.options.shutdown_timeout - ABORT_MARGIN_S)
+        engine = self.state.engine
+        abort = asyncio.get_running_loop().call_later(delay, engine.abort_all if engine else lambda: None)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            abort.cancel()
+
+
 def run_server(config: EngineConfig, options: ServerOptions) -> int:
     """Serve until SIGINT (130), SIGTERM (the process ends by the signal: 143), or the engine fails or dies (1)."""
     config = resolve_config(config)
     state = ServerState(options, config.model, generation_defaults(config.model_path))
     app = build_app(state, lambda: AsyncLLM(client=EngineClient(config)))
-    server = uvicorn.Server(uvicorn.Config(app, host=options.host, port=options.port, loop="uvloop",
-                                           timeout_graceful_shutdown=options.shutdown_timeout))
+    # uvicorn's own deadline only backs ours up: past it, it cancels requests mid-body and logs their tracebacks.
+    server = _Server(uvicorn.Config(app, host=options.host, port=options.port, loop="uvloop",
+                                    timeout_graceful_shutdown=options.shutdown_timeout + 2 * ABORT_MARGIN_S), state)
     state.stop = lambda: setattr(server, "should_exit", True)
     try:
         server.run()

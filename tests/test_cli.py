@@ -1,6 +1,9 @@
 """launch.py's command line: vLLM's flag names, EngineConfig's defaults, clear errors, mode dispatch."""
 from __future__ import annotations
 
+import importlib.util
+import inspect
+import os
 import socket
 import subprocess
 import sys
@@ -61,7 +64,7 @@ def test_api_key_defaults_to_the_environment(monkeypatch):
 
 @pytest.mark.parametrize("argv, named", [
     (["--block-size", "7"], "block_size=7"),
-    (["--device", "tpu"], "device='tpu'"),
+    (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
     (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization=1.5"),
     (["--max-num-seqs", "0"], "max_num_seqs=0"),
     (["--port", "eighty"], "--port"),
@@ -74,6 +77,86 @@ def test_bad_value_exits_with_usage_naming_the_flag(argv, named, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "usage: launch.py" in err and named in err
+
+
+def test_a_usage_error_comes_before_the_usage_block(capsys):
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--model", "m", "--dtype", "fp8"])
+    first, *rest = capsys.readouterr().err.splitlines()
+    assert first.startswith("launch.py: error: argument --dtype: invalid choice: 'fp8'") and "usage: launch.py" in rest[1]
+
+
+def test_help_lists_the_choices_and_engine_config_takes_each():
+    help_text = cli.build_parser().format_help()
+    for flag, choices in cli._CHOICES.items():
+        assert f"{flag} {{{','.join(choices)}}}" in help_text
+        for choice in choices:
+            EngineConfig(model="m", **{flag[2:].replace("-", "_"): choice})
+    assert set(cli._CHOICES) >= {"--load-format", "--dtype", "--device"}
+
+
+def test_llm_keywords_are_engine_config_fields_with_their_defaults_and_types():
+    from frontend import LLM
+    params = dict(inspect.signature(LLM).parameters)
+    assert params.pop("model").default is inspect.Parameter.empty
+    # allow_remote_shutdown is a headless engine's: the engine LLM starts is private to it
+    unset = ("model", "model_path", "model_config", "allow_remote_shutdown")
+    settable = [f for f in fields(EngineConfig) if f.name not in unset]
+    assert [(p.name, p.default, p.annotation, p.kind) for p in params.values()] == \
+        [(f.name, f.default, f.type, inspect.Parameter.KEYWORD_ONLY) for f in settable]
+    assert all(f.name in LLM.__doc__ for f in settable)
+
+
+def _one_line_failure(argv: list[str], env: dict[str, str] | None = None) -> str:
+    """Run launch.py as a user would; its stderr must be one error line, no traceback; that line."""
+    out = subprocess.run([sys.executable, "launch.py", *argv], cwd=REPO, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, **(env or {})})
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("launch.py: error: "), out.stderr[-3000:]
+    return lines[0]
+
+
+@pytest.mark.skipif(bool(importlib.util.find_spec("torch")) and __import__("torch").cuda.device_count() > 0,
+                    reason="this machine has a CUDA GPU")
+def test_device_cuda_without_a_gpu_is_one_line_before_any_process_starts(tiny_ckpt):
+    line = _one_line_failure(["--model", str(tiny_ckpt), "--device", "cuda", "--prompt", "hi"])
+    assert "device='cuda' but torch sees no CUDA GPU" in line and "device='cpu'" in line
+
+
+def test_a_model_that_cannot_be_found_is_one_line(tmp_path):
+    assert "is not a directory" in _one_line_failure(["--model", str(tmp_path / "missing"), "--prompt", "hi"])
+    line = _one_line_failure(["--model", "no-such-org/no-such-model", "--prompt", "hi"], {"HF_HUB_OFFLINE": "1"})
+    assert "HF_HUB_OFFLINE is set" in line and "unset HF_HUB_OFFLINE" in line and "load_format='dummy'" in line
+
+
+def test_the_hf_hub_offline_hint_is_given_only_when_it_is_set(monkeypatch):
+    import huggingface_hub
+
+    from frontend.model_resolution import resolve_model
+
+    def offline(*args, **kwargs):
+        raise OSError("no network")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    with pytest.raises(ValueError) as exc:
+        resolve_model("no-such-org/no-such-model")
+    assert "HF_HUB_OFFLINE" not in str(exc.value) and "no network" in str(exc.value)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError) as exc:
+        resolve_model("no-such-org/no-such-model")
+    assert "unset HF_HUB_OFFLINE" in str(exc.value)
+
+
+def test_llm_errors_name_the_python_argument_not_the_flag(tiny_ckpt, monkeypatch):
+    from frontend import LLM
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for kwargs, named in [({"model": "no-such-org/no-such-model"}, "load_format='dummy'"),
+                          ({"model": str(tiny_ckpt), "max_model_len": 99999}, "max_model_len=99999"),
+                          ({"model": str(tiny_ckpt), "block_size": 7}, "block_size=7")]:
+        with pytest.raises(ValueError) as exc:
+            LLM(**kwargs)
+        assert named in str(exc.value) and "--" not in str(exc.value)
 
 
 def test_model_is_required(capsys):
