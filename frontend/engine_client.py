@@ -44,7 +44,7 @@ class EngineClient:
         self.address = address
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.IDENTITY, uuid.uuid4().bytes)
+        self.sock.setsockopt(zmq.IDENTITY, self.procs.owner if self.procs else uuid.uuid4().bytes)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(address)
         try:

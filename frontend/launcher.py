@@ -45,6 +45,7 @@ class EngineProcesses:
     def __init__(self, config: EngineConfig, engine_address: str | None = None) -> None:
         self.config = config
         self.addresses: Addresses = make_addresses(config.tensor_parallel_size, engine_address)
+        self.owner = os.urandom(16)  # the ZeroMQ identity of the one frontend whose Shutdown the engine takes
         self.dead_reason: str | None = None
         self.procs: dict[str, subprocess.Popen] = {}
         self._stopping = False
@@ -54,7 +55,7 @@ class EngineProcesses:
 
     def start(self) -> None:
         addresses = self.addresses.to_dict()
-        self.procs["scheduler"] = start_child("scheduler", pack_child_args(self.config, addresses))
+        self.procs["scheduler"] = start_child("scheduler", pack_child_args(self.config, addresses, owner=self.owner))
         for rank in range(self.config.tensor_parallel_size):
             self.procs[f"worker{rank}"] = start_child("worker", pack_child_args(self.config, addresses, rank=rank))
         for role, proc in self.procs.items():
@@ -114,6 +115,7 @@ def run_headless(config: EngineConfig, address: str) -> int:
         pass
     with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as sock:
         sock.setsockopt(zmq.LINGER, 500)
+        sock.setsockopt(zmq.IDENTITY, procs.owner)
         sock.connect(procs.addresses.engine)
         sock.send(encode(Shutdown()))
     died = procs.dead_reason is not None or not stop.is_set()

@@ -14,7 +14,11 @@ MAX_NESTING = 1  # a StepPlan's NewRows; deeper nesting is malformed (and would 
 
 
 class ProtocolError(ValueError):
-    """A frame that is not a well-formed message of this protocol version."""
+    """A frame that is not a well-formed message of this protocol version; `request_id` when one could be read."""
+
+    def __init__(self, message: str, request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
 
 
 def encode(msg: object) -> bytes:
@@ -33,9 +37,13 @@ def decode(frame: bytes) -> object:
         raise ProtocolError(f"not msgpack: {type(e).__name__}: {e}") from None
     if not isinstance(obj, dict):
         raise ProtocolError(f"a message must be a map with a 'type' tag, got {type(obj).__name__}")
-    if obj.get("v") != VERSION:
-        raise ProtocolError(f"protocol version {obj.get('v')!r} is not supported: this engine speaks {VERSION}")
-    return _from_wire(obj)
+    try:
+        if obj.get("v") != VERSION:
+            raise ProtocolError(f"protocol version {obj.get('v')!r} is not supported: this engine speaks {VERSION}")
+        return _from_wire(obj)
+    except ProtocolError as e:  # the receiver can then answer the request itself
+        e.request_id = rid if isinstance(rid := obj.get("request_id"), str) else None
+        raise
 
 
 def _to_wire(obj):

@@ -61,6 +61,7 @@ class EngineConfig:
     trace_dir: str | None = None
     max_waiting_requests: int = 4096
     step_timeout: float = 60.0
+    allow_remote_shutdown: bool = False  # Shutdown from any frontend, not only the one that started the engine
     # Filled in by resolution at launch, so that child processes need not resolve again.
     model_path: str | None = None
     model_config: ModelConfig | None = None
@@ -127,7 +128,7 @@ def check_tp_size(config: ModelConfig, tp_size: int) -> None:
                                  "a divisor or a multiple of the KV head count that divides the query heads")
 
 
-def pack_child_args(config: EngineConfig, addresses: dict, **extra: int) -> bytes:
+def pack_child_args(config: EngineConfig, addresses: dict, **extra: int | bytes) -> bytes:
     """A child process's launch arguments (msgpack on its stdin): its config, the sockets, whose child it is."""
     return msgpack.packb({"config_dict": config.to_dict(), "addresses_dict": addresses, "parent_pid": os.getpid(),
                           **extra})

@@ -47,6 +47,7 @@ class TokenBatch:
     errors: dict = field(default_factory=dict)
     logprobs: list | None = None  # aligned with request_ids: None or [logprob, top_ids, top_logprobs]
     stats: dict = field(default_factory=dict)
+    request_stats: dict = field(default_factory=dict)  # request id -> queue time, cached tokens: with its first token
 
 
 @dataclass(slots=True)
@@ -59,6 +60,13 @@ class Ready:
 @dataclass(slots=True)
 class EngineDead:
     reason: str
+
+
+@dataclass(slots=True)
+class Error:
+    """A frame or message the engine refused, where no request can carry it (no request id, or a live one's)."""
+    reason: str
+    request_id: str | None = None
 
 
 @dataclass(slots=True)
@@ -100,8 +108,10 @@ class WorkerError:
 
 
 _KINDS = {"np.ndarray": I32, "int": int, "str": str, "bool": bool, "dict": dict, "list": list,
-          "dict | None": (dict, type(None)), "list | None": (list, type(None))}  # annotation -> wire check
-MESSAGE_TYPES: dict[str, type] = {cls.__name__: cls for cls in (
-    AddRequest, Abort, Shutdown, GetStats, TokenBatch, Ready, EngineDead, NewRow, StepPlan, StepResult, WorkerError)}
+          "dict | None": (dict, type(None)), "list | None": (list, type(None)),
+          "str | None": (str, type(None))}  # annotation -> wire check
+MESSAGE_TYPES: dict[str, type] = {cls.__name__: cls for cls in (AddRequest, Abort, Shutdown, GetStats, TokenBatch,
+                                                                 Ready, EngineDead, Error, NewRow, StepPlan,
+                                                                 StepResult, WorkerError)}
 for _cls in MESSAGE_TYPES.values():
     _cls.WIRE = {f.name: _KINDS[f.type] for f in fields(_cls)}

@@ -30,7 +30,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
-    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI's -100..100)
+    logit_bias: dict[int, float] | None = None  # token id (or its digits) -> added to its logit (OpenAI's -100..100)
     # How the frontend turns tokens into text (vLLM's names and defaults); the engine ignores them.
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True  # only slow (Python) tokenizers honour it, as in vLLM
@@ -76,6 +76,11 @@ def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _is_token_key(v: object) -> bool:
+    """A token id as a map key: an int, or its decimal digits (JSON and JavaScript objects have string keys)."""
+    return _is_int(v) and v >= 0 or isinstance(v, str) and v.isascii() and v.isdigit() and len(v) <= 9
+
+
 def _is_num(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
 
@@ -96,8 +101,9 @@ _RULES = (  # field, valid, fix: one InvalidParam naming the field each
     ("frequency_penalty", lambda v: _is_num(v) and -2.0 <= v <= 2.0, "use a value in [-2, 2]"),
     ("repetition_penalty", lambda v: _is_num(v) and 0.0 < v <= 2.0, "use a value in (0, 2]"),
     ("logit_bias", lambda v: v is None or (isinstance(v, dict) and len(v) <= MAX_LOGIT_BIAS and all(
-        _is_int(t) and t >= 0 and _is_num(b) and -100.0 <= b <= 100.0 for t, b in v.items())),
-     f"use at most {MAX_LOGIT_BIAS} entries of a token id >= 0 and a bias in [-100, 100]"),
+        _is_token_key(t) and _is_num(b) and -100.0 <= b <= 100.0 for t, b in v.items())),
+     f"use at most {MAX_LOGIT_BIAS} entries of a token id >= 0 (an int, or its digits as a string) and a bias in "
+     "[-100, 100]"),
     ("skip_special_tokens", lambda v: isinstance(v, bool), "use true or false"),
     ("spaces_between_special_tokens", lambda v: isinstance(v, bool), "use true or false"),
     ("include_stop_str_in_output", lambda v: isinstance(v, bool), "use true or false"),

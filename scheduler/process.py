@@ -1,9 +1,11 @@
 """The scheduler process: frontends on a ROUTER, one PUSH of plans per worker rank, results on a PULL.
 
-No torch here. A malformed frame is dropped; a worker error, a stalled step or a dead parent ends the process
-(EngineDead to every client, exit code 1). Two plans in flight: plan N+1 is sent before result N is awaited."""
+No torch here. A malformed frame from a frontend is answered, one from a worker dropped; a worker error, a stalled
+step or a dead parent ends the process (EngineDead to every client, exit code 1). Two plans in flight: plan N+1 is
+sent before result N is awaited."""
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -18,8 +20,8 @@ import zmq
 from protocol.addresses import Addresses, remove_ipc_dir
 from protocol.codec import MAX_FRAME_BYTES, ProtocolError, decode, encode
 from protocol.config import EngineConfig
-from protocol.messages import (READY_TIMEOUT_S, Abort, AddRequest, EngineDead, GetStats, Ready, Shutdown, StepResult,
-                               TokenBatch, WorkerError, i32)
+from protocol.messages import (READY_TIMEOUT_S, Abort, AddRequest, EngineDead, Error, GetStats, Ready, Shutdown,
+                               StepResult, TokenBatch, WorkerError, i32)
 from protocol.tracing import Tracer
 from scheduler.scheduler import Scheduler
 
@@ -27,6 +29,8 @@ log = logging.getLogger("pico_vllm.scheduler")
 POLL_MS = 100  # the idle poll, and so how often the parent is checked
 LINGER_MS = 1000  # time for the last EngineDead / Shutdown to leave at exit
 MAX_IN_FLIGHT = 2  # the worker keeps two staging buffers: step N+1 may launch before N is collected
+SHUTDOWN_REFUSED = ("Shutdown refused: only the frontend that started this engine may stop it; stop a headless engine "
+                    "with SIGTERM, or start it with --allow-remote-shutdown")
 
 
 class _Exit(Exception):
@@ -39,26 +43,31 @@ def _on_sigterm(signum: int, frame: object) -> None:
     raise _Exit(0, "the scheduler got SIGTERM")
 
 
-def run_scheduler(config_dict: dict, addresses_dict: dict, parent_pid: int | None = None) -> None:
+def run_scheduler(config_dict: dict, addresses_dict: dict, parent_pid: int | None = None,
+                  owner: bytes | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     signal.signal(signal.SIGTERM, _on_sigterm)
-    sys.exit(serve(EngineConfig.from_dict(config_dict), Addresses(**addresses_dict), parent_pid))
+    sys.exit(serve(EngineConfig.from_dict(config_dict), Addresses(**addresses_dict), parent_pid, owner))
 
 
-def serve(config: EngineConfig, addresses: Addresses, parent_pid: int | None = None) -> int:
-    """Serve until Shutdown or `parent_pid` dies; return the exit code. The ipc dir goes: nobody else may be left."""
-    server = SchedulerServer(config, addresses, parent_pid or os.getppid())
+def serve(config: EngineConfig, addresses: Addresses, parent_pid: int | None = None, owner: bytes | None = None) -> int:
+    """Serve until Shutdown from `owner` (the identity of the frontend that started us) or SIGTERM, or until
+    `parent_pid` dies; return the exit code. The ipc dir and socket file go: nobody else may be left."""
+    server = SchedulerServer(config, addresses, parent_pid or os.getppid(), owner)
     try:
         return server.run()
     finally:
         server.tracer.flush()
         server.ctx.destroy(linger=LINGER_MS)
         remove_ipc_dir(addresses)
+        if addresses.engine.startswith("ipc://"):  # libzmq leaves a socket file where it bound
+            with contextlib.suppress(OSError):
+                os.unlink(addresses.engine[len("ipc://"):])
 
 
 class SchedulerServer:
-    def __init__(self, config: EngineConfig, addresses: Addresses, parent_pid: int) -> None:
-        self.config, self.parent = config, parent_pid
+    def __init__(self, config: EngineConfig, addresses: Addresses, parent_pid: int, owner: bytes | None) -> None:
+        self.config, self.parent, self.owner = config, parent_pid, owner
         self.ctx = zmq.Context()
         self.engine = self._bind(zmq.ROUTER, addresses.engine)
         self.plans = [self._bind(zmq.PUSH, addr) for addr in addresses.plans]
@@ -78,6 +87,7 @@ class SchedulerServer:
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)  # the codec's cap, enforced before buffering
         if kind == zmq.ROUTER:  # set before bind, so that every peer's pipe gets it
             sock.setsockopt(zmq.SNDHWM, 0)  # past its high-water mark a ROUTER drops frames: a slow client's tokens
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a client that has gone fails: _send aborts its work
         if kind == zmq.PUSH:  # a dead worker must not block the loop forever
             sock.setsockopt(zmq.SNDTIMEO, int(self.config.step_timeout * 1000))
         sock.bind(address)
@@ -112,7 +122,8 @@ class SchedulerServer:
         self.clients.update(identity for identity, _ in self.early + self._recv_clients())
         frame = encode(EngineDead(e.reason))
         for identity in self.clients:
-            self.engine.send_multipart([identity, frame])
+            with contextlib.suppress(zmq.ZMQError):  # it has gone
+                self.engine.send_multipart([identity, frame])
         frame, deadline = encode(Shutdown()), time.monotonic() + 1.0
         for rank, sock in enumerate(self.plans):
             if sock.poll(max(0.0, deadline - time.monotonic()) * 1000, zmq.POLLOUT):
@@ -145,7 +156,7 @@ class SchedulerServer:
                 self._handle(identity, msg)
         if os.getppid() != self.parent:
             raise _Exit(1, f"the parent process (pid {self.parent}) died")
-        msg = _decode(self.results.recv(), "a worker") if read_results and self.results in events else None
+        msg = _decode_worker(self.results.recv()) if read_results and self.results in events else None
         if isinstance(msg, WorkerError):
             raise _Exit(1, f"worker {msg.rank} failed{' to start' if self.scheduler is None else ''}: {msg.reason}")
         return msg
@@ -158,35 +169,57 @@ class SchedulerServer:
             except zmq.Again:
                 return out
             if len(frames) != 2:
-                log.warning("dropped a frontend message of %d frames: send one frame per message", len(frames) - 1)
+                error = ProtocolError(f"a message of {len(frames) - 1} frames: send one frame per message")
+                log.warning("dropped a frontend message: %s", error)
+                out.append((frames[0], error))
                 continue
-            out.append((frames[0], _decode(frames[1], "a frontend")))
+            try:
+                out.append((frames[0], decode(frames[1])))
+            except ProtocolError as e:
+                log.warning("dropped a malformed frame from a frontend: %s", e)
+                out.append((frames[0], e))
 
     def _handle(self, identity: bytes, msg) -> None:
         if self.scheduler is None:  # held until the workers are ready
             self.early.append((identity, msg))
-            if isinstance(msg, Shutdown):
+            if isinstance(msg, Shutdown) and self._may_shut_down(identity):
                 raise _Exit(0, "Shutdown before the workers were ready")
             return
         if identity not in self.clients:  # a new frontend: its first message, whatever it is, is its hello
             self.clients.add(identity)
             self._send(identity, Ready(role="engine", info=self.info))
-        sched, replies = self.scheduler, []
+        sched = self.scheduler
         if isinstance(msg, AddRequest):
             replies = sched.add(msg, identity)
         elif isinstance(msg, Abort):
             replies = sched.abort(msg.request_ids, identity)
         elif isinstance(msg, GetStats):
             replies = [(identity, TokenBatch(sched.step, [], i32([]), stats=sched.stats()))]
-        elif isinstance(msg, Shutdown):
+        elif isinstance(msg, Shutdown) and self._may_shut_down(identity):
             raise _Exit(0, "a frontend asked to shut down")
-        elif msg is not None:
+        elif isinstance(msg, Shutdown):
+            replies = [(identity, Error(SHUTDOWN_REFUSED))]
+        elif isinstance(msg, ProtocolError):
+            replies = sched.refuse(identity, msg.request_id, f"malformed frame: {msg}")
+        else:
             log.warning("dropped a %s from a frontend: not a frontend message", type(msg).__name__)
-        for client, batch in replies:
-            self._send(client, batch)
+            replies = [(identity, Error(f"a {type(msg).__name__} is not a frontend message: send AddRequest, Abort, "
+                                        "GetStats or Shutdown"))]
+        for client, reply in replies:
+            self._send(client, reply)
+
+    def _may_shut_down(self, identity: bytes) -> bool:
+        return identity == self.owner or self.config.allow_remote_shutdown
 
     def _send(self, identity: bytes, msg) -> None:
-        self.engine.send_multipart([identity, encode(msg)])
+        try:
+            self.engine.send_multipart([identity, encode(msg)])
+        except zmq.ZMQError as e:  # EHOSTUNREACH: the client closed its socket, and nobody reads its tokens
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+            self.clients.discard(identity)
+            if n := self.scheduler.abort_client(identity):
+                log.info("aborted %d requests of a client that has gone", n)
 
     def _step(self) -> bool:
         """Top up the plans in flight, then wait for the oldest one's result; False when idle."""
@@ -230,8 +263,8 @@ class SchedulerServer:
                 log.warning("dropped a %s from a worker while waiting for step %d", what, step)
 
 
-def _decode(frame: bytes, source: str):
+def _decode_worker(frame: bytes):
     try:
         return decode(frame)
     except ProtocolError as e:
-        log.warning("dropped a malformed frame from %s: %s", source, e)
+        log.warning("dropped a malformed frame from a worker: %s", e)

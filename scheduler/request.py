@@ -31,6 +31,8 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose KV is (or is being) written; counted when scheduled
     num_row_tokens: int = 0  # tokens the worker's mirror got in NewRow: prefill until computed reaches it
     num_preemptions: int = 0  # also an epoch: a result planned before a preemption is stale
+    queued_at: float = 0.0  # time.monotonic() when it was added
+    first_stats: dict | None = None  # TokenBatch.request_stats: set at its first admission, sent with its first token
 
     @property
     def num_tokens(self) -> int:

@@ -7,16 +7,19 @@ from __future__ import annotations
 import bisect
 import itertools
 import random
+import time
 from collections import deque
 from operator import attrgetter
 
 import numpy as np
 
 from protocol.config import EngineConfig, InvalidParam
-from protocol.messages import OVERLOADED, AddRequest, NewRow, StepPlan, StepResult, TokenBatch, i32
+from protocol.messages import OVERLOADED, AddRequest, Error, NewRow, StepPlan, StepResult, TokenBatch, i32
 from protocol.sampling import SamplingParams, check_length, check_prompt
 from scheduler.block_manager import BlockManager
 from scheduler.request import Request, Status
+
+_NO_REQUEST_STATS: dict = {}  # the request_stats of every batch without a first token: encoded, never mutated
 
 
 class Scheduler:
@@ -37,16 +40,34 @@ class Scheduler:
         self._in_flight: dict[int, list] = {}  # step -> per row (request, its num_preemptions then, samples a token)
         self._arrivals = itertools.count()
         self._rng = random.Random(config.seed)
+        self._first_stats: dict[bytes, dict] = {}  # client -> request id -> request_stats, for this result's batch
 
-    def add(self, msg: AddRequest, client: bytes) -> list[tuple[bytes, TokenBatch]]:
-        """Queue a request; a bad one is answered at once with an error TokenBatch."""
+    def add(self, msg: AddRequest, client: bytes) -> list[tuple[bytes, TokenBatch | Error]]:
+        """Queue a request; a bad one is answered at once (see refuse)."""
+        if (client, msg.request_id) in self.requests:
+            return self.refuse(client, msg.request_id, f"request_id {msg.request_id!r} is already in use by a "
+                               "live request of this connection, which goes on: use a unique id")
         try:
             req = self._make_request(msg, client)
         except Exception as e:  # untrusted input, checked before any state changes: it fails alone
-            return [(client, self._batch([(msg.request_id, -1, "error", str(e), None)]))]
+            return self.refuse(client, msg.request_id, str(e))
         self.requests[req.client, req.request_id] = req
         self.waiting.append(req)
         return []
+
+    def refuse(self, client: bytes, request_id: str | None, reason: str) -> list[tuple[bytes, TokenBatch | Error]]:
+        """A request the engine will not run: it finishes with "error", unless no id or a live request's id names
+        it; then an Error says why (an id appears in `finished` once per request)."""
+        if request_id is None or (client, request_id) in self.requests:
+            return [(client, Error(reason, request_id))]
+        return [(client, self._batch([(request_id, -1, "error", reason, None)]))]
+
+    def abort_client(self, client: bytes) -> int:
+        """A client that vanished: end its requests, answering nobody; return how many there were."""
+        reqs = [req for (c, _), req in self.requests.items() if c == client]
+        for req in reqs:
+            self._finish(req)
+        return len(reqs)
 
     def abort(self, request_ids: list[str], client: bytes) -> list[tuple[bytes, TokenBatch]]:
         """Finish the client's named live requests with "abort"; unknown ids are ignored."""
@@ -74,6 +95,9 @@ class Scheduler:
             raise InvalidParam("request_id", f"{OVERLOADED}: {len(self.waiting)} requests are waiting "
                                f"(max_waiting_requests={self.config.max_waiting_requests}); retry later")
         params = SamplingParams.from_dict(msg.params)
+        if params.n != 1:
+            raise InvalidParam("n", f"n={params.n} is invalid here: the engine runs one sequence per request, so "
+                                    "send n requests (with seeds seed, seed + 1, ...) and keep n at 1")
         params.check_vocab(self.vocab_size)
         prompt = check_prompt(msg.prompt_token_ids, self.vocab_size)
         n, bm, capacity = len(prompt), self.block_manager, self.block_manager.num_blocks * self.config.block_size
@@ -89,7 +113,7 @@ class Scheduler:
         if not params.ignore_eos:
             params.stop_token_ids = sorted(set(params.stop_token_ids) | self.eos_token_ids)
         return Request(msg.request_id, client, prompt, n, params, next(self._arrivals), max_tokens,
-                       frozenset(params.stop_token_ids))
+                       frozenset(params.stop_token_ids), queued_at=time.monotonic())
 
     def _finish(self, req: Request) -> None:
         if req.status is Status.RUNNING:
@@ -171,6 +195,9 @@ class Scheduler:
             req.row = self._free_rows.pop()
             self._rows_freed.discard(req.row)  # the NewRow replaces the row's old mirror: no free_rows entry
             req.num_computed_tokens = self.block_manager.allocate(req)
+            if req.first_stats is None:  # its first admission: what only the engine knows, sent with its first token
+                req.first_stats = {"queue_time": time.monotonic() - req.queued_at,
+                                   "num_cached_tokens": req.num_computed_tokens}
             req.num_row_tokens, req.status = req.num_tokens, Status.RUNNING
             bisect.insort(self.running, req, key=lambda r: r.arrival)
             new_rows.append(NewRow(req.row, i32(req.token_ids), req.num_prompt_tokens, req.num_computed_tokens,
@@ -214,15 +241,20 @@ class Scheduler:
                 self._finish(req)
             lp = logprobs(i, req.params.logprobs) if logprobs and req.params.logprobs is not None else None
             updates.setdefault(req.client, []).append((req.request_id, token, reason, None, lp))
-        return [(c, self._batch(u, result.step)) for c, u in updates.items()]
+            if generated == 1:
+                self._first_stats.setdefault(req.client, {})[req.request_id] = req.first_stats
+        return [(c, self._batch(u, result.step, self._first_stats.pop(c, _NO_REQUEST_STATS)))
+                for c, u in updates.items()]
 
-    def _batch(self, updates: list[tuple], step: int | None = None) -> TokenBatch:
+    def _batch(self, updates: list[tuple], step: int | None = None,
+               request_stats: dict = _NO_REQUEST_STATS) -> TokenBatch:
         """One client's (request id, token or -1, finish, error, logprobs) updates, from `step` (default: the last)."""
         ids, tokens, finishes, errors, logprobs = zip(*updates)
         return TokenBatch(self.step if step is None else step, list(ids), i32(tokens),
                           {r: f for r, f in zip(ids, finishes) if f is not None},
                           {r: e for r, e in zip(ids, errors) if e is not None},
-                          list(logprobs) if any(lp is not None for lp in logprobs) else None, self.stats())
+                          list(logprobs) if any(lp is not None for lp in logprobs) else None, self.stats(),
+                          request_stats)
 
 
 def _split_logprobs(lp: dict | None, n: int):

@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from protocol.codec import MAX_FRAME_BYTES, ProtocolError, decode, encode
-from protocol.messages import (MESSAGE_TYPES, Abort, AddRequest, EngineDead, GetStats, NewRow, Ready, Shutdown,
-                               StepPlan, StepResult, TokenBatch, WorkerError, i32)
+from protocol.messages import (MESSAGE_TYPES, Abort, AddRequest, EngineDead, Error, GetStats, NewRow, Ready,
+                               Shutdown, StepPlan, StepResult, TokenBatch, WorkerError, i32)
 from protocol.config import InvalidParam
 from protocol.sampling import SamplingParams
 
@@ -23,10 +23,13 @@ SAMPLES = [
     Shutdown(),
     GetStats(),
     TokenBatch(step=4, request_ids=["a", "b"], token_ids=i32([11, -1]), finished={"b": "error"},
-               errors={"b": "bad"}, logprobs=[[-0.5, [11, 3], [-0.5, -2.0]], None], stats={"num_running": 1}),
+               errors={"b": "bad"}, logprobs=[[-0.5, [11, 3], [-0.5, -2.0]], None], stats={"num_running": 1},
+               request_stats={"a": {"queue_time": 0.25, "num_cached_tokens": 16}}),
     TokenBatch(step=0, request_ids=[], token_ids=i32([])),
     Ready(role="engine", rank=0, info={"num_kv_blocks": 10, "eos_token_ids": [1, 2]}),
     EngineDead("worker 0 died"),
+    Error("malformed frame: AddRequest.prompt_token_ids must be raw i32 bytes", "r-1"),
+    Error("Shutdown refused"),
     NEW_ROW,
     StepPlan(step=2, rows=i32([3, 1]), num_tokens=i32([1, 7]), new_rows=[NEW_ROW], block_appends=[],
              free_rows=i32([0]), trace=True),
@@ -181,6 +184,26 @@ def test_maps_of_random_fields_never_raise_anything_but_protocol_error(name, fie
     for field_name in MESSAGE_TYPES[name].WIRE:
         obj.setdefault(field_name, fields.get(field_name[::-1]))
     _decodes_or_refuses(msgpack.packb(obj, use_bin_type=True))
+
+
+@pytest.mark.parametrize("obj,request_id", [
+    ({"type": "AddRequest", "v": 1, "request_id": "a", "prompt_token_ids": [1, 2], "params": {}}, "a"),
+    ({"type": "AddRequest", "v": 1, "request_id": "b", "params": {}}, "b"),
+    ({"type": "AddRequest", "v": 2, "request_id": "c"}, "c"),
+    ({"type": "AddRequest", "v": 1, "request_id": 7, "params": {}}, None),
+    ({"type": "GetStats", "v": 3}, None),
+])
+def test_a_malformed_frame_names_the_request_id_it_carries(obj, request_id):
+    with pytest.raises(ProtocolError) as bad:
+        decode(msgpack.packb(obj, use_bin_type=True))
+    assert bad.value.request_id == request_id
+
+
+def test_logit_bias_takes_digit_string_keys_as_json_born_clients_send_them():
+    assert SamplingParams(logit_bias={"5": 1.5, 7: -2}).logit_bias == {5: 1.5, 7: -2.0}
+    for key in ("-1", "1.5", "x", "１", "9" * 12):
+        with pytest.raises(InvalidParam, match="logit_bias"):
+            SamplingParams(logit_bias={key: 1.0})
 
 
 def test_sampling_params_errors_name_their_field_and_plans_rebuild_without_checking():

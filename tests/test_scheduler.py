@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from protocol.config import EngineConfig, ModelConfig
-from protocol.messages import AddRequest, NewRow, StepPlan, StepResult, TokenBatch, i32
+from protocol.messages import AddRequest, Error, NewRow, StepPlan, StepResult, TokenBatch, i32
 from scheduler.scheduler import Scheduler
 
 VOCAB = 97
@@ -142,6 +142,8 @@ class Harness:
     def collect(self, batches) -> None:
         for client, batch in batches:
             self.batches.append((client, batch))
+            if isinstance(batch, Error):
+                continue
             for i, rid in enumerate(batch.request_ids):
                 out = self.outs[rid]
                 if batch.token_ids[i] >= 0:
@@ -421,15 +423,47 @@ def test_bad_requests_come_back_as_error_batches(prompt, params, needle):
     assert h.run()[good].finish == "length"
 
 
-def test_duplicate_request_id_and_overload_are_errors():
+def test_a_duplicate_id_is_refused_by_an_error_that_leaves_the_live_request_alone_and_overload_is_an_error():
     h = Harness(max_waiting_requests=2)
     h.add([1], request_id="x", max_tokens=2)
-    h.add([1], request_id="x", max_tokens=2)
-    assert "already in use" in h.batches[-1][1].errors["x"]
+    h.add([1], request_id="x", max_tokens=5)
+    refusal = h.batches[-1][1]
+    assert isinstance(refusal, Error) and refusal.request_id == "x" and "already in use" in refusal.reason
     h.add([1], max_tokens=2)
     over = h.add([1], max_tokens=2)
     assert h.outs[over].finish == "error" and "engine overloaded" in h.outs[over].error
     h.run()
+    assert h.outs["x"] == Out(reference([1], 2), "length")  # the original's tokens, and no "error" for it
+    assert sum("x" in b.finished for _, b in h.batches if isinstance(b, TokenBatch)) == 1
+
+
+def test_n_above_one_is_refused_on_the_wire():
+    h = Harness()
+    rid = h.add([1, 2], n=2, max_tokens=2)
+    assert h.outs[rid].finish == "error" and "n=2" in h.outs[rid].error
+    assert not h.sched.has_work()
+
+
+def test_a_requests_first_token_carries_its_queue_time_and_cached_tokens():
+    h = Harness(block_size=8)
+    first = h.add(list(range(1, 20)), max_tokens=3)
+    h.run()
+    again = h.add(list(range(1, 20)), max_tokens=3)  # two full blocks of its prompt are cached now
+    h.run()
+    stats = [(rid, s) for _, b in h.batches if isinstance(b, TokenBatch) for rid, s in b.request_stats.items()]
+    assert [rid for rid, _ in stats] == [first, again]  # once each, with the first token
+    assert [s["num_cached_tokens"] for _, s in stats] == [0, 16]
+    assert all(0 <= s["queue_time"] < 5 for _, s in stats)
+
+
+def test_a_vanished_clients_requests_are_ended_and_their_blocks_freed():
+    h = Harness()
+    for _ in range(3):
+        h.add([1, 2, 3], client=b"gone", max_tokens=50)
+    kept = h.add([1, 2, 3], max_tokens=4)
+    h.step()
+    assert h.sched.abort_client(b"gone") == 3
+    assert h.run()[kept].finish == "length"
 
 
 def test_unseeded_requests_get_a_63_bit_seed_and_seeded_keep_theirs():
@@ -548,8 +582,11 @@ def socket_worker(addresses, num_blocks: int, block_size: int, fail_at: int | No
     ctx.destroy(linger=1000)
 
 
+OWNER = b"the-owning-frontend"  # the identity whose Shutdown the engine takes (the launcher's is random)
+
+
 class Engine:
-    """serve() and the socket worker in threads; `client()` gives a connected DEALER."""
+    """serve() and the socket worker in threads; `client()` gives a connected DEALER (`owner`: the owning one)."""
 
     def __init__(self, fail_at: int | None = None, num_blocks: int = 64, **config) -> None:
         self.addresses = make_addresses(1)
@@ -558,15 +595,18 @@ class Engine:
         self.worker_log: list = []
         self.ctx = zmq.Context()
         self.threads = [
-            threading.Thread(target=lambda: self.code.append(serve(self.config, self.addresses)), daemon=True),
+            threading.Thread(target=lambda: self.code.append(serve(self.config, self.addresses, owner=OWNER)),
+                             daemon=True),
             threading.Thread(target=socket_worker, daemon=True,
                              args=(self.addresses, num_blocks, self.config.block_size, fail_at, self.worker_log))]
         for t in self.threads:
             t.start()
 
-    def client(self) -> zmq.Socket:
+    def client(self, owner: bool = False) -> zmq.Socket:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        if owner:
+            sock.setsockopt(zmq.IDENTITY, OWNER)
         sock.connect(self.addresses.engine)
         return sock
 
@@ -610,7 +650,7 @@ def stream(sock: zmq.Socket, rid: str) -> tuple[list[int], str]:
 def test_engine_serves_frontends_over_sockets_and_shuts_down_cleanly():
     engine = Engine()
     try:
-        a, b = engine.client(), engine.client()
+        a, b = engine.client(owner=True), engine.client()
         info = hello(a)
         assert info["num_kv_blocks"] == 64 and info["vocab_size"] == VOCAB and info["block_size"] == 8
         hello(b)
@@ -632,7 +672,7 @@ def test_a_frontend_that_reads_late_still_gets_every_token_and_the_finish():
     n = 2500
     engine = Engine(num_blocks=400, max_model_len=4096)
     try:
-        late, watcher = engine.client(), engine.client()
+        late, watcher = engine.client(owner=True), engine.client()
         hello(late)
         hello(watcher)
         late.send(encode(AddRequest("long", i32([1, 2, 3]), {"max_tokens": n, "temperature": 0.0})))
@@ -652,7 +692,7 @@ def test_a_frontend_that_reads_late_still_gets_every_token_and_the_finish():
 def test_malformed_frames_are_logged_dropped_and_the_engine_keeps_serving(caplog):
     engine = Engine()
     try:
-        sock = engine.client()
+        sock = engine.client(owner=True)
         hello(sock)
         junk = engine.ctx.socket(zmq.PUSH)
         junk.connect(engine.addresses.results)
@@ -797,7 +837,7 @@ def test_the_protocol_md_example_client_generates_the_same_tokens():
             (reference([3, 1, 4, 1, 5], 6), "length")
         with pytest.raises(ValueError, match="outside the vocabulary"):
             namespace["generate"](engine.addresses.engine, [VOCAB + 5], timeout_s=10)
-        stop = engine.client()
+        stop = engine.client(owner=True)
         stop.send(encode(Shutdown()))
     finally:
         engine.close()
