@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 
 MAX_ERROR_CHARS = 400
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               413: "invalid_request_error", 500: "server_error", 503: "service_unavailable_error"}
+               405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error",
+               503: "service_unavailable_error"}
 # Fields of generation_config.json that vLLM also takes as the defaults of a silent request.
 GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
 # The request fields named as SamplingParams' (each endpoint sets max_tokens and logprobs in its own way).
@@ -88,6 +89,7 @@ class _Lenient(BaseModel):
 # OpenAI's spec makes its optional flags nullable: each flag typed `bool | None` takes null as false.
 class StreamOptions(_Lenient):
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM's: with include_usage, every chunk carries usage so far
 
 
 # SamplingParams' fields, each None when the client is silent (so that the model's defaults can apply).
@@ -103,6 +105,8 @@ class _SamplingRequest(_SamplingFields):
     max_tokens: int | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the last k prompt tokens (-1: max_model_len)
+    return_tokens_as_token_ids: bool | None = False  # vLLM's: logprob tokens as "token_id:N"
 
     @model_validator(mode="before")
     @classmethod
@@ -123,6 +127,22 @@ class _SamplingRequest(_SamplingFields):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and bool(self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
+
+    def truncated(self, prompts: list[str | list[int]], tokenizer: PreTrainedTokenizerBase,
+                  max_model_len: int) -> list[str | list[int]]:
+        """vLLM's truncate_prompt_tokens: each prompt's last k tokens (left truncation; -1 means max_model_len)."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return prompts
+        if not (k == -1 or 1 <= k <= max_model_len):
+            raise bad_request(f"truncate_prompt_tokens={k} is invalid: use 1..{max_model_len} (max_model_len), or "
+                              "-1 for max_model_len", "truncate_prompt_tokens")
+        return [(tokenizer.encode(p) if isinstance(p, str) else p)[-(max_model_len if k == -1 else k):]
+                for p in prompts]
 
     def _params(self, defaults: dict, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The request's explicit fields over the model's generation defaults over SamplingParams' own."""
@@ -177,6 +197,8 @@ class ChatCompletionRequest(_SamplingRequest):
     id_prefix: ClassVar[str] = "chatcmpl"
     echo: ClassVar[bool] = False  # the prompt is never echoed in a chat
     messages: list[ChatMessage]
+    add_generation_prompt: bool | None = True  # vLLM's: open the assistant's turn after the messages
+    continue_final_message: bool | None = False  # vLLM's: leave the last message open, for the model to go on
     chat_template_kwargs: dict | None = None  # vLLM's: template variables, e.g. Qwen3's {"enable_thinking": false}
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
@@ -197,17 +219,22 @@ class ChatCompletionRequest(_SamplingRequest):
         return self._params(defaults, getattr(self, self.max_tokens_field), logprobs)
 
     def prompts(self, tokenizer: PreTrainedTokenizerBase) -> list[list[int]]:
-        return [chat_prompt(self.messages, tokenizer, template_kwargs=self.chat_template_kwargs)]
+        return [chat_prompt(self.messages, tokenizer, self.add_generation_prompt is not False,
+                            bool(self.continue_final_message), self.chat_template_kwargs)]
 
 
-def chat_prompt(messages: list[ChatMessage], tokenizer: PreTrainedTokenizerBase,
-                add_generation_prompt: bool = True, template_kwargs: dict | None = None) -> list[int]:
+def chat_prompt(messages: list[ChatMessage], tokenizer: PreTrainedTokenizerBase, add_generation_prompt: bool = True,
+                continue_final_message: bool = False, template_kwargs: dict | None = None) -> list[int]:
     """Render the messages with the model's chat template (its own special tokens included)."""
     if not messages:
         raise bad_request("messages is empty: send at least one message", "messages")
+    if add_generation_prompt and continue_final_message:
+        raise bad_request("continue_final_message=true needs add_generation_prompt=false: the model either goes on "
+                          "with the last message or starts a new one", "continue_final_message")
     try:
         text = tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages],
                                              tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message,
                                              **(template_kwargs or {}))
     except Exception as exc:  # jinja raises its own types (TemplateError, and whatever the template raises)
         raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
@@ -220,6 +247,7 @@ class TokenizeRequest(_Lenient):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class DetokenizeRequest(_Lenient):

@@ -19,8 +19,11 @@ class Renderer:
 
     object: str  # of a stream chunk
 
-    def __init__(self, response_id: str, model: str, jobs: list[Job], tokenizer, echo: bool = False):
+    def __init__(self, response_id: str, model: str, jobs: list[Job], tokenizer, echo: bool = False,
+                 tokens_as_ids: bool = False, continuous_usage: bool = False):
         self.id, self.model, self.jobs, self.tokenizer, self.echo = response_id, model, jobs, tokenizer, echo
+        self.tokens_as_ids = tokens_as_ids  # vLLM's return_tokens_as_token_ids: a logprob's token is "token_id:N"
+        self.continuous_usage = continuous_usage  # vLLM's continuous_usage_stats: usage in every chunk
         self.created = int(time.time())
         self.n = jobs[0].params.n
         self._sent: dict[int, tuple[int, int]] = {}  # choice -> (chars, tokens) already streamed
@@ -44,6 +47,8 @@ class Renderer:
     def logprob_rows(self, o: CompletionOutput, start: int) -> list[tuple[Entry, list[Entry]]]:
         """(the sampled token's entry, the top-k entries) for the tokens from `start` on."""
         def entry(token_id: int, logprob: float) -> Entry:
+            if self.tokens_as_ids:
+                return f"token_id:{token_id}", logprob, list(f"token_id:{token_id}".encode())
             # A token holding part of a character decodes to U+FFFD; its own bytes, joined with the next token's,
             # give the character. Whole characters, or a vocabulary that is not byte-level: the text's bytes.
             text = self.tokenizer.decode([token_id])
@@ -59,6 +64,13 @@ class Renderer:
         """Prompt tokens once per prompt (not per sample); completion tokens of every sample."""
         prompt = sum(len(job.token_ids) for job in self.jobs)
         completion = sum(len(o.token_ids) for out in finals for o in out.outputs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def usage_so_far(self, job: int, o: CompletionOutput | None) -> dict | None:
+        """A stream chunk's usage under continuous_usage_stats: its prompt and its sample's tokens so far."""
+        if not self.continuous_usage:
+            return None
+        prompt, completion = len(self.jobs[job].token_ids), len(o.token_ids) if o is not None else 0
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def chunk(self, choices: list[dict], usage: dict | None = None, object: str | None = None) -> dict:
@@ -91,7 +103,8 @@ class CompletionRenderer(Renderer):
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": o.finish_reason}
 
     def chunks(self, job: int, out: RequestOutput) -> list[dict]:
-        return [self.chunk([self.choice(job, *delta)]) for delta in self.deltas(job, out)]
+        return [self.chunk([self.choice(job, *delta)], self.usage_so_far(job, delta[1]))
+                for delta in self.deltas(job, out)]
 
     def response(self, finals: list[RequestOutput]) -> dict:
         choices = [self.choice(i, i * self.n + o.index, o, 0, 0) for i, out in enumerate(finals) for o in out.outputs]
@@ -111,12 +124,13 @@ class ChatRenderer(Renderer):
     def opening(self) -> list[dict]:
         """OpenAI's first chunk of each choice carries the role and no content."""
         return [self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None}]) for i in range(len(self.jobs) * self.n)]
+                             "finish_reason": None}], self.usage_so_far(0, None))
+                for i in range(len(self.jobs) * self.n)]
 
     def chunks(self, job: int, out: RequestOutput) -> list[dict]:
         return [self.chunk([{"index": i, "delta": {"role": None, "content": o.text[chars:] or None},
-                             "logprobs": self.logprobs(o, tokens), "finish_reason": o.finish_reason}])
-                for i, o, chars, tokens in self.deltas(job, out)]
+                             "logprobs": self.logprobs(o, tokens), "finish_reason": o.finish_reason}],
+                           self.usage_so_far(job, o)) for i, o, chars, tokens in self.deltas(job, out)]
 
     def response(self, finals: list[RequestOutput]) -> dict:
         choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text},

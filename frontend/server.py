@@ -136,9 +136,12 @@ def build_app(state: ServerState, load_engine: Callable[[], AsyncLLM]) -> FastAP
 
 
 async def _error(request: Request, exc: Exception) -> JSONResponse:
+    headers = None
     if isinstance(exc, StarletteHTTPException):  # unknown routes and wrong methods, in the same error body
-        exc = APIError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
-    return JSONResponse(exc.body(), status_code=exc.status)
+        headers = exc.headers  # a 405's Allow
+        exc = APIError(exc.status_code, str(exc.detail), code={404: "not_found", 405: "method_not_allowed"}.get(
+            exc.status_code))
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
 async def _load_and_watch(state: ServerState, load_engine: Callable[[], AsyncLLM]) -> None:
@@ -179,7 +182,8 @@ def _routes(state: ServerState) -> APIRouter:
         req, engine = await state.accept(request, TokenizeRequest)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("send exactly one of prompt and messages", "prompt")
-        ids = (chat_prompt(req.messages, engine.tokenizer, req.add_generation_prompt) if req.messages is not None
+        ids = (chat_prompt(req.messages, engine.tokenizer, req.add_generation_prompt, req.continue_final_message)
+               if req.messages is not None
                else engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
 
@@ -200,12 +204,14 @@ def _routes(state: ServerState) -> APIRouter:
         req, engine = await state.accept(request, kind)
         rid = f"{kind.id_prefix}-{uuid.uuid4().hex}"
         params = req.sampling_params(state.defaults)
+        prompts = req.truncated(req.prompts(engine.tokenizer), engine.tokenizer, engine.max_model_len)
         try:
             jobs = [Job(f"{rid}-{i}", *engine.client.prepare(prompt, params), params)
-                    for i, prompt in enumerate(req.prompts(engine.tokenizer))]
+                    for i, prompt in enumerate(prompts)]
         except InvalidParam as exc:
             raise from_invalid_param(exc, kind.prompt_field, req.max_tokens_field) from None
-        renderer = render(rid, state.names[0], jobs, engine.tokenizer, req.echo)
+        renderer = render(rid, state.names[0], jobs, engine.tokenizer, req.echo, bool(req.return_tokens_as_token_ids),
+                          req.continuous_usage)
         return await respond(request, state.ready_engine(), state.metrics, renderer, req.stream, req.include_usage)
 
     return router

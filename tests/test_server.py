@@ -46,7 +46,7 @@ def _references(ckpt: Path) -> dict:
         chat_ids = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)["input_ids"]
         outs = llm.generate(PROMPTS + [chat_ids, PROMPTS[0]], [GREEDY] * 5 + [LONG], use_tqdm=False)
     refs = {p: o for p, o in zip(PROMPTS, outs)}
-    refs["chat"], refs["long"] = outs[4], outs[5]
+    refs["chat"], refs["long"], refs["ckpt"] = outs[4], outs[5], str(ckpt)
     return refs
 
 
@@ -409,6 +409,90 @@ def test_wrong_or_missing_api_key_is_401_except_on_health_and_version(server, ke
 def test_unknown_route_is_404_in_the_same_error_body(server):
     resp = httpx.get(f"{server.url}/v1/nothing", headers={"Authorization": f"Bearer {KEY}"})
     assert_error(resp, 404, None)
+
+
+def test_wrong_method_is_405_in_the_same_error_body_with_allow(server):
+    resp = httpx.get(f"{server.url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"})
+    assert_error(resp, 405, None)
+    assert resp.json()["error"]["type"] == "invalid_request_error" and "POST" in resp.headers["allow"]
+
+
+# ---- vLLM's request extensions: each one served as vLLM serves it, or refused ------------------------------
+
+def _hf_tokenizer(server: Server):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(server.refs["ckpt"])
+
+
+def _chat(server: Server, **fields) -> httpx.Response:
+    return _post(server, "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": 4,
+                                                  "temperature": 0, **fields})
+
+
+def test_add_generation_prompt_false_and_continue_final_message_render_the_prompt_like_hf(server):
+    tok = _hf_tokenizer(server)
+    open_turn = MESSAGES + [{"role": "assistant", "content": "The answer is"}]
+    for messages, flags in [(MESSAGES, {"add_generation_prompt": False}),
+                            (open_turn, {"add_generation_prompt": False, "continue_final_message": True})]:
+        ids = tok.apply_chat_template(messages, tokenize=True, **flags)["input_ids"]
+        resp = _chat(server, messages=messages, **flags)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["usage"]["prompt_tokens"] == len(ids)
+        assert _post(server, "/tokenize", {"messages": messages, **flags}).json()["tokens"] == ids
+    assert tok.decode(ids).endswith("The answer is")  # the last turn is left open for the model to go on
+    default = tok.apply_chat_template(MESSAGES, tokenize=True, add_generation_prompt=True)["input_ids"]
+    assert _chat(server).json()["usage"]["prompt_tokens"] == len(default) != len(
+        tok.apply_chat_template(MESSAGES, tokenize=True, add_generation_prompt=False)["input_ids"])
+    assert_error(_chat(server, messages=open_turn, continue_final_message=True), 400, "continue_final_message")
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens_of_the_prompt(server):
+    ids = _post(server, "/tokenize", {"prompt": PROMPTS[0]}).json()["tokens"]
+    body = {"model": MODEL, "max_tokens": 6, "temperature": 0, "echo": True}
+    cut = _post(server, "/v1/completions", {**body, "prompt": PROMPTS[0], "truncate_prompt_tokens": 3}).json()
+    same = _post(server, "/v1/completions", {**body, "prompt": ids[-3:]}).json()
+    assert cut["usage"]["prompt_tokens"] == 3 and cut["choices"][0]["text"] == same["choices"][0]["text"]
+    whole = _post(server, "/v1/completions", {**body, "prompt": PROMPTS[0], "truncate_prompt_tokens": -1}).json()
+    assert whole["usage"]["prompt_tokens"] == len(ids)  # -1: max_model_len, longer than this prompt
+    chat = _chat(server, truncate_prompt_tokens=5).json()
+    assert chat["usage"]["prompt_tokens"] == 5
+    for bad in (0, -2, MAX_MODEL_LEN + 1):
+        assert_error(_post(server, "/v1/completions", {**body, "prompt": "Hi", "truncate_prompt_tokens": bad}),
+                     400, "truncate_prompt_tokens")
+
+
+def test_return_tokens_as_token_ids_names_each_logprob_token_by_its_id(server):
+    tok = _hf_tokenizer(server)
+    body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 6, "temperature": 0, "logprobs": 2}
+    plain = _post(server, "/v1/completions", body).json()["choices"][0]["logprobs"]
+    as_ids = _post(server, "/v1/completions", {**body, "return_tokens_as_token_ids": True}).json()["choices"][0]
+    tokens = as_ids["logprobs"]["tokens"]
+    assert all(re.fullmatch(r"token_id:\d+", t) for t in tokens) and len(tokens) == 6
+    assert [tok.decode([int(t.split(":")[1])]) for t in tokens] == plain["tokens"]
+    assert as_ids["logprobs"]["token_logprobs"] == plain["token_logprobs"]
+    assert all(re.fullmatch(r"token_id:\d+", t) for top in as_ids["logprobs"]["top_logprobs"] for t in top)
+    content = _chat(server, logprobs=True, top_logprobs=1, return_tokens_as_token_ids=True).json()[
+        "choices"][0]["logprobs"]["content"]
+    assert all(re.fullmatch(r"token_id:\d+", e["token"]) and e["bytes"] == list(e["token"].encode()) for e in content)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(server, path):
+    body = {"model": MODEL, "max_tokens": 8, "temperature": 0, "stream": True, "ignore_eos": True,
+            **({"prompt": PROMPTS[2]} if path == "/v1/completions" else {"messages": MESSAGES})}
+    for options, continuous in [({"include_usage": True, "continuous_usage_stats": True}, True),
+                                ({"continuous_usage_stats": True}, False)]:  # as vLLM: only with include_usage
+        with httpx.stream("POST", server.url + path, json={**body, "stream_options": options},
+                          headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as resp:
+            chunks = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+        with_choices = [c for c in chunks if c["choices"]]
+        if not continuous:
+            assert all(c["usage"] is None for c in chunks)
+            continue
+        counts = [c["usage"]["completion_tokens"] for c in with_choices]
+        assert counts == sorted(counts) and counts[-1] == 8 and len(counts) > 1
+        assert len({c["usage"]["prompt_tokens"] for c in chunks}) == 1  # the last, usage-only chunk too
+        assert chunks[-1]["usage"]["completion_tokens"] == 8 and not chunks[-1]["choices"]
 
 
 # ---- disconnects -------------------------------------------------------------------------------------------
