@@ -18,11 +18,11 @@ import zmq
 PROMPT = [11, 22, 33, 44, 55]
 
 
-def _launch(ckpt: Path, address: str, tmp: Path, *flags: str) -> subprocess.Popen:
+def _launch(ckpt: Path, address: str, tmp: Path, *flags: str, stderr=None) -> subprocess.Popen:
     """TMPDIR points the engine's private ipc directory into `tmp`, where the test can see it go."""
     return subprocess.Popen([sys.executable, "launch.py", "--model", str(ckpt), "--device", "cpu", "--headless",
                              "--engine-address", address, *flags], env={**os.environ, "TMPDIR": str(tmp)},
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=stderr, text=True)
 
 
 class Client:
@@ -153,7 +153,7 @@ def test_a_vanished_clients_requests_are_aborted(engine, client):
 
 
 def test_sigterm_stops_a_headless_engine_and_removes_its_socket_file_and_ipc_directory(tiny_ckpt, tmp_path):
-    proc = _launch(tiny_ckpt, f"ipc://{tmp_path}/engine", tmp_path)
+    proc = _launch(tiny_ckpt, f"ipc://{tmp_path}/engine", tmp_path, stderr=subprocess.PIPE)
     try:
         client = Client(f"ipc://{tmp_path}/engine")
         assert len(os.listdir(tmp_path)) == 2  # the engine socket and the private directory of the others
