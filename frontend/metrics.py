@@ -1,4 +1,6 @@
-"""Prometheus metrics under vLLM's names, types and buckets (its dashboards work); one registry per server."""
+"""Prometheus metrics under vLLM's names, types and buckets (its dashboards work); one registry per server.
+As in vLLM, each of a request's n samples is a request of its own (its prompt, latencies and finish count n times).
+Every series exists at 0 from the start, so that a rate over it reads 0, not "no data"."""
 from __future__ import annotations
 
 import time
@@ -12,6 +14,8 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)
+TOKEN_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))  # vLLM's 1-2-5 series
+FINISH_REASONS = ("stop", "length", "abort")
 _METRICS = {  # attribute: (type, vLLM's name, help, buckets)
     "running": (Gauge, "vllm:num_requests_running", "Requests in the running batch.", None),
     "waiting": (Gauge, "vllm:num_requests_waiting", "Requests waiting to be scheduled.", None),
@@ -22,6 +26,14 @@ _METRICS = {  # attribute: (type, vLLM's name, help, buckets)
     "ttft": (Histogram, "vllm:time_to_first_token_seconds", "Time from arrival to the first token.", TTFT_BUCKETS),
     "itl": (Histogram, "vllm:inter_token_latency_seconds", "Time between two output tokens.", ITL_BUCKETS),
     "e2e": (Histogram, "vllm:e2e_request_latency_seconds", "Time from arrival to the last token.", E2E_BUCKETS),
+    "queue": (Histogram, "vllm:request_queue_time_seconds", "Time waiting before first scheduled.", E2E_BUCKETS),
+    "prefill": (Histogram, "vllm:request_prefill_time_seconds", "Time from first scheduled to the first token.",
+                E2E_BUCKETS),
+    "decode": (Histogram, "vllm:request_decode_time_seconds", "Time from the first token to the last.", E2E_BUCKETS),
+    "request_prompt": (Histogram, "vllm:request_prompt_tokens", "Prompt tokens of a request.", TOKEN_BUCKETS),
+    "request_generation": (Histogram, "vllm:request_generation_tokens", "Tokens a request generated.", TOKEN_BUCKETS),
+    "cache_queries": (Counter, "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", None),
+    "cache_hits": (Counter, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", None),
 }
 
 
@@ -38,6 +50,8 @@ class Metrics:
             setattr(self, attr, kind(name, doc, ["model_name"], registry=self.registry, **extra).labels(model_name))
         self.success = Counter("vllm:request_success", "Requests finished, by finish reason.",
                                ["model_name", "finished_reason"], registry=self.registry)
+        for reason in FINISH_REASONS:
+            self.success.labels(model_name, reason)
         self._preemptions_seen = 0
 
     def observe_engine(self, stats: dict) -> None:
@@ -56,30 +70,40 @@ class Metrics:
 
 
 class RequestTimer:
-    """Latency of one engine request: first token, each token after it, and the whole request."""
+    """Latency of one request's n samples: first token, each token after it, queue, prefill, decode, the whole."""
 
-    def __init__(self, metrics: Metrics, prompt_tokens: int):
+    def __init__(self, metrics: Metrics, prompt_tokens: int, n: int = 1):
         self.metrics, self.prompt_tokens = metrics, prompt_tokens
-        self.arrival = self.last = time.perf_counter()
-        self.counts: list[int] = []
+        self.arrival = time.perf_counter()
+        self.counts, self.first, self.last = [0] * n, [None] * n, [self.arrival] * n
 
     def on_tokens(self, counts: list[int]) -> None:
         """Each of the request's n outputs' cumulative token count, after an engine step."""
-        new = [count - seen for count, seen in zip(counts, self.counts or [0] * len(counts))]
-        if sum(new) <= 0:
-            return
         now, m = time.perf_counter(), self.metrics
-        if not self.counts:  # the prompt was processed: counted now, so that refused requests never count
-            m.prompt_tokens.inc(self.prompt_tokens)
-            m.ttft.observe(now - self.arrival)
-        else:  # each sample waited the whole gap; one that got several tokens in it spreads the gap over them
-            for k in new:
-                for _ in range(k):
-                    m.itl.observe((now - self.last) / k)
-        m.generation_tokens.inc(sum(new))
-        self.counts, self.last = list(counts), now
+        for i, (count, seen) in enumerate(zip(counts, self.counts)):
+            if count <= seen:
+                continue
+            if not seen:  # its prompt was processed: counted now, so that refused requests never count
+                m.prompt_tokens.inc(self.prompt_tokens)
+                m.ttft.observe(now - self.arrival)
+                self.first[i] = now
+            else:  # each sample waited the whole gap; one that got several tokens in it spreads the gap over them
+                for _ in range(count - seen):
+                    m.itl.observe((now - self.last[i]) / (count - seen))
+            m.generation_tokens.inc(count - seen)
+            self.counts[i], self.last[i] = count, now
 
-    def finish(self, finish_reasons: list[str]) -> None:
-        self.metrics.e2e.observe(time.perf_counter() - self.arrival)
-        for reason in finish_reasons:
-            self.metrics.success.labels(self.metrics.model_name, reason).inc()
+    def finish(self, reasons: list[str], engine_stats: list[dict | None] | None = None) -> None:
+        """Each sample's finish reason and TokenBatch.request_stats (None where none came)."""
+        m, now = self.metrics, time.perf_counter()
+        for i, (reason, stats) in enumerate(zip(reasons, engine_stats or [None] * len(reasons))):
+            m.success.labels(m.model_name, reason).inc()
+            m.e2e.observe((self.last[i] if self.first[i] is not None else now) - self.arrival)
+            m.request_prompt.observe(self.prompt_tokens)
+            m.request_generation.observe(self.counts[i])
+            if stats is not None and self.first[i] is not None:
+                m.queue.observe(stats["queue_time"])
+                m.prefill.observe(max(0.0, self.first[i] - self.arrival - stats["queue_time"]))
+                m.decode.observe(self.last[i] - self.first[i])
+                m.cache_queries.inc(self.prompt_tokens)
+                m.cache_hits.inc(stats["num_cached_tokens"])

@@ -17,6 +17,7 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop", "length", "abort" (or "error" with RequestOutput.error)
     logprobs: list[dict[int, float]] | None = None  # per token: {token id: logprob} of sampled + top-k
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    engine_stats: dict | None = None  # TokenBatch.request_stats of its engine request (for /metrics)
 
     @property
     def finished(self) -> bool:
@@ -90,6 +91,7 @@ class OutputProcessor:
                 continue  # a token for a sample the frontend already ended (stop string, abort)
             token = int(batch.token_ids[i])
             reason = batch.finished.get(engine_id)
+            sample.out.engine_stats = batch.request_stats.get(engine_id, sample.out.engine_stats)
             if token >= 0:
                 self._append(sample, token, batch.logprobs[i] if batch.logprobs else None, reason == "stop")
                 if sample.out.finished:

@@ -42,7 +42,7 @@ async def generate(engine: AsyncLLM, jobs: list[Job], metrics: Metrics) -> Async
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, job: Job) -> None:
-        timer, out = RequestTimer(metrics, len(job.token_ids)), None
+        timer, out = RequestTimer(metrics, len(job.token_ids), job.params.n), None
         try:
             async with aclosing(engine.generate(job.token_ids, job.params, job.request_id)) as outputs:
                 async for out in outputs:
@@ -52,7 +52,8 @@ async def generate(engine: AsyncLLM, jobs: list[Job], metrics: Metrics) -> Async
         except Exception as exc:  # handed to the consumer, which raises it
             queue.put_nowait((i, None, exc))
         finally:
-            timer.finish([o.finish_reason or "abort" for o in out.outputs] if out else ["abort"] * job.params.n)
+            timer.finish([o.finish_reason or "abort" for o in out.outputs] if out else ["abort"] * job.params.n,
+                         [o.engine_stats for o in out.outputs] if out else None)
 
     tasks = [asyncio.create_task(pump(i, job)) for i, job in enumerate(jobs)]
     try:

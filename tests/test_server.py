@@ -301,6 +301,11 @@ def test_metrics_use_vllm_names_and_count_requests(server):
         assert name in text, name
     assert _metric(text, f'vllm:request_success_total{{finished_reason="length",model_name="{MODEL}"}}') >= 1
     assert _metric(text, f'vllm:generation_tokens_total{{model_name="{MODEL}"}}') >= 5
+    for name in ("request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
+                 "request_prompt_tokens", "request_generation_tokens"):  # queue time comes from the scheduler
+        assert _metric(text, f'vllm:{name}_count{{model_name="{MODEL}"}}') >= 1, name
+    assert _metric(text, f'vllm:prefix_cache_queries_total{{model_name="{MODEL}"}}') >= 1
+    assert f'vllm:prefix_cache_hits_total{{model_name="{MODEL}"}}' in text
 
 
 def _metric(text: str, name: str) -> float:
