@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -420,6 +421,23 @@ def test_wrong_method_is_405_in_the_same_error_body_with_allow(server):
     resp = httpx.get(f"{server.url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"})
     assert_error(resp, 405, None)
     assert resp.json()["error"]["type"] == "invalid_request_error" and "POST" in resp.headers["allow"]
+
+
+def test_the_readme_talks_to_the_server_as_it_says(server, capsys):
+    """The README's curl commands and openai snippet, pointed at this server, answer as they should."""
+    readme = (REPO / "README.md").read_text().split("## Talk to the server", 1)[1]
+    bash, python = re.findall(r"```(?:bash|python)\n(.*?)```", readme, re.S)[:2]
+
+    def here(text: str) -> str:
+        return text.replace("http://127.0.0.1:8000", server.url).replace("qwen2.5-1.5b", MODEL)
+    exec(here(python).replace('api_key="unused"', f"api_key={KEY!r}"), {})
+    assert capsys.readouterr().out.strip()
+    curls = re.findall(r"^curl .*?'$", bash.replace("\\\n", " "), re.M | re.S)
+    assert len(curls) == 2
+    for curl in curls if shutil.which("curl") else []:
+        out = subprocess.run(here(curl).replace("curl ", f"curl -s -H 'Authorization: Bearer {KEY}' ", 1),
+                             shell=True, capture_output=True, text=True, timeout=60).stdout
+        assert '"choices"' in out and ("[DONE]" in out) == ('"stream": true' in curl), out[-500:]
 
 
 # ---- vLLM's request extensions: each one served as vLLM serves it, or refused ------------------------------
