@@ -11,6 +11,7 @@ import triton.language as tl
 from kernels.arrivals import arrival_counters, last_to_arrive
 from kernels.attention_tile import attend_range, attend_tile, load_kv_tile, paged_attention_ref
 from kernels.kv_store import check_cache_layout, rope_factors, rope_store_kv_ref
+from kernels.norm import qk_rms_norm_ref
 from kernels.pdl import pdl_enabled, pdl_launch
 
 # Split-K: the grid's split count comes from static shapes only (a captured graph must fit every length); each row
@@ -33,14 +34,15 @@ _MANY_ROWS_LAUNCH = dict(num_warps=4, num_stages=2)
 
 @triton.jit
 def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, table_rows, context_lens, out_ptr, part_acc, part_max,
-                         part_sum, arrivals, k_new, v_new, positions, cos_sin, slot_mapping, qk_scale, stride_qb,
+                         part_sum, arrivals, k_new, v_new, positions, cos_sin, slot_mapping, q_norm_w, k_norm_w,
+                         norm_eps, qk_scale, stride_qb,
                          stride_qh, stride_ob, stride_oh, stride_cb, stride_ch, stride_cs, stride_bt, stride_kb,
                          stride_kh, stride_vb, stride_vh, block_size, group, num_q_heads, HEAD_DIM: tl.constexpr,
                          D_PAD: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr,
                          TOP_PAD: tl.constexpr, TOP_CHUNK: tl.constexpr, LEAF_PAD: tl.constexpr,
                          LEAF_CHUNK: tl.constexpr, ONE_LEVEL: tl.constexpr, ONE_CHUNK: tl.constexpr,
                          SPLIT_GROUP: tl.constexpr, TABLE_ROWS: tl.constexpr, COUNTERS: tl.constexpr,
-                         BLOCK_N: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
+                         BLOCK_N: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, QK_NORM: tl.constexpr):
     # Program (row, kv head, split): the query heads sharing this KV head attend to the split's tokens, so each K/V
     # tile is read once for the group. The last of a row's used splits to arrive combines them (no second kernel:
     # at a few rows its launch costs more than its work); past ONE_LEVEL splits, as a tree of groups.
@@ -83,12 +85,16 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, table_rows, cont
         # The split holding position ctx - 1 stores the step's rotated K and V there, then puts them into its first
         # tile or reads them back in its loop (the barrier makes the stores visible to all its threads).
         q_partner = tl.load(q_rows + partner[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+        if QK_NORM:  # Qwen3's per-head RMSNorm before RoPE, here rather than in a kernel of its own
+            q, q_partner = _norm_head(q, q_partner, q_norm_w, offs_d, partner, d_mask, norm_eps, HEAD_DIM, 1)
         q = (q.to(tl.float32) * cos[None, :] + q_partner.to(tl.float32) * sin[None, :]).to(q_ptr.dtype.element_ty)
         if (split == used - 1) & (slot >= 0):
             cache_off = (slot // block_size) * stride_cb + kv_head * stride_ch + (slot % block_size) * stride_cs
             k_row = k_new + b.to(tl.int64) * stride_kb + kv_head * stride_kh
             k = tl.load(k_row + offs_d, mask=d_mask, other=0.0)
             k_partner = tl.load(k_row + partner, mask=d_mask, other=0.0)
+            if QK_NORM:
+                k, k_partner = _norm_head(k, k_partner, k_norm_w, offs_d, partner, d_mask, norm_eps, HEAD_DIM, 0)
             k = (k.to(tl.float32) * cos + k_partner.to(tl.float32) * sin).to(k_cache.dtype.element_ty)
             tl.store(k_cache + cache_off + offs_d, k, mask=d_mask)
             v = tl.load(v_new + b.to(tl.int64) * stride_vb + kv_head * stride_vh + offs_d, mask=d_mask, other=0.0)
@@ -158,6 +164,20 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, table_rows, cont
                         combine_splits(out_ptr, part_acc, part_max, part_sum, b, kv_head, group, num_q_heads, 0, step,
                                        top_count, num_splits, stride_ob, stride_oh, HEAD_DIM, D_PAD, GROUP_P2,
                                        TOP_PAD, TOP_CHUNK, False)
+
+
+@triton.jit
+def _norm_head(x, x_partner, w_ptr, offs_d, partner, d_mask, eps, HEAD_DIM: tl.constexpr, AXIS: tl.constexpr):
+    """RMSNorm of a head (rows of x along AXIS 1, or one row) and of its RoPE partner view, rounded as HF does."""
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=AXIS, keep_dims=True) / HEAD_DIM + eps)
+    w = tl.load(w_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    w_partner = tl.load(w_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)
+    if AXIS == 1:
+        w, w_partner = w[None, :], w_partner[None, :]
+    normed = (xf * rstd).to(x.dtype).to(tl.float32) * w
+    normed_partner = (x_partner.to(tl.float32) * rstd).to(x.dtype).to(tl.float32) * w_partner
+    return normed.to(x.dtype), normed_partner.to(x.dtype)
 
 
 @triton.jit
@@ -237,13 +257,17 @@ def _partition_size(batch: int, num_kv_heads: int, max_context: int) -> int:
 
 @dataclass(frozen=True)
 class NewTokenKV:
-    """A decode step's own K and V [B, Hkv, D], rotated at positions[b] and stored at slot_mapping[b] (-1: not)."""
+    """A decode step's own K and V [B, Hkv, D], rotated at positions[b] and stored at slot_mapping[b] (-1: not);
+    with q_norm and k_norm, q and k are RMS-normed per head first (Qwen3)."""
 
     k: torch.Tensor
     v: torch.Tensor
     positions: torch.Tensor
     cos_sin: torch.Tensor  # [max_pos, D] float32, make_cos_sin's table
     slot_mapping: torch.Tensor
+    q_norm: torch.Tensor | None = None  # [D] weights
+    k_norm: torch.Tensor | None = None
+    norm_eps: float = 1e-6
 
 
 def rope_store_decode_attention_triton(q: torch.Tensor, new_kv: NewTokenKV, k_cache: torch.Tensor,
@@ -274,16 +298,18 @@ def rope_store_decode_attention_triton(q: torch.Tensor, new_kv: NewTokenKV, k_ca
     # Counters [rows, kv heads, counters]: a (row, kv head)'s top counter, then one for each group of its splits.
     counters = 1 + _MAX_SPLITS // _SPLIT_GROUP
     rows = context_lens if table_rows is None else table_rows  # a placeholder is never read without TABLE_ROWS
+    norm_w = (new_kv.cos_sin, new_kv.cos_sin) if new_kv.q_norm is None else (new_kv.q_norm, new_kv.k_norm)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, rows, context_lens, out, part_acc, part_max, part_sum,
         arrival_counters(q.device, batch * num_kv_heads * counters, "decode attention"), new_kv.k, new_kv.v,
-        new_kv.positions, new_kv.cos_sin, new_kv.slot_mapping, scale * math.log2(math.e), q.stride(0), q.stride(1),
+        new_kv.positions, new_kv.cos_sin, new_kv.slot_mapping, norm_w[0], norm_w[1], new_kv.norm_eps,
+        scale * math.log2(math.e), q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         new_kv.k.stride(0), new_kv.k.stride(1), new_kv.v.stride(0), new_kv.v.stride(1), block_size, group,
         num_q_heads, HEAD_DIM=head_dim, D_PAD=d_pad, GROUP_PAD=max(16, group_p2), GROUP_P2=group_p2,
         TOP_PAD=top_pad, TOP_CHUNK=top_chunk, LEAF_PAD=leaf_pad, LEAF_CHUNK=leaf_chunk, ONE_LEVEL=one_level,
         ONE_CHUNK=one_chunk, SPLIT_GROUP=_SPLIT_GROUP, TABLE_ROWS=table_rows is not None, COUNTERS=counters,
-        BLOCK_N=block_n, PDL=pdl_enabled(q.device), EARLY=few_rows, **launch,
+        BLOCK_N=block_n, PDL=pdl_enabled(q.device), EARLY=few_rows, QK_NORM=new_kv.q_norm is not None, **launch,
         **(pdl_launch(q.device) if few_rows else {}))
     return out
 
@@ -296,6 +322,8 @@ def rope_store_decode_attention(q: torch.Tensor, new_kv: NewTokenKV, k_cache: to
     if q.is_cuda:
         return rope_store_decode_attention_triton(q, new_kv, k_cache, v_cache, block_tables, context_lens, scale,
                                                   table_rows)
+    if new_kv.q_norm is not None:
+        qk_rms_norm_ref(q, new_kv.k, new_kv.q_norm, new_kv.k_norm, new_kv.norm_eps)
     q = rope_store_kv_ref(q, new_kv.k, new_kv.v, new_kv.positions, new_kv.cos_sin, k_cache, v_cache,
                           new_kv.slot_mapping)
     tables = block_tables if table_rows is None else block_tables[table_rows]

@@ -17,6 +17,7 @@ from kernels.attention_tile import paged_attention_ref
 from kernels.decode_attention import NewTokenKV, rope_store_decode_attention_triton
 from kernels.gemv import GemvConfig, candidate_configs, gemv_triton
 from kernels.kv_store import make_cos_sin, rope_store_kv_ref, rope_store_kv_triton
+from kernels.norm import qk_rms_norm_ref
 from kernels.prefill_attention import paged_prefill_attention_triton, prefill_work
 from tests.test_kernels import decode_ref, decode_triton
 
@@ -75,16 +76,18 @@ def run_decode(lens: list[int], group: int, hkv: int, d: int, block_size: int, c
     return outs
 
 
-@pytest.mark.parametrize("lens,group,hkv,d,block_size,partition,split_group", [
-    ([0, 1, 63, 64, 65, 130], 7, 1, 64, 16, 64, None),  # one split, split boundaries, three splits; a padded lane
-    ([5, 0, 200, 17], 3, 2, 128, 64, None, None),  # the default grid, two KV heads
-    ([33, 1, 96], 2, 2, 32, 8, 16, None),  # many short splits: the token's split is the last of six
-    ([33, 1, 96, 0], 2, 2, 32, 8, 16, 2),  # groups of two: the token's split ends the third (96) or is alone (33)
-    ([0, 1, 63, 64, 65, 130, 7, 9, 20], 7, 1, 64, 16, 64, None),  # nine rows: the many-rows launch, no early tile
+@pytest.mark.parametrize("lens,group,hkv,d,block_size,partition,split_group,qk_norm", [
+    ([0, 1, 63, 64, 65, 130], 7, 1, 64, 16, 64, None, False),  # one split, split boundaries, three splits; padding
+    ([5, 0, 200, 17], 3, 2, 128, 64, None, None, False),  # the default grid, two KV heads
+    ([33, 1, 96], 2, 2, 32, 8, 16, None, False),  # many short splits: the token's split is the last of six
+    ([33, 1, 96, 0], 2, 2, 32, 8, 16, 2, False),  # groups of two: the token's split ends the third (96) or is alone
+    ([0, 1, 63, 64, 65, 130, 7, 9, 20], 7, 1, 64, 16, 64, None, False),  # nine rows: the many-rows launch
+    ([5, 0, 200, 17], 3, 2, 128, 64, None, None, True),  # Qwen3's q/k norm before RoPE, a few rows
+    ([0, 1, 63, 64, 65, 130, 7, 9, 20], 2, 2, 32, 16, 64, None, True),  # and many rows
 ])
 def test_decode_rotates_and_stores_the_steps_own_kv_as_rope_store_kv_then_attention(monkeypatch, lens, group, hkv,
                                                                                     d, block_size, partition,
-                                                                                    split_group):
+                                                                                    split_group, qk_norm):
     split_every(monkeypatch, partition)
     if split_group:  # a tree past split_group splits, at a few rows too
         monkeypatch.setattr(decode_attention, "_SPLIT_GROUP", split_group)
@@ -100,9 +103,13 @@ def test_decode_rotates_and_stores_the_steps_own_kv_as_rope_store_kv_then_attent
                           for b, n in enumerate(lens)])
     cos_sin = make_cos_sin(max(lens) + 1, d, 1e6, "cpu")
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    want = decode_ref(rope_store_kv_ref(q, k, v, positions, cos_sin, k_ref, v_ref, slots), k_ref, v_ref, tables, ctx,
-                      d ** -0.5)
-    new_kv = NewTokenKV(k, v, positions, cos_sin, slots)
+    norm = (torch.rand(d) + 0.5, torch.rand(d) + 0.5, 1e-6) if qk_norm else ()
+    q_in, k_in = q.clone(), k.clone()
+    if qk_norm:
+        qk_rms_norm_ref(q_in, k_in, *norm)
+    want = decode_ref(rope_store_kv_ref(q_in, k_in, v, positions, cos_sin, k_ref, v_ref, slots), k_ref, v_ref, tables,
+                      ctx, d ** -0.5)
+    new_kv = NewTokenKV(k, v, positions, cos_sin, slots, *norm)
     got = rope_store_decode_attention_triton(q, new_kv, k_cache, v_cache, tables, ctx, d ** -0.5)
     torch.testing.assert_close(got, want, **TOL)
     torch.testing.assert_close(k_cache, k_ref, **TOL)

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from kernels import paged_prefill_attention, rope_store_kv
+from kernels import paged_prefill_attention, qk_rms_norm, rope_store_kv
 from kernels.decode_attention import NewTokenKV, few_rows_launch, rope_store_decode_attention
 from kernels.prefill_attention import max_prefill_work, prefill_work
 
@@ -68,14 +68,17 @@ class Attention(nn.Module):
         self.scale = head_dim ** -0.5
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                cos_sin: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
+                cos_sin: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
+        """qk_norm: (q weight, k weight, eps) of a per-head RMSNorm of q and k before RoPE (Qwen3)."""
         k_cache, v_cache = kv_cache
-        if meta.work is None:  # the decode kernel rotates and stores the step's K/V itself
-            new_kv = NewTokenKV(k, v, positions, cos_sin, meta.slot_mapping)
+        if meta.work is None:  # the decode kernel norms, rotates and stores the step's K/V itself
+            new_kv = NewTokenKV(k, v, positions, cos_sin, meta.slot_mapping, *(qk_norm or ()))
             out = rope_store_decode_attention(q, new_kv, k_cache, v_cache, meta.block_tables, meta.context_lens,
                                               self.scale, meta.table_rows)
         else:
+            if qk_norm is not None:
+                qk_rms_norm(q, k, *qk_norm)
             q = rope_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
             out = paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
                                           meta.context_lens, self.scale, meta.work)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import torch
 
-from kernels import qk_rms_norm
 from kernels.linear import Input
 from protocol.config import ModelConfig
 from worker.attention import AttentionMetadata
@@ -25,8 +24,8 @@ class Qwen3Attention(LlamaAttention):
     def forward(self, positions: torch.Tensor, hidden: Input, cos_sin: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden)
-        qk_rms_norm(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)  # in place, one launch for both
-        return self.o_proj(self.attn(q, k, v, positions, cos_sin, kv_cache, meta))
+        qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)  # applied inside the attention kernels
+        return self.o_proj(self.attn(q, k, v, positions, cos_sin, kv_cache, meta, qk_norm))
 
 
 class Qwen3ForCausalLM(Qwen2ForCausalLM):
