@@ -89,8 +89,6 @@ class Scheduler:
 
     def _make_request(self, msg: AddRequest, client: bytes) -> Request:
         """The wire's one check of a request; its seed, stop ids and max_tokens are resolved here, for every row."""
-        if (client, msg.request_id) in self.requests:
-            raise InvalidParam("request_id", f"request_id {msg.request_id!r} is already in use: use a unique id")
         if len(self.waiting) >= self.config.max_waiting_requests:
             raise InvalidParam("request_id", f"{OVERLOADED}: {len(self.waiting)} requests are waiting "
                                f"(max_waiting_requests={self.config.max_waiting_requests}); retry later")
