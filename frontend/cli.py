@@ -54,8 +54,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="launch.py", description="Serve a Qwen2-family model with an OpenAI-compatible "
-                                "API (default), run one prompt (--prompt), or run the engine alone (--headless).")
+    p = _Parser(prog="launch.py", description="Serve a Qwen2-family model with an OpenAI-compatible API (default), "
+                "run one prompt (--prompt), or run the engine alone (--headless).")
     model = p.add_argument_group("model")
     model.add_argument("--model", required=True, help="HF directory, HF hub id, or a short name such as qwen2.5-1.5b")
     model.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
