@@ -178,7 +178,7 @@ def _package_file(package: str, relative: str, install: str) -> Path:
 
 def read_qwen_ranks() -> dict[bytes, int]:
     """Qwen's BPE ranks from dashscope's qwen.tiktoken."""
-    ranks_file = _package_file("dashscope", "resources/qwen.tiktoken", "pip install --no-deps dashscope")
+    ranks_file = _package_file("dashscope", "resources/qwen.tiktoken", "pip install dashscope")
     ranks = {}
     for line in ranks_file.read_bytes().splitlines():
         token, rank = line.split()

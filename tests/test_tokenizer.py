@@ -31,7 +31,7 @@ def _offline(cache_root: Path, short_name: str):
 
 @pytest.fixture(scope="session")
 def qwen_cache_root(tmp_path_factory):
-    return _cache_root(tmp_path_factory, "dashscope", "pip install --no-deps dashscope", "pico-vllm-cache")
+    return _cache_root(tmp_path_factory, "dashscope", "pip install dashscope", "pico-vllm-cache")
 
 
 @pytest.fixture(scope="session")
@@ -175,7 +175,7 @@ def test_unknown_model_without_tokenizer_files_is_a_clear_error(tmp_path, model_
 
 def test_missing_bpe_ranks_package_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(ValueError, match="pip install --no-deps dashscope"):
+    with pytest.raises(ValueError, match="pip install dashscope"):
         read_qwen_ranks()
 
 
