@@ -71,8 +71,8 @@ class EngineProcesses:
     def _watch(self, role: str, proc: subprocess.Popen) -> None:
         code = proc.wait()
         self.exited.set()
-        with self._lock:
-            if self._stopping or self.dead_reason is not None:
+        with self._lock:  # exit 0 is a stop that was asked for (a Shutdown the engine accepted), not a death
+            if self._stopping or self.dead_reason is not None or code == 0:
                 return
             self.dead_reason = f"engine process {role} (pid {proc.pid}) exited with code {code}"
         log.error("%s", self.dead_reason)
@@ -118,6 +118,6 @@ def run_headless(config: EngineConfig, address: str) -> int:
         sock.setsockopt(zmq.IDENTITY, procs.owner)
         sock.connect(procs.addresses.engine)
         sock.send(encode(Shutdown()))
-    died = procs.dead_reason is not None or not stop.is_set()
+    died = procs.dead_reason is not None
     procs.shutdown()
     return 1 if died else 0

@@ -169,14 +169,16 @@ def test_sigterm_stops_a_headless_engine_and_removes_its_socket_file_and_ipc_dir
 
 
 def test_remote_shutdown_works_only_behind_its_flag(tiny_ckpt, tmp_path):
-    proc = _launch(tiny_ckpt, f"ipc://{tmp_path}/engine", tmp_path, "--allow-remote-shutdown")
+    proc = _launch(tiny_ckpt, f"ipc://{tmp_path}/engine", tmp_path, "--allow-remote-shutdown",
+                   stderr=subprocess.PIPE)
     try:
         client = Client(f"ipc://{tmp_path}/engine")
         client.send({"type": "Shutdown"})
         assert client.recv()["type"] == "EngineDead"
         client.close()
-        proc.wait(timeout=20)
+        assert proc.wait(timeout=20) == 0  # a stop that was asked for: no error, exit 0
         assert os.listdir(tmp_path) == []
+        assert "ERROR" not in proc.stderr.read()
     finally:
         proc.kill()
         proc.wait()
