@@ -58,7 +58,8 @@ Input = torch.Tensor | NormedInput
 # sets split-K). One-row: (block_n, block_k, num_warps, per_sm, max_regs).
 _DOT_TILES = ((64, 128, 4, 2), (32, 256, 4, 2), (128, 128, 8, 2))
 _ONE_ROW_TILES = ((8, 512, 4, 0, 0), (4, 2048, 8, 0, 0), (8, 2048, 8, 0, 0), (1, 2048, 4, 8, 0),
-                  (4, 2048, 4, 8, 0), (4, 2048, 4, 8, 168))
+                  (4, 2048, 4, 8, 0), (4, 2048, 4, 8, 168), (2, 2048, 4, 8, 0), (4, 2048, 8, 8, 0),
+                  (4, 2048, 4, 6, 168), (4, 2048, 4, 12, 128))
 
 
 def swiglu_linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
