@@ -15,13 +15,15 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 MIN_AMAX = 1e-12  # an all-zero block gets a tiny scale, not a division by zero
 PER_CHANNEL = (1, 0)  # (rows, columns) of a scale's block; 0: the whole dim
-# GEMV tiles (kernels/gemv.py's candidates): half the bytes a value, so twice the columns of a bf16 tile keep each
-# thread's loads at 16 bytes; with block scales a K tile stays inside one block.
-_DOT_TILES = ((64, 256, 4, 2), (32, 512, 4, 2), (128, 256, 8, 2))
-_ONE_ROW_TILES = ((8, 2048, 4, 8, 0), (8, 2048, 8, 0, 0), (16, 2048, 8, 0, 0), (8, 1024, 4, 0, 0),
-                  (16, 1024, 4, 8, 0), (4, 2048, 4, 8, 0), (8, 2048, 4, 8, 168))
+# GEMV tiles (kernels/gemv.py's candidates). An e4m3 tile of a bf16 tile's bytes holds twice its values, and the
+# one-row kernel keeps a float32 a value: past 64 values a thread (32 where SwiGLU sums K tiles) ptxas spills for
+# sm_90. So these hold a bf16 tile's values, or its bytes over twice the warps.
+_DOT_TILES = ((64, 128, 4, 2), (32, 256, 4, 2), (128, 128, 8, 2), (64, 256, 4, 2))
+_ONE_ROW_TILES = ((4, 2048, 4, 8, 0), (4, 2048, 8, 0, 0), (8, 2048, 8, 0, 0), (8, 2048, 8, 8, 0), (8, 1024, 4, 0, 0),
+                  (2, 2048, 4, 8, 0), (4, 2048, 4, 8, 168))
 _BLOCK_DOT_TILES = ((64, 128, 4, 2), (32, 128, 4, 2), (128, 128, 8, 2))
-_BLOCK_ONE_ROW_TILES = ((32, 128, 4, 8, 0), (64, 128, 8, 0, 0), (16, 128, 4, 0, 0), (64, 128, 4, 8, 168))
+_BLOCK_ONE_ROW_TILES = ((16, 128, 4, 8, 0), (32, 128, 8, 0, 0), (32, 128, 8, 8, 0), (64, 128, 8, 0, 0),
+                        (32, 128, 4, 8, 0))
 
 
 @dataclass(frozen=True, slots=True)

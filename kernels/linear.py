@@ -21,7 +21,7 @@ DTYPES = {"": (torch.float16, torch.bfloat16), "norm": (torch.bfloat16,), "swigl
 # FP8 weights past the GEMV's rows: "scaled_mm" (FP8 tensor cores, x quantized per row), "triton" (the GEMV's dot
 # kernel as a weight-only GEMM) or "dequant" (a bf16 copy, then cuBLAS); `bench.kernels --fp8` times each.
 FP8_GEMM = "scaled_mm"
-TRITON_GEMM = GemvConfig(128, 128, num_warps=4, num_stages=4, block_m=64)
+TRITON_GEMM = GemvConfig(128, 128, num_warps=8, num_stages=4, block_m=64)
 
 
 def linear(x: Input, w: Weight, bias: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:

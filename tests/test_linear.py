@@ -170,7 +170,8 @@ def test_gemm_row_times_are_timed_once_kept_on_disk_and_never_while_capturing(mo
     monkeypatch.setattr(plan, "_GEMM_TIMES", {})
     timed, capturing = [], [True]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
-    monkeypatch.setattr(plan, "_time_rows", lambda w, bias, dtype, gemm: timed.append(w.shape) or {"24": 2.0, "32": 1.0})
+    monkeypatch.setattr(plan, "_time_rows",
+                        lambda w, bias, dtype, gemm: timed.append(w.shape) or {"24": 2.0, "32": 1.0})
     w = torch.randn(8, 24)
     assert plan.gemm_times(w, None, torch.float32) is None and timed == []
     capturing[0] = False
