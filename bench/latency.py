@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
                      "roofline_ms": roof["roofline_ms"], "roofline_tok_s": roof["roofline_tok_s"],
                      "roofline_kv_tok_s": roof["roofline_kv_tok_s"],
                      "of_roofline": mine["tok_s"] / roof["roofline_tok_s"] if mine["tok_s"] else None})
-    name = "latency-eager" if args.enforce_eager else "latency"
+    name = ("latency-eager" if args.enforce_eager else "latency") + ("-fp8" if args.quantization else "")
     print_table(f"{name}: batch 1, {args.max_tokens} new tokens, {args.model} {dtype} {args.quantization or ''}, "
                 f"roofline {roof['weight_gb']:.3f} GB of weights at {args.copy_tbps} TB/s "
                 "(roofline_kv: + the context's KV)", rows)

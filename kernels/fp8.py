@@ -5,11 +5,15 @@ kernels/gemv.py); many rows: `scaled_mm_linear` or a dequantized weight (kernels
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+if TYPE_CHECKING:
+    from kernels.gemv import GemvConfig
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -37,7 +41,6 @@ class Fp8Weight:
 
     shape = property(lambda self: self.weight.shape)
     device = property(lambda self: self.weight.device)
-    dtype = property(lambda self: self.weight.dtype)
 
     def clone(self) -> Fp8Weight:
         return Fp8Weight(self.weight.clone(), self.scale.clone(), self.block)
@@ -106,7 +109,7 @@ def fp8_tiles(block: tuple[int, int]) -> tuple[list[tuple], list[tuple]]:
     return clip(_BLOCK_DOT_TILES), clip(_BLOCK_ONE_ROW_TILES)
 
 
-def fp8_scale_args(w: torch.Tensor | Fp8Weight, config, swiglu: bool) -> tuple[tuple, dict]:
+def fp8_scale_args(w: torch.Tensor | Fp8Weight, config: GemvConfig, swiglu: bool) -> tuple[tuple, dict]:
     """((scales, their strides), the GEMV's SCALE (0 none, 1 a row, 2 a block), SCALE_BN, SCALE_BK) for w."""
     if not isinstance(w, Fp8Weight):
         return (w, 0, 0), {"SCALE": 0, "SCALE_BN": 1, "SCALE_BK": 1}
