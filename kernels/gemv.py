@@ -62,6 +62,8 @@ Weight = torch.Tensor | Fp8Weight
 _DOT_TILES = ((64, 128, 4, 2), (32, 256, 4, 2), (128, 128, 8, 2))
 _ONE_ROW_TILES = ((8, 512, 4, 0, 0), (4, 2048, 8, 0, 0), (8, 2048, 8, 0, 0), (1, 2048, 4, 8, 0),
                   (4, 2048, 4, 8, 0), (4, 2048, 4, 8, 168))
+
+
 def swiglu_linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
                       linear: Callable = F.linear) -> torch.Tensor:
     """silu_and_mul(linear(x, w, bias)) for w = [gate | up], unfused."""
