@@ -50,7 +50,7 @@ def planned_config(fold: str, x: torch.Tensor, w: Weight, bias: torch.Tensor | N
         if torch.cuda.is_current_stream_capturing():
             return None
         disk_key = (f"gemv {_stale_when(x.device)} fold {fold!r} rows {key[1]} w {w.shape[0]}x{w.shape[1]} {x.dtype} "
-                    f"bias {bias is not None}{_fp8_key(w)}")
+                    f"bias {bias is not None} fp8 {fp8_block(w)}")
         kept = _kept_choices().get(disk_key, False)  # False: never timed here; None: the unfused path won
         if kept is False:
             kept = fastest_config(fold, x.shape[0], w, bias, op)
@@ -112,7 +112,7 @@ def gemm_times(w: Weight, bias: torch.Tensor | None, dtype: torch.dtype,
         if torch.cuda.is_current_stream_capturing():
             return None
         n, k, _, has_bias, device, _ = key
-        disk_key = f"gemm rows {_stale_when(device)} w {n}x{k} {dtype} bias {has_bias}{_fp8_key(w)}"
+        disk_key = f"gemm rows {_stale_when(device)} w {n}x{k} {dtype} bias {has_bias} fp8 {fp8_block(w)}"
         kept = _kept_choices().get(disk_key)
         if kept is None:
             kept = _time_rows(w, bias, dtype, gemm)
@@ -166,10 +166,6 @@ def cold_copies(w: Weight, bias: torch.Tensor | None) -> list[tuple[Weight, torc
 
 def fp8_block(w: Weight) -> tuple[int, int] | None:
     return w.block if isinstance(w, Fp8Weight) else None
-
-
-def _fp8_key(w: Weight) -> str:
-    return f" fp8 block {w.block}" if isinstance(w, Fp8Weight) else ""
 
 
 def _stale_when(device: torch.device) -> str:
