@@ -2,9 +2,12 @@
 at a few row counts, alone and with the norm or SwiGLU before it folded in: the unfused path (cuBLAS alone, or
 that op's kernel then linear()'s pick) beside what kernels.linear picks, and paged decode attention at
 (batch, context, max_model_len) cases, max_model_len setting the grid as in the engine's graphs. One device
-call checks a kernel change before the engine's A/B (bench/PERF.md).
+call checks a kernel change before the engine's A/B (bench/PERF.md). With --fp8, the layers' linears again with
+FP8 weights (per output channel, or Qwen's 128 x 128 blocks), once per FP8_GEMM path of kernels/linear.py: the
+unfused time past 16 rows is that path's, so the rows 32..256 pick the many-rows path.
 
     python -m bench.kernels --rows 1 8 --attention 1:32:32768 256:512:2048
+    python -m bench.kernels --rows 1 4 16 64 128 256 --attention 1:32:32768 --fp8 channel
 """
 from __future__ import annotations
 
@@ -40,6 +43,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--attention", type=attention_case, nargs="+", default=ATTENTION_CASES,
                    help="decode attention cases, batch:context:max_model_len")
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size")
+    p.add_argument("--fp8", choices=["channel", "block"], default=None,
+                   help="also time the linears with FP8 weights: a scale per output channel, or per 128 x 128 block")
     p.add_argument("--out", default=str(RESULTS_DIR), help="folder the result JSON is written to")
     args = p.parse_args(argv)
     if min(args.rows) < 1:
@@ -68,18 +73,24 @@ def fold_inputs(fold: str, rows: int, k: int) -> tuple:
     return (rand(rows, k),)
 
 
-def time_linears(c: ModelConfig, rows: list[int]) -> list[dict]:
+def time_linears(c: ModelConfig, rows: list[int], fp8_block: tuple[int, int] | None = None) -> list[dict]:
     """Each linear alone and with the ops around it folded in: the unfused path (cuBLAS; the folded ops'
-    kernels around linear()'s pick) beside the one kernels.linear picks."""
+    kernels around linear()'s pick) beside the one kernels.linear picks; FP8 weights with fp8_block's scales
+    (the layers' linears: lm_head stays bf16)."""
     import torch
 
     from kernels import linear_plan
+    from kernels.fp8 import Fp8Weight, quantize
     from kernels.gemv import NormedInput
     from kernels.linear import choice, run_path
 
     results = []
     for name, (n, k, has_bias, folds) in linear_shapes(c).items():
+        if fp8_block and name == "lm_head":
+            continue
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+        if fp8_block:
+            w = Fp8Weight(*quantize(w, fp8_block), fp8_block)
         bias = torch.randn(n, device="cuda", dtype=torch.bfloat16) if has_bias else None
         for fold in folds:
             for m in rows:
@@ -88,7 +99,7 @@ def time_linears(c: ModelConfig, rows: list[int]) -> list[dict]:
                 config = choice(fold, x, w, bias)
                 op, copies = functools.partial(run_path, fold, x), linear_plan.cold_copies(w, bias)
                 unfused, chosen = linear_plan.op_us(op, copies, None), linear_plan.op_us(op, copies, config)
-                mb = n * k * 2 / 1e6  # MB per µs is TB/s
+                mb = n * k * (1 if fp8_block else 2) / 1e6  # MB per µs is TB/s
                 results.append({"linear": name, "fold": fold or "-", "rows": m, "weight_mb": mb,
                                 "unfused_us": unfused, "chosen_us": chosen, "chosen_tb_s": mb / chosen,
                                 "chosen": str(config) if config else "unfused (cuBLAS)"})
@@ -139,6 +150,15 @@ def main(argv: list[str] | None = None) -> int:
     print_table(f"linears of {args.model} in bf16, each in a CUDA graph over weights not in L2", numbers["linears"])
     print_table("decode attention per layer (one layer's cache; max_model_len sets the split grid)",
                 numbers["attention"])
+    if args.fp8:
+        from kernels import linear
+        from kernels.fp8 import PER_CHANNEL
+
+        block = PER_CHANNEL if args.fp8 == "channel" else (128, 128)
+        for path in ("scaled_mm", "triton", "dequant"):
+            linear.FP8_GEMM = path
+            numbers[f"fp8_{path}"] = time_linears(config, args.rows, block)
+            print_table(f"FP8 linears ({args.fp8} scales), unfused past 16 rows: {path}", numbers[f"fp8_{path}"])
     record("kernels", args, numbers)
     return 0
 

@@ -79,15 +79,15 @@ def main(argv: list[str] | None = None) -> int:
     dtype = dtype_name(args, config)
     rows = []
     for n, mine, theirs in zip(lens, ours, hf):
-        roof = roofline(config, dtype, args.copy_tbps, n, args.tensor_parallel_size)
+        roof = roofline(config, dtype, args.copy_tbps, n, args.tensor_parallel_size, args.quantization)
         rows.append({"prompt_len": n, **mine,
                      "hf_ttft_ms": theirs.get("ttft_ms"), "hf_tok_s": theirs.get("tok_s"),
                      "vs_hf": mine["tok_s"] / theirs["tok_s"] if theirs.get("tok_s") and mine["tok_s"] else None,
                      "roofline_ms": roof["roofline_ms"], "roofline_tok_s": roof["roofline_tok_s"],
                      "roofline_kv_tok_s": roof["roofline_kv_tok_s"],
                      "of_roofline": mine["tok_s"] / roof["roofline_tok_s"] if mine["tok_s"] else None})
-    name = "latency-eager" if args.enforce_eager else "latency"
-    print_table(f"{name}: batch 1, {args.max_tokens} new tokens, {args.model} {dtype}, "
+    name = ("latency-eager" if args.enforce_eager else "latency") + ("-fp8" if args.quantization else "")
+    print_table(f"{name}: batch 1, {args.max_tokens} new tokens, {args.model} {dtype} {args.quantization or ''}, "
                 f"roofline {roof['weight_gb']:.3f} GB of weights at {args.copy_tbps} TB/s "
                 "(roofline_kv: + the context's KV)", rows)
     record(name, args, {"rows": rows, "weight_gb": roof["weight_gb"]})

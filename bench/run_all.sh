@@ -5,6 +5,7 @@
 #   bash bench/run_all.sh                       # every step, in this order:
 #   bash bench/run_all.sh latency serving       # tests latency throughput trace startup serving profile
 #   bash bench/run_all.sh latency-eager kernels # not in the default run: the device returns 8 files at most
+#   bash bench/run_all.sh kernels-fp8 fp8       # FP8 weights (issue 33): the linears' paths; latency, throughput
 #
 # It fetches nothing. Python packages the machine lacks travel as wheels in .whl/ (carried) and are
 # installed from there. On a copied tree set BENCH_COMMIT=<hash>: results name it (the copy's .git may be stale).
@@ -43,6 +44,13 @@ for name in ${*:-tests latency throughput trace startup serving profile}; do
     serving) step serving 90 python3 -m bench.serving "${MODEL[@]}" ;;
     profile) step profile 120 python3 -m bench.profile "${MODEL[@]}" ;;
     kernels) step kernels 150 python3 -m bench.kernels --out "$OUT" ;;
+    kernels-fp8) step kernels-fp8 300 python3 -m bench.kernels --rows 1 4 16 64 128 256 --attention 1:32:32768 \
+                   --fp8 channel --out "$OUT" ;;
+    fp8) step latency-fp8 110 python3 -m bench.latency "${MODEL[@]}" --quantization fp8 --max-tokens 129 \
+         --prompt-lens 32 1024
+         step throughput-fp8 200 python3 -m bench.throughput "${MODEL[@]}" --quantization fp8
+         step latency-fp8-qwen3 110 python3 -m bench.latency --model qwen3-1.7b --load-format dummy --out "$OUT/qwen3" \
+           --quantization fp8 --max-tokens 129 --prompt-lens 32 1024 ;;
     latency-eager) step latency-eager 50 python3 -m bench.latency "${MODEL[@]}" --enforce-eager --prompt-lens 32 --max-tokens 65 --repeats 1 ;;
     # Batch-1 decode traced; merged here (idempotent) and only summary.txt kept: the device returns 8 files.
     trace) rm -rf /tmp/bench-trace
@@ -50,7 +58,8 @@ for name in ${*:-tests latency throughput trace startup serving profile}; do
              --trace-dir /tmp/bench-trace --out /tmp/bench-trace-results \
            && python3 -c "from protocol.tracing import merge_traces; merge_traces('/tmp/bench-trace')" \
            && cp /tmp/bench-trace/summary.txt "$OUT/trace_summary.txt" ;;
-    *) echo "unknown step '$name': use tests latency throughput trace startup serving profile latency-eager kernels"
+    *) echo "unknown step '$name': use tests latency throughput trace startup serving profile latency-eager kernels" \
+         "kernels-fp8 fp8"
        exit 2 ;;
   esac
 done

@@ -89,8 +89,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{sum(outputs)} tokens, {args.model}"
                 + (" (padding_waste: HF's share of computed tokens that were padding or overrun)"
                    if args.baseline else ""), rows)
-    record("throughput", args, {"rows": rows, "input_tokens": sum(map(len, prompts)),
-                                "output_tokens": sum(outputs)})
+    name = "throughput-fp8" if args.quantization else "throughput"
+    record(name, args, {"rows": rows, "input_tokens": sum(map(len, prompts)),
+                        "output_tokens": sum(outputs)})
     return 0
 
 

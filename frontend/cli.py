@@ -30,9 +30,11 @@ _MODEL_FLAGS = [
     ("--dtype", str, "weights and activations; auto: the checkpoint's"),
     ("--seed", int, "random seed of the engine (dummy weights, sampling)"),
     ("--max-model-len", int, "longest prompt + output in tokens (default: the model's own limit)"),
+    ("--quantization", str, "fp8: linear weights in float8 e4m3, a scale per output channel (FP8 checkpoints: set)"),
 ]
+# EngineConfig checks them again (tests keep the two in step).
 _CHOICES = {"--load-format": ("auto", "safetensors", "dummy"), "--dtype": ("auto", "float32", "float16", "bfloat16"),
-            "--device": ("auto", "cpu", "cuda")}  # EngineConfig checks them again (tests keep the two in step)
+            "--device": ("auto", "cpu", "cuda"), "--quantization": ("fp8",)}
 _ENGINE_FLAGS = [
     ("--device", str, "auto: cuda when there is one"),
     ("--gpu-memory-utilization", float, "fraction of the GPU's memory for weights, activations and KV cache"),

@@ -31,7 +31,8 @@ class LLM:
     num_kv_blocks: a fixed KV cache size (default: from gpu_memory_utilization, the GPU's share to use);
     enable_prefix_caching: reuse the KV of shared prompt prefixes; tensor_parallel_size: GPUs to shard over;
     enforce_eager: no CUDA graphs; trace_dir: write a Perfetto trace there; max_waiting_requests: bound of
-    the waiting queue; step_timeout: seconds without progress before the engine counts as dead.
+    the waiting queue; step_timeout: seconds without progress before the engine counts as dead;
+    quantization "fp8": linear weights in float8 e4m3, one scale per output channel (an FP8 checkpoint sets it).
     """
 
     def __init__(self, model: str, *, device: str = "auto", dtype: str = "auto", load_format: str = "auto",
@@ -39,7 +40,8 @@ class LLM:
                  max_num_batched_tokens: int = 8192, block_size: int = 16, num_kv_blocks: int | None = None,
                  gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
                  tensor_parallel_size: int = 1, enforce_eager: bool = False, trace_dir: str | None = None,
-                 max_waiting_requests: int = 4096, step_timeout: float = 60.0) -> None:
+                 max_waiting_requests: int = 4096, step_timeout: float = 60.0,
+                 quantization: str | None = None) -> None:
         # Every parameter is an EngineConfig field of the same name (a test keeps the two in step).
         config = resolve_config(EngineConfig(**{k: v for k, v in locals().items() if k != "self"}))
         self.client = EngineClient(config)

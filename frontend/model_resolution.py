@@ -39,6 +39,9 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
     """Resolve the model name once, here, so that child processes start from files and numbers."""
     model_config, model_path = resolve_model(config.model, config.load_format)
     check_tp_size(model_config, config.tensor_parallel_size)
+    if model_config.quantization:  # an FP8 checkpoint runs as FP8
+        config.quantization = model_config.quantization
+    model_config.quantization = config.quantization
     if config.device == "cuda":
         _check_gpus(config.tensor_parallel_size)
     if config.trace_dir is not None:
@@ -185,7 +188,7 @@ def config_from_dir(model_dir: str | Path) -> ModelConfig:
     architecture = _check_supported(cfg, path)
     hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     rope = cfg.get("rope_parameters") or {}
-    scaling = _rope_scaling(cfg)
+    scaling, block = _rope_scaling(cfg), _fp8_block_size(cfg, path)
     return ModelConfig(
         hidden_size=hidden, intermediate_size=cfg["intermediate_size"],
         num_hidden_layers=cfg["num_hidden_layers"], num_attention_heads=heads,
@@ -198,6 +201,7 @@ def config_from_dir(model_dir: str | Path) -> ModelConfig:
         torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
         eos_token_ids=_eos_ids(Path(model_dir), cfg), architecture=architecture,
         rope_scaling=None if scaling is None else {k: scaling[k] for k in _LLAMA3_KEYS} | {"rope_type": "llama3"},
+        quantization="fp8" if block else None, weight_block_size=block,
     )
 
 
@@ -218,13 +222,29 @@ def _check_supported(cfg: dict, path: Path) -> str:
     if archs[0] != "Qwen2ForCausalLM" and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
         raise ValueError(f"{path}: attention_bias / mlp_bias true is not supported for {archs[0]}: "
                          "use a checkpoint without biases (as the published ones)")
-    if cfg.get("quantization_config"):
-        method = cfg["quantization_config"].get("quant_method", "unknown")
-        raise ValueError(f"{path}: a quantized model (quant_method={method!r}) is not supported: Pico-vLLM runs "
-                         "float32/float16/bfloat16 weights; use the unquantized checkpoint "
-                         "(e.g. Qwen/Qwen2.5-1.5B-Instruct)")
+    _fp8_block_size(cfg, path)
     _rope_scaling(cfg, path)
     return archs[0]
+
+
+def _fp8_block_size(cfg: dict, path: Path) -> list[int] | None:
+    """An FP8 checkpoint's weight_block_size (Qwen's format), None unquantized; a clear error for other schemes."""
+    quant = cfg.get("quantization_config")
+    if not quant:
+        return None
+    method, block = quant.get("quant_method", "unknown"), quant.get("weight_block_size")
+    if method != "fp8":
+        raise ValueError(f"{path}: quant_method={method!r} is not supported: Pico-vLLM runs FP8 checkpoints "
+                         "(quant_method 'fp8', block-quantized as Qwen's) and float32/float16/bfloat16 ones (with "
+                         "quantization='fp8' to quantize them at load); use one of those")
+    good_block = (isinstance(block, list) and len(block) == 2 and block[0] >= 1 and block[1] >= 16
+                  and block[1] & (block[1] - 1) == 0)
+    if quant.get("fmt", "e4m3") != "e4m3" or quant.get("activation_scheme", "dynamic") != "dynamic" or not good_block:
+        raise ValueError(f"{path}: this FP8 checkpoint (fmt={quant.get('fmt')!r}, activation_scheme="
+                         f"{quant.get('activation_scheme')!r}, weight_block_size={block!r}) is not supported: "
+                         "Pico-vLLM runs e4m3 weights with dynamic activations and weight_block_size [rows, columns] "
+                         "(columns a power of two >= 16), as Qwen publishes them")
+    return list(block)
 
 
 def _rope_scaling(cfg: dict, path: Path | None = None) -> dict | None:

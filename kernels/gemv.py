@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from kernels.activation import silu_and_mul
+from kernels.fp8 import Fp8Weight, fp8_dot, fp8_row_sums, fp8_scale_args, fp8_scales, fp8_tiles, fp8_to_f32
 from kernels.norm import add_rms_norm, rms_norm
 from kernels.pdl import pdl_enabled, pdl_launch
 
@@ -31,6 +32,7 @@ class GemvConfig:
     one_row: bool = False  # _gemv_row_kernel: x of exactly one row, split_k 1
     per_sm: int = 0  # one_row: programs per SM, each walking output blocks in turn; 0: a program a block
     max_regs: int = 0  # ptxas's register cap (maxnreg); 0: its own choice
+    block_m: int = BLOCK_M  # the dot kernel's rows a program (more: a weight-only GEMM for many rows)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +55,7 @@ class NormedInput:
 
 
 Input = torch.Tensor | NormedInput
+Weight = torch.Tensor | Fp8Weight
 
 # Candidates timed per shape (kernels/linear_plan.py). Dot: (block_n, block_k, num_warps, programs per SM, which
 # sets split-K). One-row: (block_n, block_k, num_warps, per_sm, max_regs).
@@ -125,8 +128,9 @@ def _epilogue(acc, acc_up, sumsq, out_ptr, bias_ptr, sumsq_ptr, offs_m, offs_n, 
 
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, w_ptr, bias_ptr, out_ptr, sumsq_ptr, M, N, K,
-                 k_per_split, eps, stride_xm, stride_xk, stride_wn, stride_wk, NORM: tl.constexpr,
-                 HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, SWIGLU: tl.constexpr,
+                 k_per_split, eps, stride_xm, stride_xk, stride_wn, stride_wk, scale_ptr, stride_sn, stride_sk,
+                 NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
+                 SWIGLU: tl.constexpr, SCALE: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     # Program (n, s, m): a BLOCK_M x BLOCK_N tile of the output over split s of K.
     if PDL:
@@ -140,6 +144,7 @@ def _gemv_kernel(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, w_ptr, bias_ptr, out_p
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    s, s_up = fp8_scales(scale_ptr, offs_n, k_start, N, stride_sn, stride_sk, SWIGLU, SCALE, SCALE_BN, SCALE_BK)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         offs_x = offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
@@ -147,20 +152,24 @@ def _gemv_kernel(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, w_ptr, bias_ptr, out_p
                         (offs_m[:, None] < M) & (offs_k[None, :] < K), K, pid_n == 0, NORM, HAS_RESIDUAL)
         if NORM:
             sumsq += tl.sum(sq, axis=1)
+        if SCALE == 2:  # block scales: this K tile lies in one block
+            s, s_up = fp8_scales(scale_ptr, offs_n, k0, N, stride_sn, stride_sk, SWIGLU, SCALE, SCALE_BN, SCALE_BK)
         w_mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
-        w = tl.load(w_rows + offs_k[:, None] * stride_wk, mask=w_mask, other=0.0)
-        acc += tl.dot(x.to(w.dtype), w)
+        acc += fp8_dot(x, tl.load(w_rows + offs_k[:, None] * stride_wk, mask=w_mask, other=0.0), s, x_ptr, SCALE)
         if SWIGLU:
             w_up = tl.load(w_rows + N * stride_wn + offs_k[:, None] * stride_wk, mask=w_mask, other=0.0)
-            acc_up += tl.dot(x.to(w.dtype), w_up)
+            acc_up += fp8_dot(x, w_up, s_up, x_ptr, SCALE)
+    if SCALE == 1:
+        acc, acc_up = acc * s[None, :], acc_up * s_up[None, :]
     _epilogue(acc, acc_up, sumsq, out_ptr, bias_ptr, sumsq_ptr, offs_m, offs_n, pid_n, pid_k, M, N, K, eps, NORM,
               HAS_BIAS, PARTIAL, SWIGLU)
 
 
 @triton.jit
 def _gemv_row_kernel(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, w_ptr, bias_ptr, out_ptr, N, K, k_tiles, eps,
-                     stride_xk, stride_wn, stride_wk, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, WHOLE_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                     stride_xk, stride_wn, stride_wk, scale_ptr, stride_sn, stride_sk, NORM: tl.constexpr,
+                     HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, SCALE: tl.constexpr,
+                     SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, WHOLE_K: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     # Program p takes output blocks p, p + G, ... and walks their K tiles as one loop, loading the next tile while
     # it multiplies this one; products are reduced once a block, so loads never wait on a reduction.
@@ -168,7 +177,8 @@ def _gemv_row_kernel(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, w_ptr, bias_ptr, o
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     total = tl.cdiv(tl.cdiv(N, BLOCK_N) - pid, num_programs) * k_tiles
-    w, w_up = _load_w_tiles(w_ptr, pid, 0, N, K, stride_wn, stride_wk, SWIGLU, BLOCK_N, BLOCK_K)
+    w, w_up, s, s_up = _load_w_tiles(w_ptr, pid, 0, N, K, stride_wn, stride_wk, scale_ptr, stride_sn, stride_sk,
+                                     SCALE, SCALE_BN, SCALE_BK, SWIGLU, BLOCK_N, BLOCK_K)
     if PDL:
         tl.extra.cuda.gdc_wait()
     if WHOLE_K:  # x's one tile serves every block
@@ -178,36 +188,39 @@ def _gemv_row_kernel(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, w_ptr, bias_ptr, o
         x = x.to(tl.float32)[None, :]
         sumsq = tl.zeros([1], dtype=tl.float32) + tl.sum(sq, axis=0)
         for i in range(total):
-            w_next, w_up_next = _load_w_tiles(w_ptr, pid + (i + 1) * num_programs, 0, N, K, stride_wn, stride_wk,
-                                              SWIGLU, BLOCK_N, BLOCK_K)
-            _store_block(tl.sum(w.to(tl.float32) * x, axis=1), tl.sum(w_up.to(tl.float32) * x, axis=1), sumsq,
-                         out_ptr, bias_ptr, pid + i * num_programs, N, K, eps, NORM, HAS_BIAS, SWIGLU, BLOCK_N)
-            w, w_up = w_next, w_up_next
+            w_next, w_up_next, s_next, s_up_next = _load_w_tiles(
+                w_ptr, pid + (i + 1) * num_programs, 0, N, K, stride_wn, stride_wk, scale_ptr, stride_sn, stride_sk,
+                SCALE, SCALE_BN, SCALE_BK, SWIGLU, BLOCK_N, BLOCK_K)
+            _store_block(fp8_row_sums(fp8_to_f32(w, s, SCALE) * x, s, SCALE),
+                         fp8_row_sums(fp8_to_f32(w_up, s_up, SCALE) * x, s_up, SCALE), sumsq, out_ptr, bias_ptr,
+                         pid + i * num_programs, N, K, eps, NORM, HAS_BIAS, SWIGLU, BLOCK_N)
+            w, w_up, s, s_up = w_next, w_up_next, s_next, s_up_next
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         sq_acc = tl.zeros([BLOCK_K], dtype=tl.float32)
         for i in range(total):
-            w_next, w_up_next = _load_w_tiles(w_ptr, pid + (i + 1) // k_tiles * num_programs, (i + 1) % k_tiles, N,
-                                              K, stride_wn, stride_wk, SWIGLU, BLOCK_N, BLOCK_K)
+            w_next, w_up_next, s_next, s_up_next = _load_w_tiles(
+                w_ptr, pid + (i + 1) // k_tiles * num_programs, (i + 1) % k_tiles, N, K, stride_wn, stride_wk,
+                scale_ptr, stride_sn, stride_sk, SCALE, SCALE_BN, SCALE_BK, SWIGLU, BLOCK_N, BLOCK_K)
             k_tile = i % k_tiles
             offs_k = k_tile * BLOCK_K + tl.arange(0, BLOCK_K)
             x, sq = _load_x(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, offs_k * stride_xk, offs_k, offs_k < K, K,
                             (pid == 0) & (i < k_tiles), NORM, HAS_RESIDUAL)
             x = x.to(tl.float32)[None, :]
-            acc += w.to(tl.float32) * x
+            acc += fp8_to_f32(w, s, SCALE) * x
             if SWIGLU:
-                acc_up += w_up.to(tl.float32) * x
+                acc_up += fp8_to_f32(w_up, s_up, SCALE) * x
             if NORM:
                 sq_acc += sq
-            w, w_up = w_next, w_up_next
             if k_tile == k_tiles - 1:  # the block's sums hold all of K
-                _store_block(tl.sum(acc, axis=1), tl.sum(acc_up, axis=1),
+                _store_block(fp8_row_sums(acc, s, SCALE), fp8_row_sums(acc_up, s_up, SCALE),
                              tl.zeros([1], dtype=tl.float32) + tl.sum(sq_acc, axis=0), out_ptr, bias_ptr,
                              pid + i // k_tiles * num_programs, N, K, eps, NORM, HAS_BIAS, SWIGLU, BLOCK_N)
                 acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
                 acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
                 sq_acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+            w, w_up, s, s_up = w_next, w_up_next, s_next, s_up_next
 
 
 @triton.jit
@@ -219,9 +232,10 @@ def _store_block(sums, sums_up, sumsq, out_ptr, bias_ptr, block, N, K, eps, NORM
 
 
 @triton.jit
-def _load_w_tiles(w_ptr, block, k_tile, N, K, stride_wn, stride_wk, SWIGLU: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
-    # W's tile of output block `block` (and the up rows'); a block past the last loads nothing (masked).
+def _load_w_tiles(w_ptr, block, k_tile, N, K, stride_wn, stride_wk, scale_ptr, stride_sn, stride_sk,
+                  SCALE: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, SWIGLU: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # W's tile of output block `block` (and the up rows'), with their scales; a block past the last loads nothing.
     offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = k_tile * BLOCK_K + tl.arange(0, BLOCK_K)
     ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :] * stride_wk
@@ -230,7 +244,9 @@ def _load_w_tiles(w_ptr, block, k_tile, N, K, stride_wn, stride_wk, SWIGLU: tl.c
     w_up = w
     if SWIGLU:
         w_up = tl.load(ptrs + N * stride_wn, mask=mask, other=0.0)
-    return w, w_up
+    s, s_up = fp8_scales(scale_ptr, offs_n, k_tile * BLOCK_K, N, stride_sn, stride_sk, SWIGLU, SCALE, SCALE_BN,
+                      SCALE_BK)
+    return w, w_up, s, s_up
 
 
 @triton.jit(do_not_specialize=["MN", "SPLIT_K"])
@@ -252,10 +268,11 @@ def _split_k_reduce_kernel(part_ptr, sumsq_ptr, bias_ptr, out_ptr, MN, N, K, SPL
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def gemv_triton(x: Input, w: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig,
+def gemv_triton(x: Input, w: Weight, bias: torch.Tensor | None, config: GemvConfig,
                 swiglu: bool = False) -> torch.Tensor:
     """F.linear(x, w, bias) by the Triton GEMV, SwiGLU after it with swiglu; a NormedInput's norm runs in its loads
-    (the new residual written into residual_out). A plain x may be a strided view; the output is contiguous."""
+    (the new residual written into residual_out). A plain x may be a strided view; the output is contiguous. An
+    Fp8Weight is read as e4m3 and scaled in registers (weight-only: x stays in its dtype)."""
     residual = norm_weight = new_res = None
     eps = 0.0
     if isinstance(x, NormedInput):
@@ -263,6 +280,8 @@ def gemv_triton(x: Input, w: torch.Tensor, bias: torch.Tensor | None, config: Ge
         if x.residual is not None:
             residual, new_res = x.residual.contiguous(), x.residual_out
         x = x.x.contiguous()  # the residual, new residual and x share one layout
+    scale_args, scale_meta = fp8_scale_args(w, config, swiglu)
+    w = w.weight if isinstance(w, Fp8Weight) else w
     (n, k), m, cfg = w.shape, x.shape[0], config
     if x.shape[1] != k:
         raise ValueError(f"x has {x.shape[1]} columns for a weight of {k}: pass x[M, K] for w[N, K]")
@@ -281,19 +300,19 @@ def gemv_triton(x: Input, w: torch.Tensor, bias: torch.Tensor | None, config: Ge
     pointers = (x, _or_w(residual, w), _or_w(norm_weight, w), _or_w(new_res, w), w, _or_w(bias, w), target)
     meta = dict(NORM=norm, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None and not partial,
                 SWIGLU=swiglu, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=pdl_enabled(x.device),
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **scale_meta)
     if cfg.max_regs:
         meta["maxnreg"] = cfg.max_regs
     if cfg.one_row:
         blocks, k_tiles = triton.cdiv(n_out, cfg.block_n), triton.cdiv(k, cfg.block_k)
         grid = min(blocks, cfg.per_sm * num_sms(x.device)) if cfg.per_sm else blocks
         _gemv_row_kernel[(grid,)](*pointers, n_out, k, k_tiles, eps, x.stride(1), w.stride(0), w.stride(1),
-                                  WHOLE_K=k_tiles == 1, **meta, **pdl_launch(x.device))
+                                  *scale_args, WHOLE_K=k_tiles == 1, **meta, **pdl_launch(x.device))
     else:
-        grid = (triton.cdiv(n_out, cfg.block_n), cfg.split_k, triton.cdiv(m, BLOCK_M))
+        grid = (triton.cdiv(n_out, cfg.block_n), cfg.split_k, triton.cdiv(m, cfg.block_m))
         k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
         _gemv_kernel[grid](*pointers, sumsq, m, n_out, k, k_per_split, eps, x.stride(0), x.stride(1), w.stride(0),
-                           w.stride(1), PARTIAL=partial, BLOCK_M=BLOCK_M, **meta)
+                           w.stride(1), *scale_args, PARTIAL=partial, BLOCK_M=cfg.block_m, **meta)
     if partial:
         _split_k_reduce_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](
             target, sumsq, _or_w(bias, w), out, m * n, n, k, cfg.split_k, eps, NORM=norm, HAS_BIAS=bias is not None,
@@ -305,18 +324,21 @@ def _or_w(t: torch.Tensor | None, w: torch.Tensor) -> torch.Tensor:
     return w if t is None else t
 
 
-def candidate_configs(n: int, k: int, num_sms: int, rows: int = GEMV_MAX_M, swiglu: bool = False) -> list[GemvConfig]:
-    """Tile shapes worth timing for an [n, k] weight and x of `rows` rows (the one-row kernel's too for 1); a
-    dot tile's K is split until it has its programs per SM (never with swiglu: its epilogue needs all of K)."""
+def candidate_configs(n: int, k: int, num_sms: int, rows: int = GEMV_MAX_M, swiglu: bool = False,
+                      fp8_block: tuple[int, int] | None = None) -> list[GemvConfig]:
+    """Tile shapes worth timing for an [n, k] weight (FP8 with scales of fp8_block) and x of `rows` rows (the
+    one-row kernel's too for 1); a dot tile's K is split until it has its programs per SM (never with swiglu:
+    its epilogue needs all of K)."""
+    dot_tiles, one_row_tiles = fp8_tiles(fp8_block) if fp8_block else (_DOT_TILES, _ONE_ROW_TILES)
     configs = []
-    for block_n, block_k, warps, per_sm in _DOT_TILES:
+    for block_n, block_k, warps, per_sm in dot_tiles:
         chunks = triton.cdiv(k, block_k)
         wanted = triton.cdiv(per_sm * num_sms, triton.cdiv(n, block_n))
         per_split = chunks if swiglu else max(1, chunks // wanted)  # whole chunks a split: >= `wanted` splits
         configs.append(GemvConfig(block_n, block_k, triton.cdiv(chunks, per_split), warps))
     if rows == 1:
         configs += [GemvConfig(block_n, block_k, 1, warps, one_row=True, per_sm=per_sm, max_regs=regs)
-                    for block_n, block_k, warps, per_sm, regs in _ONE_ROW_TILES]
+                    for block_n, block_k, warps, per_sm, regs in one_row_tiles]
     return configs
 
 

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 import triton
 from triton.runtime.errors import OutOfResources
 
-from kernels.gemv import GEMV_MAX_M, GemvConfig, candidate_configs, num_sms
+from kernels.fp8 import Fp8Weight
+from kernels.gemv import GEMV_MAX_M, GemvConfig, Weight, candidate_configs, num_sms
 from protocol.config import cache_root
 
 GRAPH_CALLS = 32  # timed calls in one CUDA graph
@@ -31,24 +32,25 @@ MARGIN = 0.97  # a faster path must save 3%: timing noise must not flip a shape
 PAD_STEP = 8  # decode graphs hold multiples of 8 rows past 8 (worker/cuda_graphs.py)
 PAD_MAX_ROWS = 256  # max_num_seqs' default: the largest decode graph, hence the rows worth timing
 FILE_NAME = "kernel-choices-v1.json"
-_SOURCES = ("linear.py", "linear_plan.py", "gemv.py")  # beside this file
+_SOURCES = ("linear.py", "linear_plan.py", "gemv.py", "fp8.py")  # beside this file
 
-Op = Callable[[torch.Tensor, torch.Tensor | None, GemvConfig | None], object]  # (w, bias, config; None: unfused)
+Op = Callable[[Weight, torch.Tensor | None, GemvConfig | None], object]  # (w, bias, config; None: unfused)
+Gemm = Callable[[torch.Tensor, Weight, torch.Tensor | None], torch.Tensor]
 log = logging.getLogger("pico_vllm.kernels")
-_CHOICES: dict[tuple, GemvConfig | None] = {}  # (fold, rows bucket, N, K, dtype, has bias, device) -> config
-_GEMM_TIMES: dict[tuple, dict[int, float]] = {}  # (N, K, dtype, has bias, device) -> {rows: µs of F.linear}
+_CHOICES: dict[tuple, GemvConfig | None] = {}  # (fold, rows bucket, N, K, dtype, has bias, device, fp8) -> config
+_GEMM_TIMES: dict[tuple, dict[int, float]] = {}  # (N, K, dtype, has bias, device, fp8) -> {rows: µs of the GEMM}
 
 
-def planned_config(fold: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+def planned_config(fold: str, x: torch.Tensor, w: Weight, bias: torch.Tensor | None,
                    op: Op) -> GemvConfig | None:
     """The config for this fold and shape: from memory, the disk cache, else timed (and kept); None while capturing
     a shape not timed yet."""
-    key = (fold, triton.next_power_of_2(x.shape[0]), *w.shape, x.dtype, bias is not None, x.device)
+    key = (fold, triton.next_power_of_2(x.shape[0]), *w.shape, x.dtype, bias is not None, x.device, fp8_block(w))
     if key not in _CHOICES:
         if torch.cuda.is_current_stream_capturing():
             return None
         disk_key = (f"gemv {_stale_when(x.device)} fold {fold!r} rows {key[1]} w {w.shape[0]}x{w.shape[1]} {x.dtype} "
-                    f"bias {bias is not None}")
+                    f"bias {bias is not None} fp8 {fp8_block(w)}")
         kept = _kept_choices().get(disk_key, False)  # False: never timed here; None: the unfused path won
         if kept is False:
             kept = fastest_config(fold, x.shape[0], w, bias, op)
@@ -59,7 +61,7 @@ def planned_config(fold: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tens
     return _CHOICES[key]
 
 
-def fastest_config(fold: str, rows: int, w: torch.Tensor, bias: torch.Tensor | None, op: Op) -> GemvConfig | None:
+def fastest_config(fold: str, rows: int, w: Weight, bias: torch.Tensor | None, op: Op) -> GemvConfig | None:
     """Times the unfused path and each candidate config; None unless a candidate is faster by the margin."""
     try:
         copies = cold_copies(w, bias)
@@ -68,7 +70,7 @@ def fastest_config(fold: str, rows: int, w: torch.Tensor, bias: torch.Tensor | N
         log.warning("no memory to time the GEMV candidates for %s: cuBLAS", tuple(w.shape))
         return None
     best, best_us = None, unfused_us * MARGIN
-    for config in candidate_configs(*w.shape, num_sms(w.device), rows, fold.endswith("swiglu")):
+    for config in candidate_configs(*w.shape, num_sms(w.device), rows, fold.endswith("swiglu"), fp8_block(w)):
         try:
             us = op_us(op, copies, config)
         except OutOfResources:  # a tile too big for this GPU's shared memory: not a candidate here
@@ -81,18 +83,18 @@ def fastest_config(fold: str, rows: int, w: torch.Tensor, bias: torch.Tensor | N
     return best
 
 
-def op_us(op: Op, copies: list[tuple[torch.Tensor, torch.Tensor | None]], config: GemvConfig | None) -> float:
+def op_us(op: Op, copies: list[tuple[Weight, torch.Tensor | None]], config: GemvConfig | None) -> float:
     """µs a call of op by this config over the weight copies in turn, in a CUDA graph."""
     return graph_us([functools.partial(op, w, bias, config) for w, bias in copies])
 
 
-def padded_rows(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> int:
-    """The rows to run x @ w^T (+ bias) on with cuBLAS: x's own, or more where that was timed faster (its time is
+def padded_rows(x: torch.Tensor, w: Weight, bias: torch.Tensor | None, gemm: Gemm = F.linear) -> int:
+    """The rows to run gemm(x, w, bias) (cuBLAS) on: x's own, or more where that was timed faster (its time is
     not monotone in the rows)."""
     m = x.shape[0]
     if not (x.is_cuda and GEMV_MAX_M < m <= PAD_MAX_ROWS and m % PAD_STEP == 0):
         return m
-    times = gemm_times(w, bias, x.dtype)
+    times = gemm_times(w, bias, x.dtype, gemm)
     return fastest_rows(times, m) if times else m
 
 
@@ -102,23 +104,24 @@ def fastest_rows(times: dict[int, float], m: int) -> int:
     return best if m in times and times[best] < MARGIN * times[m] else m
 
 
-def gemm_times(w: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> dict[int, float] | None:
-    """µs of F.linear at each padded row count for this weight, timed once and kept; None while capturing."""
-    key = (*w.shape, dtype, bias is not None, w.device)
+def gemm_times(w: Weight, bias: torch.Tensor | None, dtype: torch.dtype,
+               gemm: Gemm = F.linear) -> dict[int, float] | None:
+    """µs of gemm at each padded row count for this weight, timed once and kept; None while capturing."""
+    key = (*w.shape, dtype, bias is not None, w.device, fp8_block(w))
     if key not in _GEMM_TIMES:
         if torch.cuda.is_current_stream_capturing():
             return None
-        n, k, _, has_bias, device = key
-        disk_key = f"gemm rows {_stale_when(device)} w {n}x{k} {dtype} bias {has_bias}"
+        n, k, _, has_bias, device, _ = key
+        disk_key = f"gemm rows {_stale_when(device)} w {n}x{k} {dtype} bias {has_bias} fp8 {fp8_block(w)}"
         kept = _kept_choices().get(disk_key)
         if kept is None:
-            kept = _time_rows(w, bias, dtype)
+            kept = _time_rows(w, bias, dtype, gemm)
             save_choice(disk_key, kept)
         _GEMM_TIMES[key] = {int(rows): us for rows, us in kept.items()}
     return _GEMM_TIMES[key]
 
 
-def _time_rows(w: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> dict[str, float]:
+def _time_rows(w: Weight, bias: torch.Tensor | None, dtype: torch.dtype, gemm: Gemm) -> dict[str, float]:
     try:
         copies = cold_copies(w, bias)
     except torch.OutOfMemoryError:
@@ -127,7 +130,7 @@ def _time_rows(w: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -
     times = {}
     for rows in range((GEMV_MAX_M // PAD_STEP + 1) * PAD_STEP, PAD_MAX_ROWS + 1, PAD_STEP):
         x = torch.randn(rows, w.shape[1], dtype=dtype, device=w.device)
-        times[str(rows)] = graph_us([functools.partial(F.linear, x, c, b) for c, b in copies])
+        times[str(rows)] = graph_us([functools.partial(gemm, x, c, b) for c, b in copies])
     return times
 
 
@@ -152,12 +155,17 @@ def graph_us(calls: list[Callable[[], object]]) -> float:
     return 1000 * statistics.median(times) / GRAPH_CALLS
 
 
-def cold_copies(w: torch.Tensor, bias: torch.Tensor | None) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+def cold_copies(w: Weight, bias: torch.Tensor | None) -> list[tuple[Weight, torch.Tensor | None]]:
     """w (and bias) and enough clones that together they are over twice L2: called in turn, each reads from HBM."""
     l2_bytes = getattr(torch.cuda.get_device_properties(w.device), "L2_cache_size", 64 << 20)
-    count = min(MAX_COPIES, -(-2 * l2_bytes // (w.numel() * w.element_size())))
+    values = w.weight if isinstance(w, Fp8Weight) else w
+    count = min(MAX_COPIES, -(-2 * l2_bytes // (values.numel() * values.element_size())))
     clones = [(w.clone(), None if bias is None else bias.clone()) for _ in range(count - 1)]
     return [(w, bias), *clones]
+
+
+def fp8_block(w: Weight) -> tuple[int, int] | None:
+    return w.block if isinstance(w, Fp8Weight) else None
 
 
 def _stale_when(device: torch.device) -> str:

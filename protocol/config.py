@@ -35,6 +35,8 @@ class ModelConfig:
     architecture: str = "Qwen2ForCausalLM"  # one of ARCHITECTURES
     # llama3 RoPE scaling: factor, low_freq_factor, high_freq_factor, original_max_position_embeddings; or None.
     rope_scaling: dict | None = None
+    quantization: str | None = None  # "fp8": linear weights in e4m3 (EngineConfig's, or the checkpoint's)
+    weight_block_size: list[int] | None = None  # an FP8 checkpoint's scale block [rows, columns]; None: per channel
 
     @classmethod
     def from_dict(cls, d: dict) -> ModelConfig:
@@ -62,6 +64,7 @@ class EngineConfig:
     max_waiting_requests: int = 4096
     step_timeout: float = 60.0
     allow_remote_shutdown: bool = False  # Shutdown from any frontend, not only the one that started the engine
+    quantization: str | None = None  # "fp8": e4m3 linear weights (set by resolution for an FP8 checkpoint)
     # Filled in by resolution at launch, so that child processes need not resolve again.
     model_path: str | None = None
     model_config: ModelConfig | None = None
@@ -93,6 +96,8 @@ _ENGINE_RULES = (  # field, valid, fix
     ("step_timeout", lambda v: v > 0, "use a positive number of seconds"),
     ("seed", lambda v: isinstance(v, int) and 0 <= v < 2**63, "use an integer in [0, 2**63)"),
     ("max_waiting_requests", lambda v: v >= 1, "use 1 or more"),
+    ("quantization", lambda v: v in (None, "fp8"), "use 'fp8' (weights quantized per output channel at load), or "
+     "leave it unset"),
 )
 
 

@@ -81,3 +81,50 @@ def make_checkpoint(out_dir: str | Path, *, hidden_size: int = 64, num_layers: i
 
 def read_config(path: Path) -> dict:
     return json.loads((Path(path) / "config.json").read_text())
+
+
+def quantize_fp8_reference(w: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(e4m3 values, float32 scales, the dequantized float32 weight) of w: each block of rows x cols by its amax /
+    448 (Qwen's FP8 and our per-channel quantization, block 1 x K); a loop, independent of kernels/fp8.py."""
+    n, k = w.shape
+    values, deq = torch.empty(n, k, dtype=torch.float8_e4m3fn), torch.empty(n, k)
+    scales = torch.empty(-(-n // rows), -(-k // cols))
+    for i in range(0, n, rows):
+        for j in range(0, k, cols):
+            block = w[i:i + rows, j:j + cols].float()
+            scale = block.abs().max().clamp(min=1e-12) / 448.0
+            values[i:i + rows, j:j + cols] = (block / scale).to(torch.float8_e4m3fn)
+            deq[i:i + rows, j:j + cols] = values[i:i + rows, j:j + cols].float() * scale
+            scales[i // rows, j // cols] = scale
+    return values, scales, deq
+
+
+def fp8_checkpoints(src: Path, out_dir: Path, block: list[int] | None = None) -> tuple[Path, Path | None]:
+    """(a float twin of src whose linear weights are FP8-quantized then dequantized, an FP8 checkpoint of the
+    same values in Qwen's format: e4m3 weights, weight_scale_inv, quantization_config); block None: per output
+    channel, and no FP8 checkpoint (per-channel FP8 is quantized at load)."""
+    from safetensors.torch import load_file, save_file
+
+    twin, fp8 = Path(out_dir) / "twin", Path(out_dir) / "fp8"
+    tensors = {}
+    for file in Path(src).glob("*.safetensors"):
+        tensors.update(load_file(file))
+    deq, quantized = dict(tensors), dict(tensors)
+    for name, w in tensors.items():
+        if name.endswith("_proj.weight"):
+            rows, cols = block or (1, w.shape[1])
+            values, scales, deq[name] = quantize_fp8_reference(w, rows, cols)
+            quantized[name], quantized[name + "_scale_inv"] = values, scales
+    for out, weights in [(twin, deq)] + [(fp8, quantized)] * bool(block):
+        out.mkdir(parents=True)
+        for file in Path(src).iterdir():
+            if file.suffix != ".safetensors" and file.name != "model.safetensors.index.json":
+                (out / file.name).write_bytes(file.read_bytes())
+        save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    if not block:
+        return twin, None
+    config = read_config(fp8)
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": block}
+    (fp8 / "config.json").write_text(json.dumps(config))
+    return twin, fp8

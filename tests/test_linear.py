@@ -155,7 +155,7 @@ def test_fastest_rows_pads_only_to_a_timed_row_count_faster_by_the_margin():
 def test_a_padded_norm_linear_runs_its_gemm_on_the_padded_rows_and_returns_the_steps(monkeypatch):
     gemm_rows = []
     monkeypatch.setitem(lin.UNFUSED, "", lambda x, w, b=None: gemm_rows.append(x.shape[0]) or F.linear(x, w, b))
-    monkeypatch.setattr(plan, "padded_rows", lambda x, w, bias: x.shape[0] + 8)
+    monkeypatch.setattr(plan, "padded_rows", lambda x, w, bias, gemm: x.shape[0] + 8)
     x, residual, norm_w, w, bias = torch.randn(3, 24), torch.randn(3, 24), torch.rand(24), torch.randn(8, 24), None
     for res in (residual, None):
         out, new_residual = norm_linear(x, res, norm_w, 1e-6, w, bias)
@@ -170,7 +170,8 @@ def test_gemm_row_times_are_timed_once_kept_on_disk_and_never_while_capturing(mo
     monkeypatch.setattr(plan, "_GEMM_TIMES", {})
     timed, capturing = [], [True]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
-    monkeypatch.setattr(plan, "_time_rows", lambda w, bias, dtype: timed.append(w.shape) or {"24": 2.0, "32": 1.0})
+    monkeypatch.setattr(plan, "_time_rows",
+                        lambda w, bias, dtype, gemm: timed.append(w.shape) or {"24": 2.0, "32": 1.0})
     w = torch.randn(8, 24)
     assert plan.gemm_times(w, None, torch.float32) is None and timed == []
     capturing[0] = False

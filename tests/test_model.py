@@ -94,6 +94,18 @@ def build_model(model_dir: str | Path, tp_rank: int = 0, tp_size: int = 1) -> Qw
     return model.eval()
 
 
+def dummy_bf16_cuda_model(config) -> Qwen2ForCausalLM:
+    """A model of config in bfloat16 on CUDA with dummy weights of seed 0."""
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = model_class(config.architecture)(config)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    init_dummy_weights(model, seed=0)
+    return model.eval()
+
+
 def hf_model(model_dir: Path):
     from transformers import AutoModelForCausalLM  # lazy: TP child processes import this module
 
@@ -315,14 +327,7 @@ def test_decode_forward_replays_in_a_cuda_graph(tiny_ckpt):
 @pytest.mark.parametrize("name", ["qwen2.5-7b", "qwen3-1.7b", "llama-3.2-1b"])
 def test_dummy_published_shapes_in_bf16_on_cuda_give_finite_varied_logits(name):
     config, _ = resolve_model(name, load_format="dummy")
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device("cuda"):
-            model = model_class(config.architecture)(config)
-    finally:
-        torch.set_default_dtype(torch.float32)
-    init_dummy_weights(model, seed=0)
-    run = PagedRun(model, 16, num_blocks=16)
+    run = PagedRun(dummy_bf16_cuda_model(config), 16, num_blocks=16)
     first = run.step({0: tokens_for(14, 40, config.vocab_size)})[0]
     second = run.step({0: [int(first[-1].argmax())]})[0]
     for logits in (first, second):

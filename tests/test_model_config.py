@@ -107,7 +107,7 @@ def test_qwen3_and_llama_short_names_carry_the_published_configs(name, empty_hf_
 
 def test_quantized_checkpoint_is_refused_with_its_method_and_the_fix(tiny_ckpt, tmp_path):
     model_dir = edit_config(tiny_ckpt, tmp_path, quantization_config={"quant_method": "awq", "bits": 4})
-    with pytest.raises(ValueError, match="quant_method='awq'.*use the unquantized checkpoint"):
+    with pytest.raises(ValueError, match="quant_method='awq' is not supported.*FP8 checkpoints.*quantization='fp8'"):
         resolve_model(str(model_dir))
 
 

@@ -8,7 +8,7 @@ import pytest
 from frontend import LLM, SamplingParams
 from frontend.engine_client import EngineDeadError
 from test_engine import _alive, _hf_greedy, _kill_later, _prompts
-from checkpoints import make_checkpoint
+from checkpoints import fp8_checkpoints, make_checkpoint
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
@@ -24,6 +24,17 @@ def test_tp2_greedy_equals_tp1_and_hf(tmp_path, family, kv_heads, head_dim):
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
         assert len(llm.client.procs.procs) == 3  # the scheduler and one worker per rank
     assert got == expected
+
+
+@pytest.mark.parametrize("block", [None, [16, 32]], ids=["quantized-per-channel", "fp8-checkpoint-blocks"])
+def test_tp2_fp8_greedy_equals_hf_on_the_quantized_twin(tmp_path, block):
+    # Per channel, a row-parallel shard's rows keep the scales of the whole rows: TP=2 quantizes as TP=1 does.
+    ckpt = make_checkpoint(tmp_path / "ckpt", num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64)
+    twin, fp8 = fp8_checkpoints(ckpt, tmp_path, block)
+    prompts = _prompts(512)[:4]
+    with LLM(str(fp8 or ckpt), device="cpu", tensor_parallel_size=2, quantization="fp8") as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
+    assert got == _hf_greedy(twin, prompts, 10)
 
 
 def test_tp_size_that_does_not_divide_the_heads_fails_at_launch(tiny_ckpt):

@@ -3,7 +3,9 @@
 Every parameter carries weight_loader(param, loaded, shard_id=None): it checks the full checkpoint tensor's shape
 and copies this rank's TP shard of it into place. Parameters take torch's default dtype and device (build the
 model under them). Linears run kernels.linear: for a few rows on the GPU, a Triton GEMV where timed faster than
-cuBLAS, with the RMSNorm before it (FusedRMSNorm) and SwiGLU after gate_up (GateUpSwiGLU) folded in.
+cuBLAS, with the RMSNorm before it (FusedRMSNorm) and SwiGLU after gate_up (GateUpSwiGLU) folded in. With FP8 (a
+linear's fp8_block) its weight is e4m3 beside weight_scale, one float32 per block, loaded through the same
+weight_loader: a scale's shard is its weight's, in whole blocks.
 """
 from __future__ import annotations
 
@@ -14,18 +16,47 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import add_rms_norm, embed_rows, make_cos_sin, rms_norm
-from kernels.linear import Input, NormedInput, linear
+from kernels.fp8 import FP8, PER_CHANNEL, Fp8Weight
+from kernels.linear import Input, NormedInput, Weight, linear
+from protocol.config import ModelConfig
 from worker.parallel import all_gather_last_dim, all_reduce, local_kv_heads
 
 
-def _param(*shape: int, loader: Callable, shard_ids: tuple = (None,)) -> nn.Parameter:
-    p = nn.Parameter(torch.empty(*shape), requires_grad=False)
+def fp8_block(config: ModelConfig) -> tuple[int, int] | None:
+    """The block of one FP8 scale (rows, columns; 0: the whole dim) of every linear, None without FP8."""
+    if config.quantization is None:
+        return None
+    return tuple(config.weight_block_size) if config.weight_block_size else PER_CHANNEL
+
+
+def _param(*shape: int, loader: Callable, shard_ids: tuple = (None,),
+           dtype: torch.dtype | None = None) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
     p.weight_loader = loader
     p.shard_ids = shard_ids  # the loader checks that every one of them was loaded
     return p
 
 
-def _check_shape(loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
+def _linear_weight(module: nn.Module, out: int, in_: int, loader: Callable, block: tuple[int, int] | None,
+                   shard_ids: tuple = (None,)) -> None:
+    """module.weight [out, in_] in the default dtype, or e4m3 beside module.weight_scale (one float32 per block)."""
+    module.fp8_block = block
+    module.weight = _param(out, in_, loader=loader, shard_ids=shard_ids, dtype=FP8 if block else None)
+    if block:
+        rows, cols = (b or n for b, n in zip(block, (out, in_)))
+        module.weight_scale = _param(-(-out // rows), -(-in_ // cols), loader=loader, shard_ids=shard_ids,
+                                     dtype=torch.float32)
+        module.weight_scale.block = block
+
+
+def _weight(module: nn.Module) -> Weight:
+    return Fp8Weight(module.weight, module.weight_scale, module.fp8_block) if module.fp8_block else module.weight
+
+
+def _check_shape(param: nn.Parameter, loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
+    """loaded must be `expected` (the full weight's shape), or for a scale that shape in blocks."""
+    if hasattr(param, "block"):
+        expected = tuple(-(-n // b) if b else 1 for n, b in zip(expected, param.block))
     if tuple(loaded.shape) != tuple(expected):
         raise ValueError(f"checkpoint shape {tuple(loaded.shape)} does not match the model's {tuple(expected)}: "
                          "use the config.json that came with these weights")
@@ -33,11 +64,19 @@ def _check_shape(loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
 
 def _load_slice(param: torch.Tensor, dst_start: int, loaded: torch.Tensor, src_start: int, size: int,
                 dim: int = 0) -> None:
+    """Copy loaded[src_start : src_start + size] (along dim) into param at dst_start; for a scale these are the
+    weight's rows or columns, taken in whole blocks (a per-channel scale's one column: all of it)."""
+    if hasattr(param, "block"):
+        b = param.block[dim]
+        if b and (dst_start % b or src_start % b):
+            raise ValueError(f"a shard of FP8 scale blocks of {b} starts at {src_start} (packed at {dst_start}), "
+                             f"inside a block: use a tensor_parallel_size whose shards are multiples of {b}")
+        dst_start, src_start, size = (dst_start // b, src_start // b, -(-size // b)) if b else (0, 0, 1)
     param.data.narrow(dim, dst_start, size).copy_(loaded.narrow(dim, src_start, size))
 
 
 def _load_whole(param: nn.Parameter, loaded: torch.Tensor, shard_id: None = None) -> None:  # replicated: norms
-    _check_shape(loaded, tuple(param.shape))
+    _check_shape(param, loaded, tuple(param.shape))
     param.data.copy_(loaded)
 
 
@@ -45,10 +84,11 @@ class QKVParallelLinear(nn.Module):
     """Column-parallel q|k|v projection (with or without bias), this rank's heads packed as [q heads, k heads, v heads];
     returns q [T, heads, D], k and v [T, kv heads, D], views of one output."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 tp_rank: int = 0, tp_size: int = 1, bias: bool = True) -> None:
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, tp_rank: int = 0,
+                 tp_size: int = 1, bias: bool = True, fp8_block: tuple[int, int] | None = None) -> None:
         super().__init__()
-        self.head_dim, self.total = head_dim, {"q": num_heads, "k": num_kv_heads, "v": num_kv_heads}
+        self.head_dim, self.hidden_size = head_dim, hidden_size
+        self.total = {"q": num_heads, "k": num_kv_heads, "v": num_kv_heads}
         self.num_heads, self.num_kv_heads = num_heads // tp_size, local_kv_heads(num_kv_heads, tp_size)
         # Split KV heads start at rank * kv/tp; a replicated one (tp > kv) is shared by tp/kv neighbouring
         # ranks, whose query heads all map onto it: head rank // (tp/kv), the same floor formula.
@@ -56,17 +96,17 @@ class QKVParallelLinear(nn.Module):
         self.first_head = {"q": tp_rank * self.num_heads, "k": kv_start, "v": kv_start}
         self.offset = {"q": 0, "k": self.num_heads, "v": self.num_heads + self.num_kv_heads}
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
-        self.weight = _param(out, hidden_size, loader=self.weight_loader, shard_ids=("q", "k", "v"))
+        _linear_weight(self, out, hidden_size, self.weight_loader, fp8_block, ("q", "k", "v"))
         self.bias = _param(out, loader=self.weight_loader, shard_ids=("q", "k", "v")) if bias else None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
         d = self.head_dim
-        _check_shape(loaded, (self.total[shard_id] * d, *param.shape[1:]))
+        _check_shape(param, loaded, (self.total[shard_id] * d, self.hidden_size)[:param.dim()])  # or the bias
         local = self.num_heads if shard_id == "q" else self.num_kv_heads
         _load_slice(param, self.offset[shard_id] * d, loaded, self.first_head[shard_id] * d, local * d)
 
     def forward(self, x: Input) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        qkv = linear(x, self.weight, self.bias).unflatten(-1, (-1, self.head_dim))
+        qkv = linear(x, _weight(self), self.bias).unflatten(-1, (-1, self.head_dim))
         return qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=-2)
 
 
@@ -74,34 +114,38 @@ class GateUpSwiGLU(nn.Module):
     """silu(x @ gate^T) * (x @ up^T), column-parallel, [gate | up] in one weight (shard 0 gate_proj, 1 up_proj):
     SwiGLU runs in the GEMV's stores where that is faster."""
 
-    def __init__(self, in_features: int, out_features: int, tp_rank: int = 0, tp_size: int = 1) -> None:
+    def __init__(self, in_features: int, out_features: int, tp_rank: int = 0, tp_size: int = 1,
+                 fp8_block: tuple[int, int] | None = None) -> None:
         super().__init__()
         self.full, self.local, self.tp_rank = out_features, out_features // tp_size, tp_rank
-        self.weight = _param(2 * self.local, in_features, loader=self.weight_loader, shard_ids=(0, 1))
+        self.in_features = in_features
+        _linear_weight(self, 2 * self.local, in_features, self.weight_loader, fp8_block, (0, 1))
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
-        _check_shape(loaded, (self.full, param.shape[1]))
+        _check_shape(param, loaded, (self.full, self.in_features))
         _load_slice(param, shard_id * self.local, loaded, self.tp_rank * self.local, self.local)
 
     def forward(self, x: Input) -> torch.Tensor:
-        return linear(x, self.weight, swiglu=True)
+        return linear(x, _weight(self), swiglu=True)
 
 
 class RowParallelLinear(nn.Module):
     """Row-parallel projection (no bias): each rank holds a slice of the input dim; outputs are summed."""
 
-    def __init__(self, in_features: int, out_features: int, tp_rank: int = 0, tp_size: int = 1) -> None:
+    def __init__(self, in_features: int, out_features: int, tp_rank: int = 0, tp_size: int = 1,
+                 fp8_block: tuple[int, int] | None = None) -> None:
         super().__init__()
-        self.full_in, self.tp_rank, self.tp_size = in_features, tp_rank, tp_size
-        self.weight = _param(out_features, in_features // tp_size, loader=self.weight_loader)
+        self.full_in, self.out_features, self.tp_rank, self.tp_size = in_features, out_features, tp_rank, tp_size
+        _linear_weight(self, out_features, in_features // tp_size, self.weight_loader, fp8_block)
         self.weight.full_in = in_features  # the fan-in that random init scales by
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: None = None) -> None:
-        _check_shape(loaded, (param.shape[0], self.full_in))
-        _load_slice(param, 0, loaded, self.tp_rank * param.shape[1], param.shape[1], dim=1)
+        _check_shape(param, loaded, (self.out_features, self.full_in))
+        local = self.full_in // self.tp_size
+        _load_slice(param, 0, loaded, self.tp_rank * local, local, dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(linear(x, self.weight), self.tp_size)
+        return all_reduce(linear(x, _weight(self)), self.tp_size)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -115,7 +159,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = _param(self.rows, hidden_size, loader=self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: None = None) -> None:
-        _check_shape(loaded, (self.vocab_size, param.shape[1]))
+        _check_shape(param, loaded, (self.vocab_size, param.shape[1]))
         n = max(0, min(self.rows, self.vocab_size - self.start))
         param.data[n:].zero_()
         _load_slice(param, 0, loaded, self.start, n)

@@ -1,7 +1,9 @@
 """Weights into a model: Hugging Face safetensors (single file or sharded), or deterministic random ones.
 
 Each parameter's weight_loader cuts its own TP shard and packs q/k/v and gate/up; this file only maps
-checkpoint names onto parameters and checks that every parameter was filled and no tensor was left over.
+checkpoint names onto parameters and checks that every parameter was filled and no tensor was left over. An FP8
+linear takes an FP8 checkpoint's e4m3 weight and weight_scale_inv as they are, or quantizes a float weight whole
+(so a row's scale is the same at every TP size) before its shard is cut.
 """
 from __future__ import annotations
 
@@ -14,11 +16,15 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
+from kernels.fp8 import FP8, quantize
+
 # Checkpoint module name -> (our packed module, shard id).
 _PACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 _UNPACKED = {packed: hf for hf, packed in _PACKED.items()}
-# Unquantized weights only: copy_ would turn int8 / float8 values into floats without their scales.
+_SCALE_LEAF = {"weight_scale_inv": "weight_scale"}  # an FP8 checkpoint's name -> ours (w = value * scale)
+# Float weights, or e4m3 ones into e4m3 parameters: copy_ would turn int8 / float8 values into floats without
+# their scales.
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -50,14 +56,20 @@ def _load_tensor(params: dict, expected: set, model: nn.Module, name: str, f, fi
         raise ValueError(f"unexpected tensor {name!r} in {file}: the {type(model).__name__} model has no such "
                          "parameter (is the config.json beside the checkpoint the one that came with it?)")
     param, tensor = params[target], f.get_tensor(name)
-    if tensor.dtype not in _FLOAT_DTYPES:
+    if tensor.dtype not in _FLOAT_DTYPES and not (tensor.dtype == FP8 == param.dtype):
         raise ValueError(f"tensor {name!r} in {file} is {str(tensor.dtype).removeprefix('torch.')}: Pico-vLLM loads "
-                         "unquantized float32 / float16 / bfloat16 weights only: use the unquantized checkpoint")
+                         "float32 / float16 / bfloat16 weights, and e4m3 ones of linears in an FP8 checkpoint (with "
+                         "quantization_config in its config.json): use the unquantized checkpoint")
+    loads = {target: tensor}
+    if param.dtype == FP8 and tensor.dtype != FP8:  # quantized at load, per block of the full tensor
+        scale_name = target + "_scale"
+        loads = dict(zip((target, scale_name), quantize(tensor.to(param.device), params[scale_name].block)))
     try:
-        param.weight_loader(param, tensor, shard)
+        for target_name, loaded in loads.items():
+            params[target_name].weight_loader(params[target_name], loaded, shard)
     except ValueError as e:
         raise ValueError(f"tensor {name!r} in {file}: {e}") from None
-    return {(target, shard)}
+    return {(target_name, shard) for target_name in loads}
 
 
 def _checkpoint_files(model_dir: Path) -> dict[str, list[str]]:
@@ -81,6 +93,8 @@ def _checkpoint_files(model_dir: Path) -> dict[str, list[str]]:
 
 def _our_name(name: str) -> tuple[str, str | int | None]:
     module, _, leaf = name.rpartition(".")
+    leaf = _SCALE_LEAF.get(leaf, leaf)
+    name = f"{module}.{leaf}"
     parent, _, proj = module.rpartition(".")
     if proj in _PACKED:
         packed, shard = _PACKED[proj]
@@ -89,9 +103,10 @@ def _our_name(name: str) -> tuple[str, str | int | None]:
 
 
 def _hf_name(target: str, shard: str | int | None) -> str:
-    if shard is None:
-        return target
     module, _, leaf = target.rpartition(".")
+    leaf = {ours: hf for hf, ours in _SCALE_LEAF.items()}.get(leaf, leaf)
+    if shard is None:
+        return f"{module}.{leaf}"
     parent, _, packed = module.rpartition(".")
     return f"{parent}.{_UNPACKED[(packed, shard)]}.{leaf}"
 
@@ -104,11 +119,22 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
     so bf16 activations stay finite and varied through every layer of the real model shapes.
     """
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-    for name, param in model.named_parameters():
+    params = dict(model.named_parameters())
+    for name, param in params.items():
         if name.endswith(".bias"):
             param.normal_(0.0, 0.02, generator=gen)
         elif param.dim() == 1:  # RMSNorm weights
             param.fill_(1.0)
-        else:
-            # A row-parallel shard holds 1/tp of its input dim: scale by the full one, the same at every TP size.
-            param.normal_(0.0, 1.0 / math.sqrt(getattr(param, "full_in", param.shape[1])), generator=gen)
+        elif param.dtype == FP8:  # the model dtype's weights (the same draw), then quantized as at load
+            w = torch.empty(param.shape, dtype=model.lm_head.weight.dtype, device=param.device)
+            scale = params[name + "_scale"]
+            values, scales = quantize(w.normal_(0.0, _dummy_std(param), generator=gen), scale.block)
+            param.copy_(values)
+            scale.copy_(scales)
+        elif not hasattr(param, "block"):  # an FP8 scale is set with its weight
+            param.normal_(0.0, _dummy_std(param), generator=gen)
+
+
+def _dummy_std(param: torch.Tensor) -> float:
+    # A row-parallel shard holds 1/tp of its input dim: scale by the full one, the same at every TP size.
+    return 1.0 / math.sqrt(getattr(param, "full_in", param.shape[1]))

@@ -48,6 +48,15 @@ def select_dtype(dtype: str, model_config: ModelConfig, device: torch.device) ->
     return _DTYPES[dtype]
 
 
+def check_fp8_gpu(device: torch.device) -> None:
+    """FP8 weights need FP8 conversions in hardware: compute capability 8.9 (Ada) or later."""
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 9):
+        raise ValueError(f"quantization='fp8' needs a GPU with FP8 (compute capability 8.9 or later, e.g. L4, H100); "
+                         f"{torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}: leave quantization "
+                         "unset and use an unquantized checkpoint on this GPU")
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, rank: int = 0, tp_size: int = 1) -> None:
         if config.model_config is None or config.max_model_len is None:
@@ -101,6 +110,8 @@ class ModelRunner:
                                            self.config.block_size, self.dtype, self.device)
 
     def _build_model(self, model_dir: str | None) -> torch.nn.Module:
+        if self.model_config.quantization and self.device.type == "cuda":
+            check_fp8_gpu(self.device)
         previous = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)  # the layers create their parameters in the default dtype
         try:

@@ -12,7 +12,7 @@ from kernels.linear import Input
 from protocol.config import ModelConfig, check_tp_size
 from worker.attention import Attention, AttentionMetadata
 from worker.layers import (FusedRMSNorm, GateUpSwiGLU, ParallelLMHead, QKVParallelLinear, RMSNorm, RotaryEmbedding,
-                           RowParallelLinear, VocabParallelEmbedding)
+                           RowParallelLinear, VocabParallelEmbedding, fp8_block)
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -22,10 +22,10 @@ class Qwen2Attention(nn.Module):
 
     def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int) -> None:
         super().__init__()
-        d = config.head_dim
+        d, block = config.head_dim, fp8_block(config)
         self.qkv_proj = QKVParallelLinear(config.hidden_size, d, config.num_attention_heads,
-                                          config.num_key_value_heads, tp_rank, tp_size, bias=self.qkv_bias)
-        self.o_proj = RowParallelLinear(config.num_attention_heads * d, config.hidden_size, tp_rank, tp_size)
+                                          config.num_key_value_heads, tp_rank, tp_size, self.qkv_bias, block)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * d, config.hidden_size, tp_rank, tp_size, block)
         self.attn = Attention(d)
 
     def forward(self, positions: torch.Tensor, hidden: Input, cos_sin: torch.Tensor, kv_cache: KVCache,
@@ -37,8 +37,9 @@ class Qwen2Attention(nn.Module):
 class Qwen2MLP(nn.Module):
     def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int) -> None:
         super().__init__()
-        self.gate_up_proj = GateUpSwiGLU(config.hidden_size, config.intermediate_size, tp_rank, tp_size)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, tp_rank, tp_size)
+        block = fp8_block(config)
+        self.gate_up_proj = GateUpSwiGLU(config.hidden_size, config.intermediate_size, tp_rank, tp_size, block)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, tp_rank, tp_size, block)
 
     def forward(self, hidden: Input) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj(hidden))
