@@ -44,14 +44,14 @@ class CudaGraphs:
         self.sizes: dict[str, list[int]] = {}
         self.views: dict[str, dict[int, Views]] = {}
         self._replays: dict[tuple[str, int], Callable[[], object]] = {}
-        self.warmup_s = 0.0  # eager warm-ups before each capture: Triton compiles and GEMV timing
+        self.warmup_s = 0.0  # eager warm-ups before each capture: kernels' first launches, GEMV timing
 
     def capture(self, kind: str, views: dict[int, Views], forward: Callable[[Views], object],
-                warmup: Callable[[Views], object]) -> None:
+                warmup: Callable[[Views], object], bar: tqdm | None = None) -> None:
+        """bar: a progress bar to advance by one a graph."""
         self.sizes[kind], self.views[kind] = sorted(views), views
         pool = torch.cuda.graph_pool_handle() if self.graphs else None
-        for size in tqdm(self.sizes[kind][::-1], desc=f"Capturing {kind} graphs", unit="graph",
-                         disable=not self.graphs):
+        for size in self.sizes[kind][::-1]:
             self._fill_padding(views[size])
             if not self.graphs:
                 self._replays[kind, size] = functools.partial(forward, views[size])
@@ -64,6 +64,8 @@ class CudaGraphs:
             with torch.cuda.graph(graph, pool=pool):
                 outputs = forward(views[size])
             self._replays[kind, size] = functools.partial(_replay, graph, outputs)
+            if bar is not None:
+                bar.update()
         if self.graphs:
             torch.cuda.synchronize()
 
