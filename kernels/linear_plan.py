@@ -25,7 +25,7 @@ from triton.runtime.errors import OutOfResources
 
 from kernels import linear_picks
 from kernels.gemv import GEMV_MAX_M, GemvConfig, candidate_configs, num_sms
-from kernels.precompile import compile_only, compiling_only
+from kernels.precompile import compile_only, dry_run
 from protocol.config import cache_root
 
 GRAPH_CALLS = 32  # timed calls in one CUDA graph
@@ -54,7 +54,8 @@ def planned_config(fold: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tens
         shape = f"fold {fold!r} rows {key[1]} w {w.shape[0]}x{w.shape[1]} {x.dtype} bias {bias is not None}"
         kept = _kept("gemv", shape, x.device)  # False: never timed; None: the unfused path won
         if kept is False:
-            if compiling_only():  # nothing runs: the real run after times it
+            if (dry := dry_run()) is not None:  # nothing runs: the real run after times it
+                dry.deferred += 1
                 return None
             kept = fastest_config(fold, x.shape[0], w, bias, op)
             save_choice(f"gemv {_stale_when(x.device)} {shape}", None if kept is None else dataclasses.asdict(kept))
@@ -120,7 +121,8 @@ def fastest_rows(times: dict[int, float], m: int) -> int:
 
 
 def gemm_times(w: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> dict[int, float] | None:
-    """µs of F.linear at each padded row count for this weight, timed once and kept; None while capturing."""
+    """µs of F.linear at each padded row count for this weight, shipped or timed once and kept; None while capturing
+    or compiling only, untimed."""
     key = (*w.shape, dtype, bias is not None, w.device)
     if key not in _GEMM_TIMES:
         if torch.cuda.is_current_stream_capturing():
@@ -128,6 +130,9 @@ def gemm_times(w: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -
         shape = f"w {w.shape[0]}x{w.shape[1]} {dtype} bias {bias is not None}"
         kept = _kept("gemm rows", shape, w.device)
         if kept is False:
+            if (dry := dry_run()) is not None:  # its timing captures graphs: not beside kernels loading
+                dry.deferred += 1
+                return None
             kept = _time_rows(w, bias, dtype)
             save_choice(f"gemm rows {_stale_when(w.device)} {shape}", kept)
         _GEMM_TIMES[key] = {int(rows): us for rows, us in kept.items()}

@@ -66,12 +66,15 @@ def test_the_switch_off_times_a_shape_the_file_has(shipped, monkeypatch):
     assert plan.planned_config("norm", torch.randn(2, 64), torch.randn(96, 64), None, no_op) == GemvConfig(32, 256)
 
 
-def test_a_compile_only_run_looks_picks_up_but_leaves_the_untimed_unfused_and_unrecorded(shipped, monkeypatch):
-    monkeypatch.setattr(plan, "compiling_only", lambda: True)
-    x = torch.randn(2, 64)
-    assert plan.planned_config("norm", x, torch.randn(96, 64), None, no_op) == PICKED
-    assert plan.planned_config("norm", x, torch.randn(48, 64), None, no_op) is None
-    assert [key[2] for key in plan._CHOICES] == [96]  # the real run after times the [48, 64] weight
+def test_a_compile_only_run_looks_picks_up_and_defers_the_untimed_to_the_real_run(shipped, monkeypatch):
+    dry = precompile.DryRun()
+    monkeypatch.setattr(plan, "dry_run", lambda: dry)
+    x, w48 = torch.randn(2, 64), torch.randn(48, 64)
+    assert plan.planned_config("norm", x, torch.randn(96, 64), None, no_op) == PICKED and dry.deferred == 0
+    assert plan.planned_config("norm", x, w48, None, no_op) is None and dry.deferred == 1
+    assert plan.gemm_times(torch.randn(96, 64), torch.randn(96), torch.float32) == {24: 5.0, 32: 4.0}
+    assert plan.gemm_times(w48, None, torch.float32) is None and dry.deferred == 2
+    assert [key[2] for key in plan._CHOICES] == [96] and len(plan._GEMM_TIMES) == 1  # the untimed stay unknown
 
 
 @pytest.mark.parametrize("content", ['{"format": 99, "gpus": {}}', "{not json", "[]"])
@@ -112,12 +115,12 @@ def test_launches_inside_compile_only_only_compile_and_the_switch_is_restored(mo
     jitted = jit.JITFunction(kernel)
     jitted[(1,)](7)
     with pytest.raises(RuntimeError, match="already active"):
-        with precompile.compile_only() as compiles:
-            assert precompile.compiling_only()
+        with precompile.compile_only() as dry:
+            assert precompile.dry_run() is dry
             jitted[(1,)](8)
             with precompile.compile_only():
                 pass
-    assert not precompile.compiling_only() and compiles == []  # the mocked run submitted no compile
+    assert precompile.dry_run() is None and dry.futures == []  # the mocked run submitted no compile
     jitted[(1,)](9)
     assert calls == [((7,), False), ((8,), True), ((9,), False)]
 

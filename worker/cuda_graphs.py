@@ -47,8 +47,8 @@ class CudaGraphs:
         self.warmup_s = 0.0  # eager warm-ups before each capture: kernels' first launches, GEMV timing
 
     def capture(self, kind: str, views: dict[int, Views], forward: Callable[[Views], object],
-                warmup: Callable[[Views], object], bar: tqdm | None = None) -> None:
-        """bar: a progress bar to advance by one a graph."""
+                warmup: Callable[[Views], object] | None, bar: tqdm | None = None) -> None:
+        """warmup: an eager run before each capture (None: the kernels are ready); bar: advanced by one a graph."""
         self.sizes[kind], self.views[kind] = sorted(views), views
         pool = torch.cuda.graph_pool_handle() if self.graphs else None
         for size in self.sizes[kind][::-1]:
@@ -56,10 +56,11 @@ class CudaGraphs:
             if not self.graphs:
                 self._replays[kind, size] = functools.partial(forward, views[size])
                 continue
-            started = time.perf_counter()
-            warmup(views[size])  # outside the graph: a capture cannot compile a kernel
-            torch.cuda.synchronize()
-            self.warmup_s += time.perf_counter() - started
+            if warmup is not None:  # outside the graph: a capture cannot compile or time a kernel
+                started = time.perf_counter()
+                warmup(views[size])
+                torch.cuda.synchronize()
+                self.warmup_s += time.perf_counter() - started
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 outputs = forward(views[size])

@@ -12,8 +12,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from kernels.precompile import compile_only
-
+from kernels.precompile import DryRun, compile_only
 from protocol.config import EngineConfig, ModelConfig
 from protocol.messages import StepPlan, StepResult
 from protocol.sampling import SamplingParams
@@ -78,14 +77,14 @@ class ModelRunner:
             self._init_step_state(max_batch, max(sizes + [config.max_num_batched_tokens]))
             views = {"decode": {s: self.buffers.decode_views(s) for s in sizes},
                      "prefill": {b: self.buffers.prefill_views(b) for b in buckets}}
-            kernels = self._precompile(views) if use_graphs else 0
+            dry = self._precompile(views) if use_graphs else DryRun()
             self._mark("kernels_compiled")
             self._init_kv_cache()
             self._mark("kv_cache_ready")
             self.graphs = CudaGraphs(self.dummy_row, graphs=use_graphs)
-            self._capture(views)
+            self._capture(views, warm_up=dry.deferred > 0)
         c = self.clock  # compile_s holds the step buffers' allocation too
-        self.startup = {"weights_s": c["weights_loaded"] - c["runner_started"], "kernels_compiled": kernels,
+        self.startup = {"weights_s": c["weights_loaded"] - c["runner_started"], "kernels_compiled": len(dry.futures),
                         "compile_s": c["kernels_compiled"] - c["weights_loaded"],
                         "kv_cache_s": c["kv_cache_ready"] - c["kernels_compiled"],
                         "graph_capture_s": c["prefill_graphs_captured"] - c["kv_cache_ready"],
@@ -115,24 +114,25 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(self.model_config, self.num_kv_blocks, self._local_kv_heads(),
                                            self.config.block_size, self.dtype, self.device)
 
-    def _precompile(self, views: dict[str, dict[int, Views]]) -> int:
-        """Compiles the Triton kernels of the KV profiling, warm-ups and captures in parallel, by a dry run of each
-        whose launches only compile; returns how many (Triton's disk cache serves those it holds)."""
+    def _precompile(self, views: dict[str, dict[int, Views]]) -> DryRun:
+        """The Triton kernels of the KV profiling and the captures, compiled and loaded in parallel by a dry run of
+        each whose launches only compile (Triton's disk cache serves those it holds). Its torch ops run, on the
+        captures' shapes: after it, a capture needs no warm-up unless the run deferred a choice that needs timing."""
         self.kv_caches = self._one_block_cache(WARMUP_LAYERS)  # the real cache's strides; replaced once it is sized
-        with compile_only(progress=True) as compiles:
+        with compile_only(progress=True) as dry:
             self._profile_forward(WARMUP_LAYERS)
             for kind, forward in (("decode", self._decode_forward), ("prefill", self._prefill_forward)):
                 for size_views in views[kind].values():
                     forward(size_views, layers=WARMUP_LAYERS)
-        return len(compiles)
+        return dry
 
-    def _capture(self, views: dict[str, dict[int, Views]]) -> None:
-        """Every graph of both kinds, under one progress bar."""
+    def _capture(self, views: dict[str, dict[int, Views]], warm_up: bool) -> None:
+        """Every graph of both kinds, under one progress bar; warm_up: an eager run of a few layers before each."""
         with tqdm(total=sum(map(len, views.values())), desc="Capturing CUDA graphs", unit="graph",
                   disable=not self.graphs.graphs) as bar:
             for kind, forward in (("decode", self._decode_forward), ("prefill", self._prefill_forward)):
                 if views[kind]:
-                    warmup = functools.partial(forward, layers=WARMUP_LAYERS)
+                    warmup = functools.partial(forward, layers=WARMUP_LAYERS) if warm_up else None
                     self.graphs.capture(kind, views[kind], forward, warmup, bar)
                 self._mark(f"{kind}_graphs_captured")
 
