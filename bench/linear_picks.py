@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         stale = linear_plan._stale_when(torch.device("cuda"))  # a timed pick's disk key is "<kind> <stale> <shape>"
         picks = {key.replace(f" {stale}", "", 1): pick for key, pick in linear_plan.load_choices().items()}
     gpu = torch.cuda.get_device_name()
-    merge(Path(args.file), gpu, picks)
+    merge(Path(args.file), gpu, picks, stale)
     print_table(f"linear picks timed on {gpu}", rows)
     print(f"\nwrote {len(picks)} picks for {gpu!r} into {args.file}")
     return 0
@@ -70,11 +70,12 @@ def time_model(model: str) -> dict:
     return row
 
 
-def merge(path: Path, gpu: str, picks: dict[str, object]) -> None:
-    """This GPU's picks into the file (other GPUs' stay), with what timed them."""
+def merge(path: Path, gpu: str, picks: dict[str, object], timed_when: str = "") -> None:
+    """This GPU's picks into the file (other GPUs' stay), with what timed them (timed_when: the disk cache's
+    staleness key, which names the kernels' source hashes)."""
     data = linear_picks.read(path)
     data["gpus"][gpu] = {**data["gpus"].get(gpu, {}), **picks}
-    data.setdefault("timed_with", {})[gpu] = {"commit": git_commit(), "versions": versions(),
+    data.setdefault("timed_with", {})[gpu] = {"commit": git_commit(), "versions": versions(), "key": timed_when,
                                              "date": datetime.date.today().isoformat()}
     path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
 
