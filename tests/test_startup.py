@@ -131,3 +131,47 @@ def test_the_startup_line_names_each_stage_and_its_seconds():
     assert startup_summary(parts, clock) == (
         "worker ready in 8.50 s: importing torch 3.00 s, weights 0.10 s, compiling 18 Triton kernels 3.25 s, "
         "KV cache 0.96 s, CUDA graphs 1.04 s")
+
+
+# ---- GPU (the LEAD runs these: python -m pytest -q -s -m gpu tests/test_startup.py) --------------------
+
+@pytest.mark.gpu
+def test_a_restart_compiles_every_kernel_in_its_dry_run_and_captures_without_warm_ups(tiny_ckpt, monkeypatch,
+                                                                                      tmp_path):
+    # The second runner finds its linear picks on disk and no kernel in memory: its dry run must compile every
+    # kernel the KV cache and the captures launch, with their specialisations (a later compile would show here).
+    import sys
+
+    from triton import knobs
+
+    from frontend.model_resolution import resolve_config
+    from protocol.config import EngineConfig
+    from worker.model_runner import ModelRunner
+
+    monkeypatch.setenv("PICO_VLLM_CACHE", str(tmp_path))
+    monkeypatch.setattr(plan, "_CHOICES", {})
+    monkeypatch.setattr(plan, "_GEMM_TIMES", {})
+    plan._kept_choices.cache_clear()
+    kw = dict(model=str(tiny_ckpt), device="cuda", dtype="bfloat16", block_size=16, num_kv_blocks=64,
+              max_num_seqs=24, max_num_batched_tokens=256)  # decode sizes 1-24: GEMV picks and padded cuBLAS rows
+    first = ModelRunner(resolve_config(EngineConfig(**kw)))
+    assert first.graphs.warmup_s > 0  # its picks were timed at the warm-ups
+    del first
+    for module in [m for name, m in sys.modules.items() if name.startswith("kernels.")]:
+        for fn in vars(module).values():
+            if isinstance(fn, jit.JITFunction):
+                fn.device_caches.clear()
+    for cache in (plan._CHOICES, plan._GEMM_TIMES):
+        cache.clear()
+    plan._kept_choices.cache_clear()
+    compiled_later = []
+    init_kv_cache = ModelRunner._init_kv_cache
+
+    def after_the_dry_run(self):
+        monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", lambda **kw: compiled_later.append(kw["repr"]))
+        init_kv_cache(self)
+
+    monkeypatch.setattr(ModelRunner, "_init_kv_cache", after_the_dry_run)
+    runner = ModelRunner(resolve_config(EngineConfig(**kw)))
+    assert runner.startup["kernels_compiled"] > 0 and runner.graphs.warmup_s == 0.0
+    assert compiled_later == []
