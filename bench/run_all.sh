@@ -40,7 +40,7 @@ for name in ${*:-tests latency throughput trace startup serving profile}; do
     tests) step tests 240 python3 -m bench.gpu_tests --out "$OUT" ;;
     latency) step latency 110 python3 -m bench.latency "${MODEL[@]}" --baseline hf --max-tokens 129 ;;
     throughput) step throughput 200 python3 -m bench.throughput "${MODEL[@]}" --baseline hf --hf-batch 16 --hf-num-seqs 16 ;;
-    startup) step startup 60 python3 -m bench.startup "${MODEL[@]}" ;;
+    startup) step startup 180 python3 -m bench.startup --cold "${MODEL[@]}" ;;
     serving) step serving 90 python3 -m bench.serving "${MODEL[@]}" ;;
     profile) step profile 120 python3 -m bench.profile "${MODEL[@]}" ;;
     kernels) step kernels 150 python3 -m bench.kernels --out "$OUT" ;;

@@ -1,10 +1,12 @@
 """The linear plan: for each linear shape of a few rows, the Triton GEMV config that runs it, or None for the
-unfused path; past GEMV_MAX_M rows, the row count to run cuBLAS on. Timed at a shape's first eager call (a shape
-first met during capture runs unfused until then), in a CUDA graph over weights not in L2, and kept on disk under
-the cache directory, keyed by the GPU, torch, Triton and the kernels' source.
+unfused path; past GEMV_MAX_M rows, the row count to run cuBLAS on. Shipped for known GPUs (kernels/linear_picks.py),
+else timed at a shape's first eager call (a shape first met during capture, or untimed in a compile-only run, runs
+unfused until then), in a CUDA graph over weights not in L2, and kept on disk under the cache directory, keyed by
+the GPU, torch, Triton and the kernels' source.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -21,8 +23,10 @@ import torch.nn.functional as F
 import triton
 from triton.runtime.errors import OutOfResources
 
+from kernels import linear_picks
 from kernels.fp8 import Fp8Weight
 from kernels.gemv import GEMV_MAX_M, GemvConfig, Weight, candidate_configs, num_sms
+from kernels.precompile import compile_only, dry_run
 from protocol.config import cache_root
 
 GRAPH_CALLS = 32  # timed calls in one CUDA graph
@@ -43,18 +47,21 @@ _GEMM_TIMES: dict[tuple, dict[int, float]] = {}  # (N, K, dtype, has bias, devic
 
 def planned_config(fold: str, x: torch.Tensor, w: Weight, bias: torch.Tensor | None,
                    op: Op) -> GemvConfig | None:
-    """The config for this fold and shape: from memory, the disk cache, else timed (and kept); None while capturing
-    a shape not timed yet."""
+    """The config for this fold and shape: from memory, the shipped picks, the disk cache, else timed (and kept);
+    None while capturing a shape not looked up yet, or compiling only one not timed yet."""
     key = (fold, triton.next_power_of_2(x.shape[0]), *w.shape, x.dtype, bias is not None, x.device, fp8_block(w))
     if key not in _CHOICES:
         if torch.cuda.is_current_stream_capturing():
             return None
-        disk_key = (f"gemv {_stale_when(x.device)} fold {fold!r} rows {key[1]} w {w.shape[0]}x{w.shape[1]} {x.dtype} "
-                    f"bias {bias is not None} fp8 {fp8_block(w)}")
-        kept = _kept_choices().get(disk_key, False)  # False: never timed here; None: the unfused path won
+        shape = (f"fold {fold!r} rows {key[1]} w {w.shape[0]}x{w.shape[1]} {x.dtype} bias {bias is not None} "
+                 f"fp8 {fp8_block(w)}")
+        kept = _kept("gemv", shape, x.device)  # False: never timed; None: the unfused path won
         if kept is False:
+            if (dry := dry_run()) is not None:  # nothing runs: the real run after times it
+                dry.deferred += 1
+                return None
             kept = fastest_config(fold, x.shape[0], w, bias, op)
-            save_choice(disk_key, None if kept is None else dataclasses.asdict(kept))
+            save_choice(f"gemv {_stale_when(x.device)} {shape}", None if kept is None else dataclasses.asdict(kept))
         elif kept is not None:
             kept = GemvConfig(**kept)
         _CHOICES[key] = kept
@@ -70,7 +77,9 @@ def fastest_config(fold: str, rows: int, w: Weight, bias: torch.Tensor | None, o
         log.warning("no memory to time the GEMV candidates for %s: cuBLAS", tuple(w.shape))
         return None
     best, best_us = None, unfused_us * MARGIN
-    for config in candidate_configs(*w.shape, num_sms(w.device), rows, fold.endswith("swiglu"), fp8_block(w)):
+    configs = candidate_configs(*w.shape, num_sms(w.device), rows, fold.endswith("swiglu"), fp8_block(w))
+    _compile_candidates(op, *copies[0], configs)
+    for config in configs:
         try:
             us = op_us(op, copies, config)
         except OutOfResources:  # a tile too big for this GPU's shared memory: not a candidate here
@@ -81,6 +90,16 @@ def fastest_config(fold: str, rows: int, w: Weight, bias: torch.Tensor | None, o
         if us < best_us:
             best, best_us = config, us
     return best
+
+
+def _compile_candidates(op: Op, w: Weight, bias: torch.Tensor | None, configs: list[GemvConfig]) -> None:
+    """Every candidate's kernels at once, in parallel; one that cannot build fails again when timed, and is skipped."""
+    if not w.is_cuda:  # the interpreter compiles nothing
+        return
+    with compile_only():
+        for config in configs:
+            with contextlib.suppress(Exception):
+                op(w, bias, config)
 
 
 def op_us(op: Op, copies: list[tuple[Weight, torch.Tensor | None]], config: GemvConfig | None) -> float:
@@ -106,17 +125,20 @@ def fastest_rows(times: dict[int, float], m: int) -> int:
 
 def gemm_times(w: Weight, bias: torch.Tensor | None, dtype: torch.dtype,
                gemm: Gemm = F.linear) -> dict[int, float] | None:
-    """µs of gemm at each padded row count for this weight, timed once and kept; None while capturing."""
+    """µs of gemm at each padded row count for this weight, shipped or timed once and kept; None while capturing
+    or compiling only, untimed."""
     key = (*w.shape, dtype, bias is not None, w.device, fp8_block(w))
     if key not in _GEMM_TIMES:
         if torch.cuda.is_current_stream_capturing():
             return None
-        n, k, _, has_bias, device, _ = key
-        disk_key = f"gemm rows {_stale_when(device)} w {n}x{k} {dtype} bias {has_bias} fp8 {fp8_block(w)}"
-        kept = _kept_choices().get(disk_key)
-        if kept is None:
+        shape = f"w {w.shape[0]}x{w.shape[1]} {dtype} bias {bias is not None} fp8 {fp8_block(w)}"
+        kept = _kept("gemm rows", shape, w.device)
+        if kept is False:
+            if (dry := dry_run()) is not None:  # its timing captures graphs: not beside kernels loading
+                dry.deferred += 1
+                return None
             kept = _time_rows(w, bias, dtype, gemm)
-            save_choice(disk_key, kept)
+            save_choice(f"gemm rows {_stale_when(w.device)} {shape}", kept)
         _GEMM_TIMES[key] = {int(rows): us for rows, us in kept.items()}
     return _GEMM_TIMES[key]
 
@@ -168,10 +190,19 @@ def fp8_block(w: Weight) -> tuple[int, int] | None:
     return w.block if isinstance(w, Fp8Weight) else None
 
 
+def _kept(kind: str, shape: str, device: torch.device) -> object:
+    """This GPU's shipped pick for the shape, else the one timed here before; False when neither has it."""
+    shipped = linear_picks.shipped(_gpu(device)).get(f"{kind} {shape}", False)
+    return _kept_choices().get(f"{kind} {_stale_when(device)} {shape}", False) if shipped is False else shipped
+
+
+def _gpu(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
 def _stale_when(device: torch.device) -> str:
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     sources = "".join(source_hash(str(Path(__file__).with_name(name))) for name in _SOURCES)
-    return f"{gpu} torch {torch.__version__} triton {triton.__version__} src {sources}"
+    return f"{_gpu(device)} torch {torch.__version__} triton {triton.__version__} src {sources}"
 
 
 @functools.lru_cache(maxsize=None)

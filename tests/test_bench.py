@@ -107,8 +107,8 @@ def test_profile_lists_the_kernels_of_decode_steps_per_batch_and_of_a_prefill_st
         assert abs(sum(row["share"] for row in table) - 1) < 1e-6
         assert any("mm" in row["kernel"] for row in table)  # the linears are there
     assert numbers["prefill"]["tokens"] == 3 * 20  # three whole prompts: as many rows as the engine has
-    assert set(numbers["startup"]) == {"weights_s", "kv_cache_s", "graph_capture_s", "prefill_capture_s",
-                                       "graph_warmup_s", "recapture_s"}
+    assert set(numbers["startup"]) == {"weights_s", "kernels_compiled", "compile_s", "kv_cache_s", "graph_capture_s",
+                                       "prefill_capture_s", "graph_warmup_s", "recapture_s"}
     assert numbers["startup"]["recapture_s"] is None  # no graphs on the CPU
 
 
@@ -150,6 +150,16 @@ def test_startup_places_the_workers_marks_on_the_launchs_timeline(tiny_ckpt, tmp
     assert 0 < numbers["tokenizer_loaded_at_s"] <= marks[-1]
     assert marks[-1] <= numbers["import_s"] + numbers["engine_ready_s"] <= numbers["launch_to_first_token_s"]
     assert numbers["graph_capture_s"] >= numbers["graph_warmup_s"] == 0.0  # no graphs on the CPU
+
+
+def test_startup_cold_launches_twice_in_fresh_processes_and_records_both(tiny_ckpt, tmp_path):
+    result = run_bench("startup", tiny_ckpt, tmp_path, "--cold", "--prompt-len", "4")
+    cold, warm = result["numbers"]["rows"]
+    assert (cold["start"], warm["start"]) == ("cold", "warm")
+    for row in (cold, warm):  # each a whole launch: its totals, the worker's parts and its clock marks
+        assert 0 < row["worker_entered_at_s"] < row["worker_ready_at_s"] <= row["launch_to_first_token_s"]
+        assert row["kernels_compiled"] == 0 and row["graph_warmup_s"] == 0.0  # no graphs on the CPU
+    assert result["args"]["cold"] and result["args"]["prompt_len"] == 4
 
 
 def test_frontend_records_the_host_cost_per_token_of_both_detokenizers(tiny_ckpt, tmp_path):

@@ -269,9 +269,13 @@ def test_worker_process_says_ready_answers_plans_and_exits_on_shutdown(workers, 
     readies = sorted((decode(results.recv()) for _ in procs), key=lambda r: r.rank)
     want = [("worker", rank, 16) for rank in range(len(procs))]
     assert [(r.role, r.rank, r.info["num_kv_blocks"]) for r in readies] == want
-    parts = {"weights_s", "kv_cache_s", "graph_capture_s", "prefill_capture_s", "graph_warmup_s", "clock"}
+    parts = {"weights_s", "kernels_compiled", "compile_s", "kv_cache_s", "graph_capture_s", "prefill_capture_s",
+             "graph_warmup_s", "clock"}
     assert all(set(r.info["startup"]) == parts for r in readies)
-    marks = ["worker_entered", "torch_imported", "device_selected", "worker_ready"]
+    assert all(r.info["startup"]["kernels_compiled"] == 0 for r in readies)  # no graphs on the CPU: no dry run
+    marks = ["worker_entered", "torch_imported", "device_selected", "runner_started", "weights_loaded",
+             "kernels_compiled", "kv_profiled", "kv_cache_ready", "decode_graphs_captured", "prefill_graphs_captured",
+             "worker_ready"]
     assert all(list(r.info["startup"]["clock"]) == marks for r in readies)
     assert all(sorted(r.info["startup"]["clock"].values()) == list(r.info["startup"]["clock"].values())
                for r in readies)

@@ -10,6 +10,7 @@ from worker.process import run_worker
 
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the frontend, which stops us in order
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         run_worker(**unpack_child_args(sys.stdin.buffer.read()))
         code = 0

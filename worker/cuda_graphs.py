@@ -44,26 +44,29 @@ class CudaGraphs:
         self.sizes: dict[str, list[int]] = {}
         self.views: dict[str, dict[int, Views]] = {}
         self._replays: dict[tuple[str, int], Callable[[], object]] = {}
-        self.warmup_s = 0.0  # eager warm-ups before each capture: Triton compiles and GEMV timing
+        self.warmup_s = 0.0  # eager warm-ups before each capture: kernels' first launches, GEMV timing
 
     def capture(self, kind: str, views: dict[int, Views], forward: Callable[[Views], object],
-                warmup: Callable[[Views], object]) -> None:
+                warmup: Callable[[Views], object] | None, bar: tqdm | None = None) -> None:
+        """warmup: an eager run before each capture (None: the kernels are ready); bar: advanced by one a graph."""
         self.sizes[kind], self.views[kind] = sorted(views), views
         pool = torch.cuda.graph_pool_handle() if self.graphs else None
-        for size in tqdm(self.sizes[kind][::-1], desc=f"Capturing {kind} graphs", unit="graph",
-                         disable=not self.graphs):
+        for size in self.sizes[kind][::-1]:
             self._fill_padding(views[size])
             if not self.graphs:
                 self._replays[kind, size] = functools.partial(forward, views[size])
                 continue
-            started = time.perf_counter()
-            warmup(views[size])  # outside the graph: a capture cannot compile a kernel
-            torch.cuda.synchronize()
-            self.warmup_s += time.perf_counter() - started
+            if warmup is not None:  # outside the graph: a capture cannot compile or time a kernel
+                started = time.perf_counter()
+                warmup(views[size])
+                torch.cuda.synchronize()
+                self.warmup_s += time.perf_counter() - started
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 outputs = forward(views[size])
             self._replays[kind, size] = functools.partial(_replay, graph, outputs)
+            if bar is not None:
+                bar.update()
         if self.graphs:
             torch.cuda.synchronize()
 

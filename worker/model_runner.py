@@ -10,7 +10,9 @@ import time
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
+from kernels.precompile import DryRun, compile_only
 from protocol.config import EngineConfig, ModelConfig
 from protocol.messages import StepPlan, StepResult
 from protocol.sampling import SamplingParams
@@ -77,37 +79,71 @@ class ModelRunner:
         buckets = prefill_buckets(config.max_num_batched_tokens) if cuda else []
         sizes = graph_batch_sizes(self.max_rows) if use_graphs else []
         max_batch = max(sizes + [self.max_rows])
-        started = time.perf_counter()
+        self.clock = {"runner_started": time.time()}  # wall-clock marks: worker/process.py reports them
         with torch.inference_mode():
             self.model = self._build_model(model_dir)
-            weights_done = time.perf_counter()
+            self._mark("weights_loaded")
             self._init_step_state(max_batch, max(sizes + [config.max_num_batched_tokens]))
-            kv_done = time.perf_counter()
+            views = {"decode": {s: self.buffers.decode_views(s) for s in sizes},
+                     "prefill": {b: self.buffers.prefill_views(b) for b in buckets}}
+            dry = self._precompile(views) if use_graphs else DryRun()
+            self._mark("kernels_compiled")
+            self._init_kv_cache()
+            self._mark("kv_cache_ready")
             self.graphs = CudaGraphs(self.dummy_row, graphs=use_graphs)
-            self._capture("decode", {s: self.buffers.decode_views(s) for s in sizes}, self._decode_forward)
-            decode_done = time.perf_counter()
-            self._capture("prefill", {b: self.buffers.prefill_views(b) for b in buckets}, self._prefill_forward)
-        self.startup = {"weights_s": weights_done - started, "kv_cache_s": kv_done - weights_done,
-                        "graph_capture_s": time.perf_counter() - kv_done,
-                        "prefill_capture_s": time.perf_counter() - decode_done,
+            self._capture(views, warm_up=dry.deferred > 0)
+        c = self.clock  # compile_s holds the step buffers' allocation too
+        self.startup = {"weights_s": c["weights_loaded"] - c["runner_started"], "kernels_compiled": len(dry.futures),
+                        "compile_s": c["kernels_compiled"] - c["weights_loaded"],
+                        "kv_cache_s": c["kv_cache_ready"] - c["kernels_compiled"],
+                        "graph_capture_s": c["prefill_graphs_captured"] - c["kv_cache_ready"],
+                        "prefill_capture_s": c["prefill_graphs_captured"] - c["decode_graphs_captured"],
                         "graph_warmup_s": self.graphs.warmup_s}
 
+    def _mark(self, name: str) -> None:
+        self.clock[name] = time.time()
+
     def _init_step_state(self, max_batch: int, max_tokens: int) -> None:
-        max_blocks = -(-self.max_model_len // self.config.block_size)
+        self.max_blocks = -(-self.max_model_len // self.config.block_size)
         # One row more than the engine's: the dummy row of padded graph lanes.
         self.sampler = Sampler(self.max_rows + 1, self.model_config.vocab_size, self.device)
         self.last_token = torch.zeros(self.max_rows + 1, dtype=torch.int64, device=self.device)
-        block_tables = torch.zeros(self.max_rows + 1, max_blocks, dtype=torch.int32, device=self.device)
+        block_tables = torch.zeros(self.max_rows + 1, self.max_blocks, dtype=torch.int32, device=self.device)
         self.attention = AttentionBackend(block_tables, self._local_kv_heads(), self._gqa_group(), max_batch)
-        self.buffers = StepBuffers(max_tokens, max_batch, self.max_rows * max_blocks, self.attention, self.device)
+        self.buffers = StepBuffers(max_tokens, max_batch, self.max_rows * self.max_blocks, self.attention, self.device)
         self._host_tokens = [torch.zeros(self.max_rows, dtype=torch.int64, pin_memory=self.device.type == "cuda")
                              for _ in range(2)]
         self._done_events = [torch.cuda.Event() for _ in range(2)] if self.device.type == "cuda" else []
         self._out_turn = 0
+
+    def _init_kv_cache(self) -> None:
         self.num_kv_blocks = self._num_kv_blocks()
-        self.mirror = RowMirror(self.max_rows, max_blocks, self.config.block_size, self.num_kv_blocks)
+        self._mark("kv_profiled")
+        self.mirror = RowMirror(self.max_rows, self.max_blocks, self.config.block_size, self.num_kv_blocks)
         self.kv_caches = allocate_kv_cache(self.model_config, self.num_kv_blocks, self._local_kv_heads(),
                                            self.config.block_size, self.dtype, self.device)
+
+    def _precompile(self, views: dict[str, dict[int, Views]]) -> DryRun:
+        """The Triton kernels of the KV profiling and the captures, compiled and loaded in parallel by a dry run of
+        each whose launches only compile (Triton's disk cache serves those it holds). Its torch ops run, on the
+        captures' shapes: after it, a capture needs no warm-up unless the run deferred a choice that needs timing."""
+        self.kv_caches = self._one_block_cache(WARMUP_LAYERS)  # the real cache's strides; replaced once it is sized
+        with compile_only(progress=True) as dry:
+            self._profile_forward(WARMUP_LAYERS)
+            for kind, forward in (("decode", self._decode_forward), ("prefill", self._prefill_forward)):
+                for size_views in views[kind].values():
+                    forward(size_views, layers=WARMUP_LAYERS)
+        return dry
+
+    def _capture(self, views: dict[str, dict[int, Views]], warm_up: bool) -> None:
+        """Every graph of both kinds, under one progress bar; warm_up: an eager run of a few layers before each."""
+        with tqdm(total=sum(map(len, views.values())), desc="Capturing CUDA graphs", unit="graph",
+                  disable=not self.graphs.graphs) as bar:
+            for kind, forward in (("decode", self._decode_forward), ("prefill", self._prefill_forward)):
+                if views[kind]:
+                    warmup = functools.partial(forward, layers=WARMUP_LAYERS) if warm_up else None
+                    self.graphs.capture(kind, views[kind], forward, warmup, bar)
+                self._mark(f"{kind}_graphs_captured")
 
     def _build_model(self, model_dir: str | None) -> torch.nn.Module:
         if self.model_config.quantization and self.device.type == "cuda":
@@ -132,10 +168,6 @@ class ModelRunner:
     def _local_kv_heads(self) -> int:
         return local_kv_heads(self.model_config.num_key_value_heads, self.tp_size)
 
-    def _capture(self, kind: str, views: dict[int, Views], forward) -> None:
-        if views:
-            self.graphs.capture(kind, views, forward, functools.partial(forward, layers=WARMUP_LAYERS))
-
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
@@ -144,24 +176,28 @@ class ModelRunner:
             return cpu_num_kv_blocks(-(-self.max_model_len * self.max_rows // self.config.block_size), block_bytes)
         return profile_num_kv_blocks(self.config.gpu_memory_utilization, block_bytes, self._profile_forward)
 
-    def _profile_forward(self) -> None:
-        """A step of max_num_batched_tokens prompt tokens plus full sampling, against a one-block cache."""
-        mc, bs = self.model_config, self.config.block_size
+    def _one_block_cache(self, layers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        shape = (1, self._local_kv_heads(), self.config.block_size, self.model_config.head_dim)
+        return [(torch.zeros(shape, dtype=self.dtype, device=self.device),) * 2 for _ in range(layers)]
+
+    def _profile_forward(self, layers: int | None = None) -> None:
+        """A step of max_num_batched_tokens prompt tokens plus full sampling, against a one-block cache; with
+        `layers`, a compile-only dry run of those layers and no sampling (its torch ops index by the drawn tokens)."""
         tokens = self.config.max_num_batched_tokens
         seq = min(tokens, self.max_model_len)
         cu_host = np.array(list(range(0, tokens, seq)) + [tokens])
         cu = torch.tensor(cu_host, dtype=torch.int32, device=self.device)
         lens = cu[1:] - cu[:-1]
         positions = torch.arange(tokens, device=self.device) - cu[:-1].repeat_interleave(lens).long()
-        heads = self._local_kv_heads()
-        cache = [(torch.zeros(1, heads, bs, mc.head_dim, dtype=self.dtype, device=self.device),) * 2
-                 for _ in range(mc.num_hidden_layers)]
         work = torch.from_numpy(self.attention.work_items(np.diff(cu_host))).to(self.device)
+        blocks = -(-seq // self.config.block_size)
         meta = AttentionMetadata(torch.full((tokens,), -1, dtype=torch.int64, device=self.device),
-                                 torch.zeros(len(lens), -(-seq // bs), dtype=torch.int32, device=self.device),
-                                 lens, cu, work)
+                                 torch.zeros(len(lens), blocks, dtype=torch.int32, device=self.device), lens, cu, work)
+        cache = self._one_block_cache(layers or self.model_config.num_hidden_layers)
         hidden = self.model(torch.zeros(tokens, dtype=torch.int64, device=self.device), positions, meta, cache)
-        self.sampler.profile(self.model.compute_logits(hidden[:min(self.max_rows, tokens)]))
+        logits = self.model.compute_logits(hidden[:min(self.max_rows, tokens)])
+        if layers is None:
+            self.sampler.profile(logits)
 
     def execute(self, plan: StepPlan) -> StepResult:
         return self.collect(self.launch(plan))

@@ -35,7 +35,9 @@ def run_worker(config_dict: dict, addresses_dict: dict, rank: int, parent_pid: i
         runner = _build_runner(config, addresses, rank, clock)
         gc.collect()
         gc.freeze()  # torch's and the model's objects leave the collector's view: no long pauses between steps
-        clock["worker_ready"] = time.time()
+        clock.update(runner.clock, worker_ready=time.time())
+        if rank == 0:
+            log.info("%s", startup_summary(runner.startup, clock))
         info = {"num_kv_blocks": runner.num_kv_blocks, "startup": {**runner.startup, "clock": clock}}
         results.send(encode(Ready(role="worker", rank=rank, info=info)))
         _serve(runner, plans, results, rank, tracer)
@@ -54,6 +56,15 @@ def run_worker(config_dict: dict, addresses_dict: dict, rank: int, parent_pid: i
         ctx.term()
     if failed:
         raise SystemExit(1)
+
+
+def startup_summary(parts: dict, clock: dict[str, float]) -> str:
+    """One line: the seconds to ready, and each stage's."""
+    stages = {"importing torch": clock["torch_imported"] - clock["worker_entered"], "weights": parts["weights_s"],
+              f"compiling {parts['kernels_compiled']} Triton kernels": parts["compile_s"],
+              "KV cache": parts["kv_cache_s"], "CUDA graphs": parts["graph_capture_s"]}
+    return (f"worker ready in {clock['worker_ready'] - clock['worker_entered']:.2f} s: "
+            + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in stages.items()))
 
 
 def _build_runner(config: EngineConfig, addresses: Addresses, rank: int, clock: dict[str, float]):

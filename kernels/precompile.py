@@ -1,0 +1,75 @@
+"""Compile-only dry runs: inside compile_only(), a Triton launch compiles its kernel, builds its launcher and loads it
+on the GPU without running it, on a pool of threads (Triton's AsyncCompileMode), so a dry run of a forward prepares
+every kernel it launches at once and the real run after it finds them ready, with the same specialisations. Triton's
+compile-only call is run(warmup=True); its LLVM passes, ptxas and the launcher's C compiler release the GIL."""
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+from triton.runtime._async_compile import AsyncCompileMode
+from triton.runtime.jit import JITFunction
+
+MAX_THREADS = 32
+
+
+@dataclass
+class DryRun:
+    futures: list[Future] = field(default_factory=list)  # one a kernel
+    deferred: int = 0  # choices left to the real run: they need kernels that run (kernels/linear_plan.py)
+
+
+_active: DryRun | None = None
+
+
+def dry_run() -> DryRun | None:
+    """The compile-only run in progress, if any: nothing runs in it, so nothing may be timed."""
+    return _active
+
+
+class _Pool(ThreadPoolExecutor):
+    """Threads that compile and load kernels for the current GPU, keeping each one's future."""
+
+    def __init__(self, run: DryRun) -> None:
+        super().__init__(max_workers=min(MAX_THREADS, len(os.sched_getaffinity(0))), thread_name_prefix="compile")
+        self.run = run
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:  # called by the launching thread
+        future = super().submit(_compile_and_load, torch.cuda.current_device(), fn)
+        self.run.futures.append(future)
+        return future
+
+
+def _compile_and_load(device: int, compile_kernel: Callable):
+    torch.cuda.set_device(device)  # a thread's own: the module loads on the engine's GPU
+    kernel = compile_kernel()
+    kernel._init_handles()  # what a first launch does: build the launcher, load the module
+    return kernel
+
+
+@contextlib.contextmanager
+def compile_only(progress: bool = False) -> Iterator[DryRun]:
+    """Launches inside only compile and load their kernels, in parallel; on exit, waits for them all (a bar with
+    progress). A kernel that fails is left to its real launch, which raises as it would have."""
+    global _active
+    if _active is not None:
+        raise RuntimeError("compile_only() is already active: a dry run cannot hold another")
+    launch, _active = JITFunction.run, DryRun()
+
+    def compile_kernel(self, *args, grid, warmup, **kwargs):
+        return launch(self, *args, grid=grid, warmup=True, **kwargs)
+
+    JITFunction.run = compile_kernel
+    try:
+        with _Pool(_active) as pool, AsyncCompileMode(pool, ignore_errors=True):
+            yield pool.run
+            for _ in tqdm(as_completed(pool.run.futures), total=len(pool.run.futures), unit="kernel",
+                          desc=f"Compiling {len(pool.run.futures)} Triton kernels", disable=not progress):
+                pass
+    finally:
+        JITFunction.run, _active = launch, None
