@@ -26,9 +26,9 @@ def shipped(monkeypatch, fresh_choices):
     """A shipped file with PICKED for a [96, 64] weight's norm fold at 2 rows and cuBLAS row times for it, on GPU;
     an empty disk cache; every device named GPU; timing fails the test unless a test allows it."""
     path = fresh_choices / "picks.json"
-    merge(path, GPU, {"gemv fold 'norm' rows 2 w 96x64 torch.float32 bias False": dataclasses.asdict(PICKED),
-                      "gemv fold '' rows 2 w 96x64 torch.float32 bias False": None,
-                      "gemm rows w 96x64 torch.float32 bias True": {"24": 5.0, "32": 4.0}})
+    merge(path, GPU, {"gemv fold 'norm' rows 2 w 96x64 torch.float32 bias False fp8 None": dataclasses.asdict(PICKED),
+                      "gemv fold '' rows 2 w 96x64 torch.float32 bias False fp8 None": None,
+                      "gemm rows w 96x64 torch.float32 bias True fp8 None": {"24": 5.0, "32": 4.0}})
     monkeypatch.setattr(linear_picks, "PATH", path)
     monkeypatch.setattr(plan, "_gpu", lambda device: GPU)
     monkeypatch.setattr(plan, "_GEMM_TIMES", {})
