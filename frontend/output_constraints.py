@@ -9,7 +9,7 @@ def one_constraint(given: list[tuple[str, dict | None]]) -> tuple[str | None, di
     """(field, structured_outputs) of the one field that constrains; two are an error naming the second."""
     given = [(name, spec) for name, spec in given if spec is not None]
     if len(given) > 1:
-        raise InvalidParam(given[1][0], f"{given[0][0]} and {given[1][0]} both constrain the output: send one of them")
+        raise InvalidParam(given[1][0], f"{given[0][0]} and {given[1][0]} both constrain the output: send one")
     return given[0] if given else (None, None)
 
 
@@ -21,8 +21,9 @@ def response_format_spec(fmt: dict | None) -> dict | None:
     if kind == "json_schema" and isinstance(schema, dict) and isinstance(schema.get("schema"), dict):
         return {"json": schema["schema"]}
     if kind != "text":
-        raise InvalidParam("response_format", f'response_format={fmt} is invalid: use {{"type": "text"}}, {{"type": "json_object"}}, or '
-                   '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}')
+        raise InvalidParam("response_format", f'response_format={fmt} is invalid: use {{"type": "text"}}, '
+                           '{"type": "json_object"}, or {"type": "json_schema", "json_schema": {"name": ..., '
+                           '"schema": {...}}}')
     return None
 
 
@@ -37,6 +38,6 @@ def tool_choice_spec(tools: list[dict], choice: str | dict | None) -> dict | Non
     name = (named.get("function") or {}).get("name")
     if name not in names:
         raise InvalidParam("tool_choice", f"tool_choice={choice!r} is invalid: name one of the tools {names} as "
-                   '{"type": "function", "function": {"name": ...}}, or use "auto", "none" or "required" (with '
-                   "tools)")
+                           '{"type": "function", "function": {"name": ...}}, or use "auto", "none" or "required" '
+                           "(with tools)")
     return tool_grammar(tools, [name], only_one=True)

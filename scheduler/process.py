@@ -1,8 +1,8 @@
 """The scheduler process: frontends on a ROUTER, one PUSH of plans per worker rank, results on a PULL.
 
-No torch here. A malformed frame from a frontend is answered, one from a worker dropped; a worker error, a stalled
-step or a dead parent ends the process (EngineDead to every client, exit code 1). Two plans in flight: plan N+1 is
-sent before result N is awaited."""
+No CUDA here (torch loads with xgrammar, at the first grammar). A malformed frame from a frontend is answered, one
+from a worker dropped; a worker error, a stalled step or a dead parent ends the process (EngineDead to every client,
+exit code 1). Two plans in flight: plan N+1 is sent before result N is awaited."""
 from __future__ import annotations
 
 import contextlib
