@@ -18,7 +18,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 
 
 def _streamed(text: str, step: int) -> tuple[str, dict]:
-    """The stream's content and {call index: [id, name, arguments joined]} when `text` arrives `step` chars at a time."""
+    """The stream's content and {call index: [id, name, joined arguments]}, `text` arriving `step` chars a time."""
     stream, content, calls = ToolCallStream(), "", {}
     for end in range(step, len(text) + step, step):
         new, deltas = stream.update(text[:end], end >= len(text))
