@@ -260,6 +260,11 @@ class ChatCompletionRequest(_SamplingRequest):
     def _tool_constraint(self) -> list[tuple[str, dict | None]]:
         return [("tool_choice", tool_choice_spec([t.model_dump() for t in self.tools or []], self.tool_choice))]
 
+    @property
+    def max_tokens_field(self) -> str:
+        """max_completion_tokens (OpenAI's newer name) wins when both are sent."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
     def sampling_params(self, defaults: dict) -> SamplingParams:
         """logprobs (bool) and top_logprobs (count) become the engine's one number of top logprobs."""
         if self.top_logprobs is not None and not self.logprobs:
