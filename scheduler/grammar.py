@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from concurrent.futures import Future
 
 import numpy as np
 
 from protocol.grammar import build_grammar
 
-COMPILE_TIMEOUT_S = 10.0  # a request whose grammar takes longer ends with an error (its compile runs on)
+COMPILE_TIMEOUT_S = 10.0  # a request whose grammar compiles longer ends with an error (the compile runs on)
 MAX_CACHED = 512  # compiled grammars kept by their text
 
 
@@ -38,6 +39,11 @@ class Grammars:
             threading.Thread(target=self._run, args=(future, spec), name="grammar-compile", daemon=True).start()
         return future
 
+    def late(self, future: Future) -> bool:
+        """The compile has run past COMPILE_TIMEOUT_S (loading xgrammar and the tokenizer first does not count)."""
+        started = getattr(future, "started", None)
+        return started is not None and time.monotonic() - started > COMPILE_TIMEOUT_S
+
     def matcher(self, compiled: object) -> object:
         import xgrammar as xgr
 
@@ -55,7 +61,9 @@ class Grammars:
 
     def _run(self, future: Future, spec: dict) -> None:
         try:
-            future.set_result(self._get_compiler().compile_grammar(build_grammar(spec)))
+            compiler = self._get_compiler()
+            future.started = time.monotonic()
+            future.set_result(compiler.compile_grammar(build_grammar(spec)))
         except Exception as e:  # the request's error: InvalidParam for a bad spec, else why the compiler failed
             future.set_exception(e)
 

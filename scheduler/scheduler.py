@@ -9,6 +9,7 @@ import itertools
 import random
 import time
 from collections import deque
+from concurrent.futures import Future
 from operator import attrgetter
 
 import numpy as np
@@ -44,7 +45,7 @@ class Scheduler:
         self._rng = random.Random(config.seed)
         self._first_stats: dict[bytes, dict] = {}  # client -> request id -> request_stats, for this result's batch
         self.grammars = Grammars(config.model, config.model_path, self.vocab_size, self.eos_token_ids)
-        self.compiling: dict[Request, tuple] = {}  # -> (its grammar's compile future, deadline)
+        self.compiling: dict[Request, Future] = {}  # -> its grammar's compile
         self._masks: dict[int, list] = {}  # step -> its masked rows' (request, num_preemptions then)
 
     def add(self, msg: AddRequest, client: bytes) -> list[tuple[bytes, TokenBatch | Error]]:
@@ -59,7 +60,7 @@ class Scheduler:
         self.requests[req.client, req.request_id] = req
         if (spec := req.params.structured_outputs) is not None:
             req.status = Status.COMPILING
-            self.compiling[req] = (self.grammars.compile(spec), time.monotonic() + COMPILE_TIMEOUT_S)
+            self.compiling[req] = self.grammars.compile(spec)
         else:
             self.waiting.append(req)
         return []
@@ -67,12 +68,12 @@ class Scheduler:
     def admit_compiled(self) -> list[tuple[bytes, TokenBatch]]:
         """Requests whose grammar compiled start waiting; one whose grammar failed or is late ends with an error."""
         replies = []
-        for req, (future, deadline) in list(self.compiling.items()):
+        for req, future in list(self.compiling.items()):
             if future.done() and future.exception() is None:
                 del self.compiling[req]
                 req.matcher, req.status = self.grammars.matcher(future.result()), Status.WAITING
                 self.waiting.append(req)
-            elif future.done() or time.monotonic() > deadline:
+            elif future.done() or self.grammars.late(future):
                 reason = (str(future.exception()) if future.done() else f"structured_outputs took over "
                           f"{COMPILE_TIMEOUT_S:.0f} s to compile: simplify the schema or grammar")
                 self._finish(req)

@@ -202,3 +202,29 @@ def test_bad_constraints_are_a_400_naming_the_field(qwen_server, body, param):
     from server_fixture import assert_error, post
 
     assert_error(post(qwen_server, "/v1/chat/completions", {"model": "x", "messages": USER, **body}), 400, param)
+
+
+def test_a_grammar_past_the_time_limit_ends_its_request_alone_holding_nothing(monkeypatch):
+    import time
+    from types import SimpleNamespace
+
+    from test_scheduler import make_config
+
+    import scheduler.grammar as grammar
+    from protocol.messages import AddRequest, i32
+    from scheduler.scheduler import Scheduler
+
+    monkeypatch.setattr(grammar, "COMPILE_TIMEOUT_S", 0.2)
+    slow = SimpleNamespace(compile_grammar=lambda g: time.sleep(2))
+    monkeypatch.setattr(grammar.Grammars, "_get_compiler", lambda self: slow)
+    sched = Scheduler(make_config(), num_blocks=16)
+    sched.add(AddRequest("slow", i32([1, 2, 3]), {"structured_outputs": {"regex": "a+"}}), b"c")
+    sched.add(AddRequest("free", i32([1, 2, 3]), {"max_tokens": 4}), b"c")
+    plan = sched.schedule()
+    assert [r.row for r in plan.new_rows] == plan.rows.tolist() and len(plan.rows) == 1 and not len(plan.masked)
+    while not (replies := sched.admit_compiled()):
+        time.sleep(0.05)
+    [(client, batch)] = replies
+    assert client == b"c" and batch.finished == {"slow": "error"} and "took over" in batch.errors["slow"]
+    assert not sched.compiling and [r.request_id for r in sched.running] == ["free"] and not sched.waiting
+    assert sched.block_manager.num_free_blocks == 16 - len(sched.running[0].block_table)
