@@ -228,3 +228,17 @@ def test_a_grammar_past_the_time_limit_ends_its_request_alone_holding_nothing(mo
     assert client == b"c" and batch.finished == {"slow": "error"} and "took over" in batch.errors["slow"]
     assert not sched.compiling and [r.request_id for r in sched.running] == ["free"] and not sched.waiting
     assert sched.block_manager.num_free_blocks == 16 - len(sched.running[0].block_table)
+
+
+@pytest.mark.gpu
+def test_constrained_answers_validate_on_the_gpu_beside_free_rows_in_graphs(tiny_ckpt):
+    """CUDA graphs, the pinned upload of masks and mixed steps: what the CPU engine does not run."""
+    kinds = [(kind, seed) for kind in SPECS if kind != "json_object" for seed in range(16)]
+    params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=120, structured_outputs=SPECS[kind])
+              for kind, seed in kinds] + [GREEDY] * 8
+    with LLM(str(tiny_ckpt), device="cuda") as gpu:
+        outs = gpu.generate([PROMPTS[i % len(PROMPTS)] for i in range(len(params))], params, use_tqdm=False)
+    for (kind, seed), out in zip(kinds, outs):
+        assert out.outputs[0].finish_reason == "stop", (kind, seed, out.outputs[0].text)
+        _check(kind, out.outputs[0].text)
+    assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in outs[len(kinds):])
