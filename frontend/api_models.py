@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, ClassVar, Literal, NamedTuple, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model, model_validator
 
+from frontend.output_constraints import one_constraint, response_format_spec, tool_choice_spec
+from frontend.tool_calls import OPEN
 from protocol.config import ContextTooLong, InvalidParam
 from protocol.sampling import MAX_LOGPROBS, SamplingParams
 
@@ -23,17 +25,12 @@ GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty"
 # The request fields named as SamplingParams' (each endpoint sets max_tokens and logprobs in its own way).
 SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams) if f.name not in ("max_tokens", "logprobs"))
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default; chat defaults to the context
-_NO_TOOLS = "this server does not parse tool calls: describe the tools in the prompt, or leave them out"
-_NO_GUIDED = "this server has no guided decoding: ask for the format in the prompt instead"
+_NO_FUNCTIONS = "the deprecated functions API is not served: send tools and tool_choice instead"
 # Fields this server cannot honour are refused with a 400, never ignored (the client would take unconstrained
 # text for what it asked for). name -> (values served as if absent, besides null; why the rest are refused)
 UNSERVED_FIELDS: dict[str, tuple[tuple, str]] = {
-    "response_format": (({"type": "text"},), "json_object and json_schema need guided decoding, which this server "
-                                             'does not have; only {"type": "text"} is served'),
-    **dict.fromkeys(("tools", "functions"), (([],), _NO_TOOLS)),
-    **dict.fromkeys(("tool_choice", "function_call"), (("none",), _NO_TOOLS + '; only "none" is served')),
-    **dict.fromkeys(("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"),
-                    ((), _NO_GUIDED)),
+    "functions": (([],), _NO_FUNCTIONS),
+    "function_call": (("none",), _NO_FUNCTIONS),
     "suffix": (("",), "text is not inserted before a suffix: send the prompt only"),
     "prompt_logprobs": ((), "prompt logprobs are not computed, only those of generated tokens"),
     "use_beam_search": ((False,), "beam search is not supported: ask for n samples instead"),
@@ -107,6 +104,11 @@ class _SamplingRequest(_SamplingFields):
     stream_options: StreamOptions | None = None
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the last k prompt tokens (-1: max_model_len)
     return_tokens_as_token_ids: bool | None = False  # vLLM's: logprob tokens as "token_id:N"
+    response_format: dict | None = None
+    guided_json: dict | str | None = None  # vLLM's older names of structured_outputs' json, regex, choice, grammar
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -123,6 +125,10 @@ class _SamplingRequest(_SamplingFields):
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream=true", "stream_options")
         return self
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        return False
 
     @property
     def include_usage(self) -> bool:
@@ -148,9 +154,28 @@ class _SamplingRequest(_SamplingFields):
         """The request's explicit fields over the model's generation defaults over SamplingParams' own."""
         explicit = {name: getattr(self, name) for name in SAMPLING_FIELDS if getattr(self, name) is not None}
         try:
+            explicit["structured_outputs"] = self.constraint()[1]
             return SamplingParams(**{**defaults, **explicit, "max_tokens": max_tokens, "logprobs": logprobs})
         except InvalidParam as exc:
-            raise from_invalid_param(exc, max_tokens_field=self.max_tokens_field) from None
+            raise self.invalid(exc) from None
+
+    def invalid(self, exc: InvalidParam) -> APIError:
+        """A 400 naming the field the client sent (a constraint's own field, e.g. guided_regex)."""
+        field = self.constraint()[0] if exc.field == "structured_outputs" else None
+        if field is not None and field != exc.field:
+            return bad_request(f"{field}: {exc}", field)
+        return from_invalid_param(exc, max_tokens_field=self.max_tokens_field)
+
+    def constraint(self) -> tuple[str | None, dict | None]:
+        """(the field that asked, as structured_outputs) of the one output constraint the request sends."""
+        guided = [(name, None if getattr(self, name) is None else {name[len("guided_"):]: getattr(self, name)})
+                  for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")]
+        return one_constraint([("structured_outputs", self.structured_outputs),
+                               ("response_format", response_format_spec(self.response_format)), *guided,
+                               *self._tool_constraint()])
+
+    def _tool_constraint(self) -> list[tuple[str, dict | None]]:
+        return []
 
 
 class CompletionRequest(_SamplingRequest):
@@ -182,9 +207,31 @@ class TextPart(_Lenient):
     text: str
 
 
+class ToolFunction(_Lenient):
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+
+
+class Tool(_Lenient):
+    type: Literal["function"]
+    function: ToolFunction
+
+
 class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[dict] | None = None  # an assistant's earlier calls: OpenAI's shape, arguments as a JSON string
+    tool_call_id: str | None = None
+
+    def rendered(self) -> dict:
+        """The message as chat templates read it: a call's arguments as a map (Qwen2.5's template writes tojson)."""
+        out = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [_parsed_arguments(call) for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
     def text(self) -> str:
         if isinstance(self.content, list):  # "\n", as vLLM joins them: split text gives the same prompt there
@@ -203,6 +250,15 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict | None = None  # or {"type": "function", ...}
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def _tool_constraint(self) -> list[tuple[str, dict | None]]:
+        return [("tool_choice", tool_choice_spec([t.model_dump() for t in self.tools or []], self.tool_choice))]
 
     @property
     def max_tokens_field(self) -> str:
@@ -219,12 +275,27 @@ class ChatCompletionRequest(_SamplingRequest):
         return self._params(defaults, getattr(self, self.max_tokens_field), logprobs)
 
     def prompts(self, tokenizer: PreTrainedTokenizerBase) -> list[list[int]]:
+        tools = [t.model_dump(exclude_none=True) for t in self.tools] if self.parses_tool_calls else None
+        if tools and OPEN not in (tokenizer.chat_template or ""):
+            raise bad_request("tools are served in Qwen's <tool_call> format, which this model's chat template does "
+                              "not use (Qwen2.5 and Qwen3 do; Llama 3 does not): leave tools out", "tools")
         return [chat_prompt(self.messages, tokenizer, self.add_generation_prompt is not False,
-                            bool(self.continue_final_message), self.chat_template_kwargs)]
+                            bool(self.continue_final_message), self.chat_template_kwargs, tools)]
+
+
+def _parsed_arguments(call: dict) -> dict:
+    function = call.get("function")
+    if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+        try:
+            return {**call, "function": {**function, "arguments": json.loads(function["arguments"])}}
+        except ValueError:
+            pass
+    return call
 
 
 def chat_prompt(messages: list[ChatMessage], tokenizer: PreTrainedTokenizerBase, add_generation_prompt: bool = True,
-                continue_final_message: bool = False, template_kwargs: dict | None = None) -> list[int]:
+                continue_final_message: bool = False, template_kwargs: dict | None = None,
+                tools: list[dict] | None = None) -> list[int]:
     """Render the messages with the model's chat template (its own special tokens included)."""
     if not messages:
         raise bad_request("messages is empty: send at least one message", "messages")
@@ -232,7 +303,7 @@ def chat_prompt(messages: list[ChatMessage], tokenizer: PreTrainedTokenizerBase,
         raise bad_request("continue_final_message=true needs add_generation_prompt=false: the model either goes on "
                           "with the last message or starts a new one", "continue_final_message")
     try:
-        text = tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages],
+        text = tokenizer.apply_chat_template([m.rendered() for m in messages], tools=tools,
                                              tokenize=False, add_generation_prompt=add_generation_prompt,
                                              continue_final_message=continue_final_message,
                                              **(template_kwargs or {}))

@@ -6,6 +6,7 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from frontend.api_models import Job
 from frontend.output_processor import CompletionOutput, RequestOutput
+from frontend.tool_calls import ToolCallStream, parse_tool_calls
 
 # Byte-level BPE vocabularies (Qwen2's) write each byte as one printable character; this maps them back.
 _BYTE_OF_CHAR = {char: byte for byte, char in bytes_to_unicode().items()}
@@ -20,10 +21,11 @@ class Renderer:
     object: str  # of a stream chunk
 
     def __init__(self, response_id: str, model: str, jobs: list[Job], tokenizer, echo: bool = False,
-                 tokens_as_ids: bool = False, continuous_usage: bool = False):
+                 tokens_as_ids: bool = False, continuous_usage: bool = False, tool_calls: bool = False):
         self.id, self.model, self.jobs, self.tokenizer, self.echo = response_id, model, jobs, tokenizer, echo
         self.tokens_as_ids = tokens_as_ids  # vLLM's return_tokens_as_token_ids: a logprob's token is "token_id:N"
         self.continuous_usage = continuous_usage  # vLLM's continuous_usage_stats: usage in every chunk
+        self.tool_streams = {} if tool_calls else None  # choice -> ToolCallStream, when tool calls are parsed
         self.created = int(time.time())
         self.n = jobs[0].params.n
         self._sent: dict[int, tuple[int, int]] = {}  # choice -> (chars, tokens) already streamed
@@ -128,11 +130,32 @@ class ChatRenderer(Renderer):
                 for i in range(len(self.jobs) * self.n)]
 
     def chunks(self, job: int, out: RequestOutput) -> list[dict]:
-        return [self.chunk([{"index": i, "delta": {"role": None, "content": o.text[chars:] or None},
-                             "logprobs": self.logprobs(o, tokens), "finish_reason": o.finish_reason}],
-                           self.usage_so_far(job, o)) for i, o, chars, tokens in self.deltas(job, out)]
+        chunks = []
+        for i, o, chars, tokens in self.deltas(job, out):
+            delta, finish = {"role": None, "content": o.text[chars:] or None}, o.finish_reason
+            if self.tool_streams is not None:
+                calls = self.tool_streams.setdefault(i, ToolCallStream())
+                content, tool_deltas = calls.update(o.text, finish is not None)
+                delta["content"] = content or None
+                if tool_deltas:
+                    delta["tool_calls"] = tool_deltas
+                if finish == "stop" and calls.called:
+                    finish = "tool_calls"
+                if not (content or tool_deltas or finish or o.logprobs):
+                    continue  # held back: it may begin a call
+            chunks.append(self.chunk([{"index": i, "delta": delta, "logprobs": self.logprobs(o, tokens),
+                                       "finish_reason": finish}], self.usage_so_far(job, o)))
+        return chunks
 
     def response(self, finals: list[RequestOutput]) -> dict:
-        choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text},
-                    "logprobs": self.logprobs(o, 0), "finish_reason": o.finish_reason} for o in finals[0].outputs]
+        choices = []
+        for o in finals[0].outputs:
+            message, finish = {"role": "assistant", "content": o.text}, o.finish_reason
+            if self.tool_streams is not None:
+                message["content"], calls = parse_tool_calls(o.text)
+                if calls:
+                    message["tool_calls"] = calls
+                    finish = "tool_calls" if finish == "stop" else finish
+            choices.append({"index": o.index, "message": message, "logprobs": self.logprobs(o, 0),
+                            "finish_reason": finish})
         return self.chunk(choices, self.usage(finals), "chat.completion")

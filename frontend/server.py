@@ -27,6 +27,7 @@ from frontend.metrics import Metrics
 from frontend.model_resolution import resolve_config
 from frontend.responding import ClientGone, respond
 from protocol.config import EngineConfig, InvalidParam
+from protocol.grammar import build_grammar
 
 log = logging.getLogger("pico_vllm.server")
 MAX_BODY_BYTES = 4 << 20  # a 128k-token prompt is well under 1 MB of text; far larger bodies are abuse
@@ -204,6 +205,11 @@ def _routes(state: ServerState) -> APIRouter:
         req, engine = await state.accept(request, kind)
         rid = f"{kind.id_prefix}-{uuid.uuid4().hex}"
         params = req.sampling_params(state.defaults)
+        if params.structured_outputs is not None:  # a bad schema, regex or grammar is a 400 before the engine
+            try:  # in a thread: the first one imports xgrammar (seconds), and the loop keeps serving
+                await asyncio.to_thread(build_grammar, params.structured_outputs)
+            except InvalidParam as exc:
+                raise req.invalid(exc) from None
         prompts = req.truncated(req.prompts(engine.tokenizer), engine.tokenizer, engine.max_model_len)
         try:
             jobs = [Job(f"{rid}-{i}", *engine.client.prepare(prompt, params), params)
@@ -211,7 +217,7 @@ def _routes(state: ServerState) -> APIRouter:
         except InvalidParam as exc:
             raise from_invalid_param(exc, kind.prompt_field, req.max_tokens_field) from None
         renderer = render(rid, state.names[0], jobs, engine.tokenizer, req.echo, bool(req.return_tokens_as_token_ids),
-                          req.continuous_usage)
+                          req.continuous_usage, req.parses_tool_calls)
         return await respond(request, state.ready_engine(), state.metrics, renderer, req.stream, req.include_usage)
 
     return router

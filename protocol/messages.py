@@ -90,6 +90,15 @@ class StepPlan:
     block_appends: list = field(default_factory=list)  # [row, new block ids]
     free_rows: np.ndarray = field(default_factory=lambda: i32([]))
     trace: bool = False
+    masked: np.ndarray = field(default_factory=lambda: i32([]))  # indices into rows: sample under a GrammarMask
+
+
+@dataclass(slots=True)
+class GrammarMask:
+    """The allowed tokens of a step's `masked` rows, sent once every earlier step has its result: bit t of row i's
+    ceil(vocab_size / 32) int32 words (xgrammar's packing) allows token t."""
+    step: int
+    bitmask: np.ndarray  # [len(plan.masked) * words], row-major
 
 
 @dataclass(slots=True)
@@ -112,6 +121,6 @@ _KINDS = {"np.ndarray": I32, "int": int, "str": str, "bool": bool, "dict": dict,
           "str | None": (str, type(None))}  # annotation -> wire check
 MESSAGE_TYPES: dict[str, type] = {cls.__name__: cls for cls in (AddRequest, Abort, Shutdown, GetStats, TokenBatch,
                                                                  Ready, EngineDead, Error, NewRow, StepPlan,
-                                                                 StepResult, WorkerError)}
+                                                                 GrammarMask, StepResult, WorkerError)}
 for _cls in MESSAGE_TYPES.values():
     _cls.WIRE = {f.name: _KINDS[f.type] for f in fields(_cls)}

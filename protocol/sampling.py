@@ -1,6 +1,7 @@
 """SamplingParams and a request's checks against the model, run once at each entry point (frontend, socket)."""
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, fields
 
 import numpy as np
@@ -11,6 +12,7 @@ MAX_N = 16
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS = 1024  # entries: each is applied on the device every step
+CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 @dataclass(slots=True)
@@ -35,6 +37,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True  # only slow (Python) tokenizers honour it, as in vLLM
     include_stop_str_in_output: bool = False  # keep the stop string (or stop token's text) ending the text
+    # vLLM's shape: one of json (a schema), json_object, regex, choice, grammar (EBNF) or structural_tag (xgrammar's
+    # JSON), and any_whitespace (JSON's free whitespace; off by default, so a model cannot stall in spaces).
+    structured_outputs: dict | None = None
 
     def __post_init__(self) -> None:
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -44,6 +49,7 @@ class SamplingParams:
         require(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
                 f"use at most max_tokens={self.max_tokens}")
         self.logit_bias = {int(t): float(b) for t, b in (self.logit_bias or {}).items()} or None
+        self.structured_outputs = check_structured_outputs(self.structured_outputs)
 
     def check_vocab(self, vocab_size: int) -> None:
         bad = sorted(t for t in self.logit_bias or {} if t >= vocab_size)
@@ -70,6 +76,24 @@ class SamplingParams:
             setattr(params, f.name, d[f.name])
         params.logit_bias = {int(t): b for t, b in d["logit_bias"].items()} if d["logit_bias"] else None
         return params
+
+
+def check_structured_outputs(spec: object) -> dict | None:
+    """None, or {kind: its value as text, "any_whitespace": bool} with exactly one kind of CONSTRAINT_KINDS."""
+    if spec is None:
+        return None
+    fix = (f"send a map with exactly one of {list(CONSTRAINT_KINDS)} (json: a schema; json_object: true; regex, "
+           "grammar, structural_tag: a string; choice: a list of strings) and optionally any_whitespace: bool")
+    require(isinstance(spec, dict), "structured_outputs", spec, fix)
+    kinds = [k for k in CONSTRAINT_KINDS if spec.get(k) not in (None, False)]
+    require(len(kinds) == 1 and set(spec) <= {*CONSTRAINT_KINDS, "any_whitespace"}, "structured_outputs", spec, fix)
+    kind, value = kinds[0], spec[kinds[0]]
+    if kind in ("json", "structural_tag") and isinstance(value, dict):
+        value = json.dumps(value)
+    ok = {"json_object": value is True, "choice": isinstance(value, list) and value and all(
+        isinstance(c, str) and c for c in value)}.get(kind, isinstance(value, str) and value != "")
+    require(ok and isinstance(spec.get("any_whitespace", False), bool), "structured_outputs", spec, fix)
+    return {kind: value, "any_whitespace": spec.get("any_whitespace", False)}
 
 
 def _is_int(v: object) -> bool:

@@ -1,8 +1,8 @@
 """The scheduler process: frontends on a ROUTER, one PUSH of plans per worker rank, results on a PULL.
 
-No torch here. A malformed frame from a frontend is answered, one from a worker dropped; a worker error, a stalled
-step or a dead parent ends the process (EngineDead to every client, exit code 1). Two plans in flight: plan N+1 is
-sent before result N is awaited."""
+No CUDA here (torch loads with xgrammar, at the first grammar). A malformed frame from a frontend is answered, one
+from a worker dropped; a worker error, a stalled step or a dead parent ends the process (EngineDead to every client,
+exit code 1). Two plans in flight: plan N+1 is sent before result N is awaited."""
 from __future__ import annotations
 
 import contextlib
@@ -27,6 +27,7 @@ from scheduler.scheduler import Scheduler
 
 log = logging.getLogger("pico_vllm.scheduler")
 POLL_MS = 100  # the idle poll, and so how often the parent is checked
+COMPILE_POLL_MS = 2  # the idle poll while a grammar compiles: its request starts soon after
 LINGER_MS = 1000  # time for the last EngineDead / Shutdown to leave at exit
 MAX_IN_FLIGHT = 2  # the worker keeps two staging buffers: step N+1 may launch before N is collected
 SHUTDOWN_REFUSED = ("Shutdown refused: only the frontend that started this engine may stop it; stop a headless engine "
@@ -110,7 +111,8 @@ class SchedulerServer:
             self.early.clear()
             while True:
                 busy = self._step()
-                msg = self._poll(0 if busy else POLL_MS, read_results=not self.in_flight)  # else _wait_result's
+                idle_ms = COMPILE_POLL_MS if self.scheduler.compiling else POLL_MS
+                msg = self._poll(0 if busy else idle_ms, read_results=not self.in_flight)  # else _wait_result's
                 if msg is not None:
                     log.warning("dropped a %s from a worker: no step is in flight", type(msg).__name__)
         except _Exit as e:
@@ -224,26 +226,39 @@ class SchedulerServer:
     def _step(self) -> bool:
         """Top up the plans in flight, then wait for the oldest one's result; False when idle."""
         sched = self.scheduler
+        for client, batch in sched.admit_compiled():
+            self._send(client, batch)
         while len(self.in_flight) < MAX_IN_FLIGHT and sched.has_work():
             with self.tracer.span("scheduler.schedule", sched.step + 1):
                 if (plan := sched.schedule()) is None:
                     break
-                frame = encode(plan)
-                for rank, sock in enumerate(self.plans):
-                    try:
-                        sock.send(frame)
-                    except zmq.Again:
-                        raise _Exit(1, f"worker {rank} took no plan for {self.config.step_timeout} s") from None
+                self._send_workers(plan)
             self.in_flight.append(plan.step)
+            self._send_mask()
         if not self.in_flight:
             return False
         step = self.in_flight.popleft()
         with self.tracer.span("scheduler.wait_result", step):
             batches = self._wait_result(step)
+        self._send_mask()  # before the tokens: the worker waits for it to sample the next step
         with self.tracer.span("scheduler.send_tokens", step):
             for client, batch in batches:
                 self._send(client, batch)
         return True
+
+    def _send_workers(self, msg) -> None:
+        frame = encode(msg)
+        for rank, sock in enumerate(self.plans):
+            try:
+                sock.send(frame)
+            except zmq.Again:
+                raise _Exit(1, f"worker {rank} took no plan for {self.config.step_timeout} s") from None
+
+    def _send_mask(self) -> None:
+        """A constrained step's mask, once every step before it has its result (Scheduler.take_mask)."""
+        if (mask := self.scheduler.take_mask()) is not None:
+            with self.tracer.span("scheduler.grammar_mask", mask.step):
+                self._send_workers(mask)
 
     def _wait_result(self, step: int) -> list[tuple[bytes, TokenBatch]]:
         deadline = time.monotonic() + self.config.step_timeout

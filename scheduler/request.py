@@ -11,6 +11,7 @@ class Status(enum.Enum):
     WAITING = "waiting"  # queued, or preempted and waiting to be recomputed; holds no row, no blocks
     RUNNING = "running"  # holds a row and blocks; prefilling or decoding
     FINISHED = "finished"
+    COMPILING = "compiling"  # its grammar compiles; then it waits
 
 
 @dataclass(slots=True, eq=False)
@@ -32,6 +33,7 @@ class Request:
     num_row_tokens: int = 0  # tokens the worker's mirror got in NewRow: prefill until computed reaches it
     num_preemptions: int = 0  # also an epoch: a result planned before a preemption is stale
     queued_at: float = 0.0  # time.monotonic() when it was added
+    matcher: object | None = None  # its xgrammar GrammarMatcher, fed every token it keeps
     first_stats: dict | None = None  # TokenBatch.request_stats: set at its first admission, sent with its first token
 
     @property

@@ -9,14 +9,17 @@ import itertools
 import random
 import time
 from collections import deque
+from concurrent.futures import Future
 from operator import attrgetter
 
 import numpy as np
 
 from protocol.config import EngineConfig, InvalidParam
-from protocol.messages import OVERLOADED, AddRequest, Error, NewRow, StepPlan, StepResult, TokenBatch, i32
+from protocol.messages import (OVERLOADED, AddRequest, Error, GrammarMask, NewRow, StepPlan, StepResult, TokenBatch,
+                               i32)
 from protocol.sampling import SamplingParams, check_length, check_prompt
 from scheduler.block_manager import BlockManager
+from scheduler.grammar import COMPILE_TIMEOUT_S, Grammars
 from scheduler.request import Request, Status
 
 _NO_REQUEST_STATS: dict = {}  # the request_stats of every batch without a first token: encoded, never mutated
@@ -41,6 +44,9 @@ class Scheduler:
         self._arrivals = itertools.count()
         self._rng = random.Random(config.seed)
         self._first_stats: dict[bytes, dict] = {}  # client -> request id -> request_stats, for this result's batch
+        self.grammars = Grammars(config.model, config.model_path, self.vocab_size, self.eos_token_ids)
+        self.compiling: dict[Request, Future] = {}  # -> its grammar's compile
+        self._masks: dict[int, list] = {}  # step -> its masked rows' (request, num_preemptions then)
 
     def add(self, msg: AddRequest, client: bytes) -> list[tuple[bytes, TokenBatch | Error]]:
         """Queue a request; a bad one is answered at once (see refuse)."""
@@ -52,8 +58,37 @@ class Scheduler:
         except Exception as e:  # untrusted input, checked before any state changes: it fails alone
             return self.refuse(client, msg.request_id, str(e))
         self.requests[req.client, req.request_id] = req
-        self.waiting.append(req)
+        if (spec := req.params.structured_outputs) is not None:
+            req.status = Status.COMPILING
+            self.compiling[req] = self.grammars.compile(spec)
+        else:
+            self.waiting.append(req)
         return []
+
+    def admit_compiled(self) -> list[tuple[bytes, TokenBatch]]:
+        """Requests whose grammar compiled start waiting; one whose grammar failed or is late ends with an error."""
+        replies = []
+        for req, future in list(self.compiling.items()):
+            if future.done() and future.exception() is None:
+                del self.compiling[req]
+                req.matcher, req.status = self.grammars.matcher(future.result()), Status.WAITING
+                self.waiting.append(req)
+            elif future.done() or self.grammars.late(future):
+                reason = (str(future.exception()) if future.done() else f"structured_outputs took over "
+                          f"{COMPILE_TIMEOUT_S:.0f} s to compile: simplify the schema or grammar")
+                self._finish(req)
+                replies.append((req.client, self._batch([(req.request_id, -1, "error", reason, None)])))
+        return replies
+
+    def take_mask(self) -> GrammarMask | None:
+        """The mask of the oldest step in flight, if it has masked rows: every step before it has its result, so
+        each matcher has seen every token before this step's."""
+        step = next(iter(self._in_flight), None)
+        if (rows := self._masks.pop(step, None)) is None:
+            return None
+        live = [req.matcher if req.status is Status.RUNNING and req.num_preemptions == epoch else None
+                for req, epoch in rows]
+        return GrammarMask(step, self.grammars.fill(live))
 
     def refuse(self, client: bytes, request_id: str | None, reason: str) -> list[tuple[bytes, TokenBatch | Error]]:
         """A request the engine will not run: it finishes with "error", unless no id or a live request's id names
@@ -89,8 +124,8 @@ class Scheduler:
 
     def _make_request(self, msg: AddRequest, client: bytes) -> Request:
         """The wire's one check of a request; its seed, stop ids and max_tokens are resolved here, for every row."""
-        if len(self.waiting) >= self.config.max_waiting_requests:
-            raise InvalidParam("request_id", f"{OVERLOADED}: {len(self.waiting)} requests are waiting "
+        if (waiting := len(self.waiting) + len(self.compiling)) >= self.config.max_waiting_requests:
+            raise InvalidParam("request_id", f"{OVERLOADED}: {waiting} requests are waiting "
                                f"(max_waiting_requests={self.config.max_waiting_requests}); retry later")
         params = SamplingParams.from_dict(msg.params)
         if params.n != 1:
@@ -118,6 +153,8 @@ class Scheduler:
             self._release(req)
         elif req.status is Status.WAITING:
             self.waiting.remove(req)
+        elif req.status is Status.COMPILING:
+            del self.compiling[req]
         req.status = Status.FINISHED
         del self.requests[req.client, req.request_id]
 
@@ -141,8 +178,12 @@ class Scheduler:
         self.step += 1
         scheduled = [(req, 1) for req in decodes] + chunks
         self._in_flight[self.step] = [(req, req.num_preemptions, not req.is_prefill) for req, _ in scheduled]
+        masked = [i for i, (req, _) in enumerate(scheduled) if req.matcher is not None and not req.is_prefill]
+        if masked:
+            self._masks[self.step] = [(scheduled[i][0], scheduled[i][0].num_preemptions) for i in masked]
         plan = StepPlan(self.step, i32([req.row for req, _ in scheduled]), i32([n for _, n in scheduled]),
-                        new_rows, appends, i32(sorted(self._rows_freed)), self.config.trace_dir is not None)
+                        new_rows, appends, i32(sorted(self._rows_freed)), self.config.trace_dir is not None,
+                        i32(masked))
         self._rows_freed.clear()
         return plan
 
@@ -235,6 +276,8 @@ class Scheduler:
             generated = req.num_tokens - req.num_prompt_tokens
             reason = ("stop" if generated >= req.params.min_tokens and token in req.stop_ids
                       else "length" if generated >= req.max_tokens or req.num_tokens >= self.max_model_len else None)
+            if req.matcher is not None and reason is None and not _advance(req.matcher, token):
+                reason = "stop"  # the grammar is complete (its stop token came despite ignore_eos) or broken
             if reason is not None:
                 self._finish(req)
             lp = logprobs(i, req.params.logprobs) if logprobs and req.params.logprobs is not None else None
@@ -253,6 +296,11 @@ class Scheduler:
                           {r: e for r, e in zip(ids, errors) if e is not None},
                           list(logprobs) if any(lp is not None for lp in logprobs) else None, self.stats(),
                           request_stats)
+
+
+def _advance(matcher, token: int) -> bool:
+    """Feed the matcher the row's token; False once the grammar allows nothing more."""
+    return matcher.accept_token(token) and not matcher.is_terminated()
 
 
 def _split_logprobs(lp: dict | None, n: int):

@@ -58,23 +58,12 @@ def test_stop_string_completed_by_the_last_token_of_a_split_character_finishes_w
 CHAT_BODY = {"messages": [{"role": "user", "content": "Hi"}]}
 COMPLETION_BODY = {"prompt": "Hi"}
 UNSERVED = [  # (request model, field, a value that would change what the client gets)
-    (ChatCompletionRequest, "response_format", {"type": "json_object"}),
-    (ChatCompletionRequest, "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
-    (CompletionRequest, "response_format", {"type": "json_object"}),
-    (ChatCompletionRequest, "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    (ChatCompletionRequest, "tool_choice", "auto"),
-    (ChatCompletionRequest, "tool_choice", {"type": "function", "function": {"name": "f"}}),
     (ChatCompletionRequest, "functions", [{"name": "f", "parameters": {}}]),
     (ChatCompletionRequest, "function_call", "auto"),
-    (CompletionRequest, "guided_json", {"type": "object"}),
-    (ChatCompletionRequest, "guided_regex", "[a-z]+"),
-    (ChatCompletionRequest, "guided_choice", ["yes", "no"]),
-    (CompletionRequest, "guided_grammar", "root ::= 'a'"),
-    (ChatCompletionRequest, "structured_outputs", {"choice": ["yes", "no"]}),
     (CompletionRequest, "suffix", "the end"),
     (CompletionRequest, "prompt_logprobs", 1),
     (CompletionRequest, "use_beam_search", True),
-]
+]  # response_format, tools and guided decoding are served: tests/test_structured_outputs.py
 
 
 def _body(model, **fields) -> bytes:

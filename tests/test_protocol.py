@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from protocol.codec import MAX_FRAME_BYTES, ProtocolError, decode, encode
-from protocol.messages import (MESSAGE_TYPES, Abort, AddRequest, EngineDead, Error, GetStats, NewRow, Ready,
-                               Shutdown, StepPlan, StepResult, TokenBatch, WorkerError, i32)
+from protocol.messages import (MESSAGE_TYPES, Abort, AddRequest, EngineDead, Error, GetStats, GrammarMask, NewRow,
+                               Ready, Shutdown, StepPlan, StepResult, TokenBatch, WorkerError, i32)
 from protocol.config import InvalidParam
 from protocol.sampling import SamplingParams
 
@@ -32,7 +32,8 @@ SAMPLES = [
     Error("Shutdown refused"),
     NEW_ROW,
     StepPlan(step=2, rows=i32([3, 1]), num_tokens=i32([1, 7]), new_rows=[NEW_ROW], block_appends=[],
-             free_rows=i32([0]), trace=True),
+             free_rows=i32([0]), trace=True, masked=i32([0])),
+    GrammarMask(step=2, bitmask=i32([-1, 0, 7])),
     StepResult(step=2, token_ids=i32([4, -1]),
                logprobs={"sampled": np.float32([-1.5, 0]).tobytes(), "k": 0, "top_ids": b"", "top_logprobs": b""},
                timings={"start_ns": 1}),

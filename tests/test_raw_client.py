@@ -132,6 +132,23 @@ def test_n_above_one_is_refused_and_logit_bias_takes_string_keys(client):
     assert tokens[:2] == [7, 7] and msg["finished"]["bias"] == "length"
 
 
+def test_a_raw_client_constrains_tokens_and_a_bad_grammar_ends_its_request_with_the_reason(client, tiny_ckpt):
+    from transformers import AutoTokenizer
+
+    client.add("choice", max_tokens=20, temperature=1.0, seed=3, structured_outputs={"choice": ["alpha", "beta"]})
+    client.add("bad", structured_outputs={"regex": "(("})
+    tokens, finished, errors = [], {}, {}
+    while len(finished) < 2:
+        msg = client.recv()
+        finished.update(msg["finished"])
+        errors.update(msg["errors"])
+        ids = struct.unpack(f"<{len(msg['request_ids'])}i", msg["token_ids"])
+        tokens += [t for rid, t in zip(msg["request_ids"], ids) if rid == "choice" and t >= 0]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_ckpt)
+    assert finished == {"choice": "stop", "bad": "error"} and "structured_outputs.regex" in errors["bad"]
+    assert tokenizer.decode(tokens, skip_special_tokens=True) in ("alpha", "beta")
+
+
 def test_a_foreign_shutdown_is_refused_and_the_engine_keeps_serving(client):
     client.send({"type": "Shutdown"})
     error = client.recv()

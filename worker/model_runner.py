@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -14,7 +15,7 @@ from tqdm import tqdm
 
 from kernels.precompile import DryRun, compile_only
 from protocol.config import EngineConfig, ModelConfig
-from protocol.messages import StepPlan, StepResult
+from protocol.messages import GrammarMask, StepPlan, StepResult
 from protocol.sampling import SamplingParams
 from worker.attention import AttentionBackend, AttentionMetadata, Views
 from worker.cuda_graphs import CudaGraphs, graph_batch_sizes, prefill_buckets
@@ -203,9 +204,10 @@ class ModelRunner:
         return self.collect(self.launch(plan))
 
     @torch.inference_mode()
-    def launch(self, plan: StepPlan) -> Launched:
+    def launch(self, plan: StepPlan, wait_mask: Callable[[int], GrammarMask] | None = None) -> Launched:
         """Apply the plan's deltas and queue the step; nothing waits for the device. At most one launched step
-        may stay uncollected: staging and output buffers alternate between two."""
+        may stay uncollected: staging and output buffers alternate between two. A plan with masked rows samples
+        only once wait_mask(step) has its GrammarMask (the host waits; the step's forward is queued first)."""
         if plan.step != self.step + 1:
             raise ValueError(f"StepPlan step {plan.step} after step {self.step}: plans must come one by one")
         self.step = plan.step
@@ -218,7 +220,8 @@ class ModelRunner:
         size = self._padded_size(step)
         self.buffers.write(step, self.mirror.host_input_ids(step), self.mirror.take_deltas(), self.dummy_row, size)
         self._apply_block_table_deltas()
-        out = self._run_decode(step, size) if step.is_decode else self._run_mixed(step, size)
+        grammar = functools.partial(self._grammar, plan, step, wait_mask) if len(plan.masked) else None
+        out = self._run_decode(step, size, grammar) if step.is_decode else self._run_mixed(step, size, grammar)
         if events is not None:
             events[1].record()
         launched = self._copy_out(plan.step, step.samples, out)
@@ -226,6 +229,19 @@ class ModelRunner:
         if plan.trace:
             launched.trace = (start_ns, time.perf_counter_ns(), events, step.is_decode)
         return launched
+
+    def _grammar(self, plan: StepPlan, step: HostStep, wait_mask) -> tuple[np.ndarray, np.ndarray]:
+        """(indices into the step's sampled rows, bitmask [k, words]) of its masked rows."""
+        masked = plan.masked.astype(np.int64)
+        if wait_mask is None or masked.min() < 0 or masked.max() >= len(step.rows) or not step.samples[masked].all():
+            raise ValueError(f"StepPlan {plan.step} masks rows {masked.tolist()}: each must index a sampling row, "
+                             "and the caller must pass wait_mask")
+        mask = wait_mask(plan.step)
+        words = -(-self.model_config.vocab_size // 32)
+        if mask.step != plan.step or mask.bitmask.shape != (len(masked) * words,):
+            raise ValueError(f"GrammarMask for step {mask.step} of {mask.bitmask.shape} int32 does not fit step "
+                             f"{plan.step}'s {len(masked)} masked rows of {words} words")
+        return np.cumsum(step.samples)[masked] - 1, mask.bitmask.reshape(len(masked), words).copy()  # writable
 
     def _padded_size(self, step: HostStep) -> int | None:
         if step.is_decode:
@@ -295,7 +311,7 @@ class ModelRunner:
         meta = self.attention.prefill_metadata(views)
         return self.model(views["input_ids"], views["positions"], meta, self.kv_caches[:layers])
 
-    def _run_decode(self, step: HostStep, size: int | None) -> SamplerOutput:
+    def _run_decode(self, step: HostStep, size: int | None, grammar=None) -> SamplerOutput:
         b = len(step.rows)
         views = self.graphs.views["decode"][size] if size else self.buffers.decode_views(b)
         self.sampler.sync_params()  # before the graph: its draw reads the rows' temperatures and seeds
@@ -303,9 +319,10 @@ class ModelRunner:
         if self.sampler.plain:
             return SamplerOutput(out.token_ids[:b])
         # Some row needs more than the captured draw: sample the step's logits again, eagerly.
-        return self.sampler(logits[:b], views["rows"][:b], views["sample_pos"][:b], step.rows, self.last_token)
+        return self.sampler(logits[:b], views["rows"][:b], views["sample_pos"][:b], step.rows, self.last_token,
+                            grammar and grammar())
 
-    def _run_mixed(self, step: HostStep, size: int | None) -> SamplerOutput | None:
+    def _run_mixed(self, step: HostStep, size: int | None, grammar=None) -> SamplerOutput | None:
         """A step with prompt chunks; its decode rows take their input tokens from the device."""
         views = self.graphs.views["prefill"][size] if size else self.buffers.prefill_views()
         num_device = step.num_device_tokens
@@ -316,4 +333,4 @@ class ModelRunner:
             return None
         logits = self.model.compute_logits(hidden[self.buffers.view("sample_idx")])
         return self.sampler(logits, self.buffers.view("sample_rows"), self.buffers.view("sample_pos"),
-                            step.rows[step.samples], self.last_token)
+                            step.rows[step.samples], self.last_token, grammar and grammar())

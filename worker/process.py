@@ -13,7 +13,7 @@ import zmq
 from protocol.addresses import Addresses
 from protocol.codec import decode, encode
 from protocol.config import EngineConfig
-from protocol.messages import Ready, Shutdown, StepPlan, WorkerError
+from protocol.messages import GrammarMask, Ready, Shutdown, StepPlan, WorkerError
 from protocol.tracing import DECODE_GPU_SPAN, GPU_TRACK, Tracer
 
 log = logging.getLogger("pico_vllm.worker")
@@ -83,9 +83,27 @@ def _build_runner(config: EngineConfig, addresses: Addresses, rank: int, clock: 
     return ModelRunner(config, rank, tp_size)
 
 
+class _Stopped(Exception):
+    """Shutdown came while a step waited for its GrammarMask."""
+
+
 def _serve(runner, plans: zmq.Socket, results: zmq.Socket, rank: int, tracer: Tracer) -> None:
     """Launch each plan as it comes, so plan N+1 queues behind step N on the GPU; collect a step once it is done."""
     pending = None
+
+    def wait_mask(step: int) -> GrammarMask:
+        """Step N's result goes out first: the scheduler fills step N + 1's mask from step N's tokens."""
+        nonlocal pending
+        if pending is not None:
+            _finish(runner, pending, results, rank, tracer)
+            pending = None
+        msg = decode(plans.recv())
+        if isinstance(msg, Shutdown):
+            raise _Stopped
+        if not isinstance(msg, GrammarMask) or msg.step != step:
+            raise ValueError(f"worker received a {type(msg).__name__} while step {step} waited for its GrammarMask")
+        return msg
+
     while True:
         if pending is not None and not plans.poll(0):
             if runner.is_done(pending):  # spin: a poll is a few microseconds, a step a millisecond
@@ -99,7 +117,10 @@ def _serve(runner, plans: zmq.Socket, results: zmq.Socket, rank: int, tracer: Tr
             return
         if not isinstance(msg, StepPlan):
             raise ValueError(f"worker received a {type(msg).__name__}: only StepPlan and Shutdown are expected")
-        launched = runner.launch(msg)
+        try:
+            launched = runner.launch(msg, wait_mask)
+        except _Stopped:
+            return
         if pending is not None:
             _finish(runner, pending, results, rank, tracer)
         pending = launched

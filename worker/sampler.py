@@ -17,7 +17,7 @@ from protocol.sampling import SamplingParams
 # Column order of the float and int parameter tables.
 _TEMP, _TOP_P, _MIN_P, _PRESENCE, _FREQUENCY, _REPETITION = range(6)
 _TOP_K, _SEED, _MIN_UNTIL = range(3)
-_FEATURES = ("random", "penalties", "top_k_top_p", "min_p", "logprobs", "min_tokens", "logit_bias")
+_FEATURES = ("random", "penalties", "top_k_top_p", "min_p", "logprobs", "min_tokens", "logit_bias", "grammar")
 
 
 def seed_to_i64(seed: int) -> int:
@@ -81,7 +81,7 @@ class Sampler:
                  "top_k_top_p": params.temperature > 0.0 and (top_k > 0 or params.top_p < 1.0),
                  "min_p": params.temperature > 0.0 and params.min_p > 0.0,
                  "logprobs": params.logprobs is not None, "min_tokens": bool(banned),
-                 "logit_bias": bool(params.logit_bias)}
+                 "logit_bias": bool(params.logit_bias), "grammar": params.structured_outputs is not None}
         for name, on in flags.items():
             self._feature[name][row] = on
             self._count[name] += int(on)
@@ -142,9 +142,11 @@ class Sampler:
     # ---- sampling -----------------------------------------------------------------------------------
 
     def __call__(self, logits: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
-                 rows_host: np.ndarray | None, last_token: torch.Tensor) -> SamplerOutput:
+                 rows_host: np.ndarray | None, last_token: torch.Tensor,
+                 grammar: tuple[np.ndarray, np.ndarray] | None = None) -> SamplerOutput:
         """Sample logits[N, V] for rows[N] and store each token at last_token[row]; positions[N] are the tokens'
-        indices in their sequences (the seeds hash them); rows_host is read only for top-k/top-p."""
+        indices in their sequences (the seeds hash them); rows_host is read only for top-k/top-p; grammar is
+        (indices into N, their packed bitmasks [k, words]) of the constrained rows."""
         self.sync_params()
         out = SamplerOutput(token_ids=None)
         if self.plain:
@@ -153,6 +155,9 @@ class Sampler:
             return out
         if self._count["logprobs"]:
             self._raw_logprobs(logits, out)
+        if grammar is not None:
+            idx, bitmask = (_upload(a, self.device) for a in grammar)
+            logits = apply_token_bitmask(logits, idx.long(), bitmask)
         if self._count["min_tokens"]:
             early = positions < self.ints[rows, _MIN_UNTIL]
             logits = logits.masked_fill(self.banned[rows] & early[:, None], float("-inf"))
@@ -216,6 +221,13 @@ class Sampler:
         logits = logits.clone()
         logits[idx] = _top_k_top_p(logits[idx], self.ints[sel_rows, _TOP_K], self.floats[sel_rows, _TOP_P])
         return logits
+
+
+def apply_token_bitmask(logits: torch.Tensor, idx: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """logits with -inf where bit t (of int32 word t // 32) of bitmask[i] is 0, in rows idx[i] (xgrammar's packing)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((bitmask[:, :, None] >> shifts) & 1).view(len(idx), -1)[:, :logits.shape[1]].bool()
+    return logits.index_put((idx,), logits[idx].masked_fill(~allowed, float("-inf")))
 
 
 def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

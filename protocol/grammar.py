@@ -1,0 +1,31 @@
+"""A structured_outputs spec as an xgrammar Grammar: the one build the frontend checks (a 400 naming the field) and
+the scheduler compiles against the vocabulary. xgrammar is imported on first use: it loads torch."""
+from __future__ import annotations
+
+import json
+import re
+
+from protocol.config import InvalidParam
+
+
+def build_grammar(spec: dict) -> object:
+    """xgrammar.Grammar of a checked SamplingParams.structured_outputs; InvalidParam naming the kind if it is bad."""
+    import xgrammar as xgr
+
+    kind = next(k for k in spec if k != "any_whitespace")
+    value, ws = spec[kind], spec["any_whitespace"]
+    try:
+        if kind == "json":
+            return xgr.Grammar.from_json_schema(value, any_whitespace=ws)
+        if kind == "json_object":
+            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=ws, strict_mode=False)
+        if kind == "regex":
+            return xgr.Grammar.from_regex(value)
+        if kind == "choice":
+            return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value))
+        if kind == "grammar":
+            return xgr.Grammar.from_ebnf(value)
+        return xgr.Grammar.from_structural_tag(value)
+    except Exception as e:  # xgrammar raises RuntimeError, ValueError or its own types; the message says what
+        reason = re.sub(r"^\[[\d:]+\] \S+: ", "", str(e).strip())  # its C++ prefix: time and source line
+        raise InvalidParam("structured_outputs", f"structured_outputs.{kind} is invalid: {reason}") from None

@@ -1,0 +1,82 @@
+"""Structured outputs in the scheduler: grammars compiled off the loop (cached by their text, with a time limit),
+an xgrammar matcher per constrained request, and the packed token bitmask of a step's constrained rows.
+
+xgrammar (and with it torch, on the CPU) and the model's tokenizer load at the first constrained request, in the
+compile thread: an engine that never sees one never loads them."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import Future
+
+import numpy as np
+
+from protocol.grammar import build_grammar
+
+COMPILE_TIMEOUT_S = 10.0  # a request whose grammar compiles longer ends with an error (the compile runs on)
+MAX_CACHED = 512  # compiled grammars kept by their text
+
+
+class Grammars:
+    """Compiles SamplingParams.structured_outputs against the model's vocabulary."""
+
+    def __init__(self, model: str, model_path: str | None, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+        self._model, self._model_path = model, model_path
+        self.vocab_size, self._eos = vocab_size, sorted(eos_token_ids)
+        self._cache: dict[str, Future] = {}  # the spec's canonical text -> its compile
+        self._lock = threading.Lock()
+        self._compiler = None
+
+    def compile(self, spec: dict) -> Future:
+        """A future of the compiled grammar; a spec seen before shares its first compile (and its failure)."""
+        key = json.dumps(spec, sort_keys=True)
+        if (future := self._cache.get(key)) is None:
+            if len(self._cache) >= MAX_CACHED:
+                del self._cache[next(iter(self._cache))]
+            future = self._cache[key] = Future()
+            # A daemon thread per new grammar: one that never finishes must not hold the process at exit.
+            threading.Thread(target=self._run, args=(future, spec), name="grammar-compile", daemon=True).start()
+        return future
+
+    def late(self, future: Future) -> bool:
+        """The compile has run past COMPILE_TIMEOUT_S (loading xgrammar and the tokenizer first does not count)."""
+        started = getattr(future, "started", None)
+        return started is not None and time.monotonic() - started > COMPILE_TIMEOUT_S
+
+    def matcher(self, compiled: object) -> object:
+        import xgrammar as xgr
+
+        return xgr.GrammarMatcher(compiled)
+
+    def fill(self, matchers: list) -> np.ndarray:
+        """The bitmask of each matcher's next token, row after row (None: every token allowed)."""
+        import xgrammar as xgr
+
+        mask = xgr.allocate_token_bitmask(len(matchers), self.vocab_size)  # all ones
+        for i, m in enumerate(matchers):
+            if m is not None and not m.is_terminated():
+                m.fill_next_token_bitmask(mask, i)
+        return mask.numpy().reshape(-1)
+
+    def _run(self, future: Future, spec: dict) -> None:
+        try:
+            compiler = self._get_compiler()
+            future.started = time.monotonic()
+            future.set_result(compiler.compile_grammar(build_grammar(spec)))
+        except Exception as e:  # the request's error: InvalidParam for a bad spec, else why the compiler failed
+            future.set_exception(e)
+
+    def _get_compiler(self):
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+
+                from frontend.tokenizer import load_tokenizer  # the same offline tokenizer as the frontend's
+
+                tokenizer = load_tokenizer(self._model, self._model_path)
+                info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=self._eos)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+            return self._compiler
+
