@@ -3,8 +3,8 @@ at a few row counts, alone and with the norm or SwiGLU before it folded in: the 
 that op's kernel then linear()'s pick) beside what kernels.linear picks, and paged decode attention at
 (batch, context, max_model_len) cases, max_model_len setting the grid as in the engine's graphs. One device
 call checks a kernel change before the engine's A/B (bench/PERF.md). With --fp8, the layers' linears again with
-FP8 weights (per output channel, or Qwen's 128 x 128 blocks), once per FP8_GEMM path of kernels/linear.py: the
-unfused time past 16 rows is that path's, so the rows 32..256 pick the many-rows path.
+FP8 weights (per output channel, or Qwen's 128 x 128 blocks), once per scaled_mm variant of kernels/linear.py
+(SCALED_MM): the unfused time past 16 rows is that variant's, so the rows 32..256 pick FP8_GEMM.
 
     python -m bench.kernels --rows 1 8 --attention 1:32:32768 256:512:2048
     python -m bench.kernels --rows 1 4 16 64 128 256 --attention 1:32:32768 --fp8 channel
@@ -155,9 +155,13 @@ def main(argv: list[str] | None = None) -> int:
         from kernels.fp8 import PER_CHANNEL
 
         block = PER_CHANNEL if args.fp8 == "channel" else (128, 128)
-        for path in ("scaled_mm", "triton", "dequant"):
+        for path in linear.SCALED_MM:
             linear.FP8_GEMM = path
-            numbers[f"fp8_{path}"] = time_linears(config, args.rows, block)
+            try:
+                numbers[f"fp8_{path}"] = time_linears(config, args.rows, block)
+            except RuntimeError as e:  # a variant this torch or GPU lacks must not hide the others
+                print(f"FP8 path {path} failed: {e}")
+                continue
             print_table(f"FP8 linears ({args.fp8} scales), unfused past 16 rows: {path}", numbers[f"fp8_{path}"])
     record("kernels", args, numbers)
     return 0

@@ -19,16 +19,15 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 MIN_AMAX = 1e-12  # an all-zero block gets a tiny scale, not a division by zero
 PER_CHANNEL = (1, 0)  # (rows, columns) of a scale's block; 0: the whole dim
-# GEMV tiles (kernels/gemv.py's candidates). An e4m3 tile of a bf16 tile's bytes holds twice its values, and the
-# one-row kernel keeps a float32 a value: past 64 values a thread (32 where SwiGLU sums K tiles) ptxas spills for
-# sm_90. So these hold a bf16 tile's values, or its bytes over twice the warps.
+# GEMV tiles (kernels/gemv.py's candidates). The one-row kernel keeps a float32 a value of its tile: past 64 values a
+# thread (32 where SwiGLU sums K tiles) ptxas spills for sm_90. An e4m3 tile of a bf16 tile's values is half its
+# bytes, so most load two tiles ahead (the 6th field): a latency-bound stream needs the bytes in flight.
 _DOT_TILES = ((64, 128, 4, 2), (32, 256, 4, 2), (128, 128, 8, 2), (64, 256, 4, 2))
-_ONE_ROW_TILES = ((4, 2048, 4, 8, 0), (4, 2048, 8, 0, 0), (8, 2048, 8, 0, 0), (8, 2048, 8, 8, 0), (8, 1024, 4, 0, 0),
-                  (2, 2048, 4, 8, 0), (4, 2048, 4, 8, 168))
+_ONE_ROW_TILES = ((4, 2048, 4, 8, 0, 2), (2, 2048, 4, 8, 0, 2), (4, 2048, 4, 0, 0, 2), (2, 2048, 4, 0, 0, 2),
+                  (4, 2048, 8, 0, 0, 2), (8, 2048, 8, 0, 0, 2), (4, 2048, 4, 8, 168, 1), (2, 2048, 4, 8, 0, 1))
 _BLOCK_DOT_TILES = ((64, 128, 4, 2), (32, 128, 4, 2), (128, 128, 8, 2))
-_BLOCK_ONE_ROW_TILES = ((16, 128, 4, 8, 0), (32, 128, 8, 0, 0), (32, 128, 8, 8, 0), (64, 128, 8, 0, 0),
-                        (32, 128, 4, 8, 0))
-
+_BLOCK_ONE_ROW_TILES = ((16, 128, 4, 8, 0, 2), (32, 128, 8, 0, 0, 2), (32, 128, 8, 8, 0), (64, 128, 8, 0, 0),
+                        (32, 128, 4, 8, 0, 2))
 
 @dataclass(frozen=True, slots=True)
 class Fp8Weight:
@@ -68,37 +67,59 @@ def scaled_mm_supported(x: torch.Tensor, w: Fp8Weight) -> bool:
             and w.shape[1] % 16 == 0 and torch.cuda.get_device_capability(x.device) >= (8, 9))
 
 
-def scaled_mm_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ w^T + bias on FP8 tensor cores: x quantized per row (its amax / 448), w per output channel."""
-    x8, x_scale = quantize_rows(x)
-    return torch._scaled_mm(x8, w.weight.t(), scale_a=x_scale, scale_b=w.scale.view(1, -1), bias=bias,
-                            out_dtype=x.dtype)
+def scaled_mm_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None, fast_accum: bool = False,
+                     per_tensor: bool = False) -> torch.Tensor:
+    """x @ w^T + bias on FP8 tensor cores, w per output channel and x per row (its amax / 448), or per_tensor: x by
+    one scale in a tensor-wise GEMM, w's scales and the bias applied to its output; fast_accum: cuBLAS's fast
+    (less exact) FP8 sums."""
+    x8, x_scale = quantize_rows(x, per_tensor)
+    if not per_tensor:
+        return torch._scaled_mm(x8, w.weight.t(), scale_a=x_scale, scale_b=w.scale.view(1, -1), bias=bias,
+                                out_dtype=x.dtype, use_fast_accum=fast_accum)
+    out = torch._scaled_mm(x8, w.weight.t(), scale_a=x_scale[0], scale_b=x_scale[1], out_dtype=x.dtype,
+                           use_fast_accum=fast_accum)
+    scale = w.scale.view(1, -1)
+    return out.mul_(scale) if bias is None else torch.addcmul(bias, out, scale, out=out)
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 x, float32 scales [M, 1]): each row of x [M, K] by its own amax / 448, in one kernel."""
+def quantize_rows(x: torch.Tensor, per_tensor: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 x, float32 scales [M, 1]): each row of x [M, K] by its own amax / 448; per_tensor: all by x's amax,
+    the scales [x's, 1.0] (a tensor-wise GEMM's scale_a and scale_b)."""
     m, k = x.shape
     out = torch.empty((m, k), dtype=FP8, device=x.device)
-    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
-    _quantize_rows_kernel[(m,)](x, out, scale, k, x.stride(0), x.stride(1), MIN_AMAX, FP8_MAX, BLOCK=1024)
+    amax = torch.empty(m if per_tensor else 0, dtype=torch.float32, device=x.device)
+    scale = torch.empty(2 if per_tensor else (m, 1), dtype=torch.float32, device=x.device)
+    block = triton.next_power_of_2(k)  # a row in one load: a loop over K waits on memory once a chunk
+    args = (x, out, amax, scale, m, k, x.stride(0), x.stride(1), MIN_AMAX, FP8_MAX)
+    warps = min(16, max(4, block // 1024))
+    if per_tensor:
+        _quantize_rows_kernel[(m,)](*args, PHASE=1, BLOCK=block, num_warps=warps)
+    _quantize_rows_kernel[(m,)](*args, PHASE=2 if per_tensor else 0, BLOCK=block, num_warps=warps)
     return out, scale
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, K, stride_xm, stride_xk, min_amax, fp8_max,
-                          BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    x_row, out_row = x_ptr + row * stride_xm, out_ptr + row * K
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK):
-        offs = k0 + tl.arange(0, BLOCK)
-        amax = tl.maximum(amax, tl.abs(tl.load(x_row + offs * stride_xk, mask=offs < K, other=0.0).to(tl.float32)))
-    scale = tl.maximum(tl.max(amax, axis=0), min_amax) / fp8_max
-    tl.store(scale_ptr + row, scale)
-    for k0 in range(0, K, BLOCK):
-        offs = k0 + tl.arange(0, BLOCK)
-        x = tl.load(x_row + offs * stride_xk, mask=offs < K, other=0.0).to(tl.float32)
-        tl.store(out_row + offs, tl.clamp(x / scale, -fp8_max, fp8_max).to(out_ptr.dtype.element_ty), mask=offs < K)
+def _quantize_rows_kernel(x_ptr, out_ptr, amax_ptr, scale_ptr, M, K, stride_xm, stride_xk, min_amax, fp8_max,
+                          PHASE: tl.constexpr, BLOCK: tl.constexpr):
+    # PHASE 0: a row by its own amax; 1: each row's amax into amax_ptr; 2: every row by their max (one scale).
+    row, offs = tl.program_id(0), tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row * stride_xm + offs * stride_xk, mask=offs < K, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=0)
+    if PHASE == 1:
+        tl.store(amax_ptr + row, amax)
+    else:
+        if PHASE == 2:
+            rows = tl.arange(0, 256)  # bench.kernels' and the decode graphs' rows at most; more loop
+            amax = tl.max(tl.load(amax_ptr + rows, mask=rows < M, other=0.0), axis=0)
+            for r0 in range(256, M, 256):
+                amax = tl.maximum(amax, tl.max(tl.load(amax_ptr + r0 + rows, mask=r0 + rows < M, other=0.0), axis=0))
+        scale = tl.div_rn(tl.maximum(amax, min_amax), fp8_max)  # IEEE division: the CPU's scale and values
+        if PHASE == 2:  # every program stores the same two
+            tl.store(scale_ptr + tl.arange(0, 2), tl.where(tl.arange(0, 2) == 0, scale, 1.0))
+        else:
+            tl.store(scale_ptr + row, scale)
+        x = tl.clamp(tl.div_rn(x, scale), -fp8_max, fp8_max)
+        tl.store(out_ptr + row * K + offs, x.to(out_ptr.dtype.element_ty), mask=offs < K)
 
 
 def fp8_tiles(block: tuple[int, int]) -> tuple[list[tuple], list[tuple]]:
@@ -164,3 +185,12 @@ def fp8_row_sums(products, s, SCALE: tl.constexpr):
     if SCALE == 1:
         sums = sums * s
     return sums
+
+
+@triton.jit
+def shift_tiles(w2, w2_up, s2, s2_up, w_next, w_up_next, s_next, s_up_next, AHEAD: tl.constexpr):
+    # The GEMV's (tile to multiply next, the one after it): AHEAD 1 leaves the second unread.
+    if AHEAD == 2:
+        return w2, w2_up, s2, s2_up, w_next, w_up_next, s_next, s_up_next
+    return w_next, w_up_next, s_next, s_up_next, w2, w2_up, s2, s2_up
+

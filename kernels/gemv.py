@@ -13,7 +13,8 @@ import triton
 import triton.language as tl
 
 from kernels.activation import silu_and_mul
-from kernels.fp8 import Fp8Weight, fp8_dot, fp8_row_sums, fp8_scale_args, fp8_scales, fp8_tiles, fp8_to_f32
+from kernels.fp8 import (Fp8Weight, fp8_dot, fp8_row_sums, fp8_scale_args, fp8_scales, fp8_tiles, fp8_to_f32,
+                         shift_tiles)
 from kernels.norm import add_rms_norm, rms_norm
 from kernels.pdl import pdl_enabled, pdl_launch
 
@@ -33,6 +34,7 @@ class GemvConfig:
     per_sm: int = 0  # one_row: programs per SM, each walking output blocks in turn; 0: a program a block
     max_regs: int = 0  # ptxas's register cap (maxnreg); 0: its own choice
     block_m: int = BLOCK_M  # the dot kernel's rows a program (more: a weight-only GEMM for many rows)
+    ahead: int = 1  # one_row: W tiles loaded ahead of the one multiplied (2: an e4m3 tile is half a bf16 one's bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,15 +172,18 @@ def _gemv_row_kernel(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, w_ptr, bias_ptr, o
                      stride_xk, stride_wn, stride_wk, scale_ptr, stride_sn, stride_sk, NORM: tl.constexpr,
                      HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, SCALE: tl.constexpr,
                      SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, WHOLE_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    # Program p takes output blocks p, p + G, ... and walks their K tiles as one loop, loading the next tile while
-    # it multiplies this one; products are reduced once a block, so loads never wait on a reduction.
+                     BLOCK_K: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr):
+    # Program p takes output blocks p, p + G, ... and walks their K tiles as one loop, loading the tile AHEAD on
+    # while it multiplies this one; products are reduced once a block, so loads never wait on a reduction.
     pid, num_programs = tl.program_id(0), tl.num_programs(0)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     total = tl.cdiv(tl.cdiv(N, BLOCK_N) - pid, num_programs) * k_tiles
     w, w_up, s, s_up = _load_w_tiles(w_ptr, pid, 0, N, K, stride_wn, stride_wk, scale_ptr, stride_sn, stride_sk,
                                      SCALE, SCALE_BN, SCALE_BK, SWIGLU, BLOCK_N, BLOCK_K)
+    w2, w2_up, s2, s2_up = _load_w_tiles(w_ptr, pid + 1 // k_tiles * num_programs, 1 % k_tiles, N, K, stride_wn,
+                                         stride_wk, scale_ptr, stride_sn, stride_sk, SCALE, SCALE_BN, SCALE_BK, SWIGLU,
+                                         BLOCK_N, BLOCK_K)  # the tile after w: AHEAD 1 never reads it
     if PDL:
         tl.extra.cuda.gdc_wait()
     if WHOLE_K:  # x's one tile serves every block
@@ -189,19 +194,20 @@ def _gemv_row_kernel(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, w_ptr, bias_ptr, o
         sumsq = tl.zeros([1], dtype=tl.float32) + tl.sum(sq, axis=0)
         for i in range(total):
             w_next, w_up_next, s_next, s_up_next = _load_w_tiles(
-                w_ptr, pid + (i + 1) * num_programs, 0, N, K, stride_wn, stride_wk, scale_ptr, stride_sn, stride_sk,
+                w_ptr, pid + (i + AHEAD) * num_programs, 0, N, K, stride_wn, stride_wk, scale_ptr, stride_sn, stride_sk,
                 SCALE, SCALE_BN, SCALE_BK, SWIGLU, BLOCK_N, BLOCK_K)
             _store_block(fp8_row_sums(fp8_to_f32(w, s, SCALE) * x, s, SCALE),
                          fp8_row_sums(fp8_to_f32(w_up, s_up, SCALE) * x, s_up, SCALE), sumsq, out_ptr, bias_ptr,
                          pid + i * num_programs, N, K, eps, NORM, HAS_BIAS, SWIGLU, BLOCK_N)
-            w, w_up, s, s_up = w_next, w_up_next, s_next, s_up_next
+            w, w_up, s, s_up, w2, w2_up, s2, s2_up = shift_tiles(w2, w2_up, s2, s2_up, w_next, w_up_next, s_next,
+                                                            s_up_next, AHEAD)
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         sq_acc = tl.zeros([BLOCK_K], dtype=tl.float32)
         for i in range(total):
             w_next, w_up_next, s_next, s_up_next = _load_w_tiles(
-                w_ptr, pid + (i + 1) // k_tiles * num_programs, (i + 1) % k_tiles, N, K, stride_wn, stride_wk,
+                w_ptr, pid + (i + AHEAD) // k_tiles * num_programs, (i + AHEAD) % k_tiles, N, K, stride_wn, stride_wk,
                 scale_ptr, stride_sn, stride_sk, SCALE, SCALE_BN, SCALE_BK, SWIGLU, BLOCK_N, BLOCK_K)
             k_tile = i % k_tiles
             offs_k = k_tile * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -220,7 +226,8 @@ def _gemv_row_kernel(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, w_ptr, bias_ptr, o
                 acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
                 acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
                 sq_acc = tl.zeros([BLOCK_K], dtype=tl.float32)
-            w, w_up, s, s_up = w_next, w_up_next, s_next, s_up_next
+            w, w_up, s, s_up, w2, w2_up, s2, s2_up = shift_tiles(w2, w2_up, s2, s2_up, w_next, w_up_next, s_next,
+                                                            s_up_next, AHEAD)
 
 
 @triton.jit
@@ -270,9 +277,8 @@ def _split_k_reduce_kernel(part_ptr, sumsq_ptr, bias_ptr, out_ptr, MN, N, K, SPL
 
 def gemv_triton(x: Input, w: Weight, bias: torch.Tensor | None, config: GemvConfig,
                 swiglu: bool = False) -> torch.Tensor:
-    """F.linear(x, w, bias) by the Triton GEMV, SwiGLU after it with swiglu; a NormedInput's norm runs in its loads
-    (the new residual written into residual_out). A plain x may be a strided view; the output is contiguous. An
-    Fp8Weight is read as e4m3 and scaled in registers (weight-only: x stays in its dtype)."""
+    """F.linear(x, w, bias) by the Triton GEMV, then SwiGLU with swiglu; a NormedInput's norm runs in its loads (the
+    new residual into residual_out); x may be strided; an Fp8Weight is read as e4m3, scaled in registers."""
     residual = norm_weight = new_res = None
     eps = 0.0
     if isinstance(x, NormedInput):
@@ -296,8 +302,8 @@ def gemv_triton(x: Input, w: Weight, bias: torch.Tensor | None, config: GemvConf
     partial, norm = cfg.split_k > 1, norm_weight is not None
     target = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device) if partial else out
     sumsq = torch.empty((cfg.split_k, m), dtype=torch.float32, device=x.device) if partial and norm else w
-    # Tensors a variant does not read are passed as w: never dereferenced.
-    pointers = (x, _or_w(residual, w), _or_w(norm_weight, w), _or_w(new_res, w), w, _or_w(bias, w), target)
+    _or_w = lambda t: w if t is None else t  # noqa: E731  (tensors a variant does not read: never dereferenced)
+    pointers = (x, _or_w(residual), _or_w(norm_weight), _or_w(new_res), w, _or_w(bias), target)
     meta = dict(NORM=norm, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None and not partial,
                 SWIGLU=swiglu, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=pdl_enabled(x.device),
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **scale_meta)
@@ -307,7 +313,7 @@ def gemv_triton(x: Input, w: Weight, bias: torch.Tensor | None, config: GemvConf
         blocks, k_tiles = triton.cdiv(n_out, cfg.block_n), triton.cdiv(k, cfg.block_k)
         grid = min(blocks, cfg.per_sm * num_sms(x.device)) if cfg.per_sm else blocks
         _gemv_row_kernel[(grid,)](*pointers, n_out, k, k_tiles, eps, x.stride(1), w.stride(0), w.stride(1),
-                                  *scale_args, WHOLE_K=k_tiles == 1, **meta, **pdl_launch(x.device))
+                                  *scale_args, WHOLE_K=k_tiles == 1, AHEAD=cfg.ahead, **meta, **pdl_launch(x.device))
     else:
         grid = (triton.cdiv(n_out, cfg.block_n), cfg.split_k, triton.cdiv(m, cfg.block_m))
         k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
@@ -315,20 +321,15 @@ def gemv_triton(x: Input, w: Weight, bias: torch.Tensor | None, config: GemvConf
                            w.stride(1), *scale_args, PARTIAL=partial, BLOCK_M=cfg.block_m, **meta)
     if partial:
         _split_k_reduce_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](
-            target, sumsq, _or_w(bias, w), out, m * n, n, k, cfg.split_k, eps, NORM=norm, HAS_BIAS=bias is not None,
+            target, sumsq, _or_w(bias), out, m * n, n, k, cfg.split_k, eps, NORM=norm, HAS_BIAS=bias is not None,
             BLOCK=REDUCE_BLOCK)
     return out
 
 
-def _or_w(t: torch.Tensor | None, w: torch.Tensor) -> torch.Tensor:
-    return w if t is None else t
-
-
 def candidate_configs(n: int, k: int, num_sms: int, rows: int = GEMV_MAX_M, swiglu: bool = False,
                       fp8_block: tuple[int, int] | None = None) -> list[GemvConfig]:
-    """Tile shapes worth timing for an [n, k] weight (FP8 with scales of fp8_block) and x of `rows` rows (the
-    one-row kernel's too for 1); a dot tile's K is split until it has its programs per SM (never with swiglu:
-    its epilogue needs all of K)."""
+    """Tiles worth timing for an [n, k] weight (FP8 with fp8_block's scales) and `rows` rows (the one-row kernel's
+    too for 1); a dot tile's K splits until it has its programs per SM (never with swiglu: it needs all of K)."""
     dot_tiles, one_row_tiles = fp8_tiles(fp8_block) if fp8_block else (_DOT_TILES, _ONE_ROW_TILES)
     configs = []
     for block_n, block_k, warps, per_sm in dot_tiles:
@@ -337,8 +338,8 @@ def candidate_configs(n: int, k: int, num_sms: int, rows: int = GEMV_MAX_M, swig
         per_split = chunks if swiglu else max(1, chunks // wanted)  # whole chunks a split: >= `wanted` splits
         configs.append(GemvConfig(block_n, block_k, triton.cdiv(chunks, per_split), warps))
     if rows == 1:
-        configs += [GemvConfig(block_n, block_k, 1, warps, one_row=True, per_sm=per_sm, max_regs=regs)
-                    for block_n, block_k, warps, per_sm, regs in one_row_tiles]
+        configs += [GemvConfig(n, k, 1, warps, one_row=True, per_sm=per_sm, max_regs=regs, ahead=(*ahead, 1)[0])
+                    for n, k, warps, per_sm, regs, *ahead in one_row_tiles]
     return configs
 
 

@@ -18,10 +18,11 @@ from kernels.gemv import (GEMV_MAX_M, GemvConfig, Input, NormedInput, Weight, ge
 # float16's range cannot hold that where the residual stream is large, bfloat16's can.
 DTYPES = {"": (torch.float16, torch.bfloat16), "norm": (torch.bfloat16,), "swiglu": (torch.float16, torch.bfloat16),
           "norm+swiglu": (torch.bfloat16,)}
-# FP8 weights past the GEMV's rows: "scaled_mm" (FP8 tensor cores, x quantized per row), "triton" (the GEMV's dot
-# kernel as a weight-only GEMM) or "dequant" (a bf16 copy, then cuBLAS); `bench.kernels --fp8` times each.
+# FP8 weights past the GEMV's rows: a SCALED_MM path (FP8 tensor cores: x quantized per row or per tensor, cuBLAS's
+# fast sums or not) or "dequant" (a bf16 copy, then cuBLAS); `bench.kernels --fp8` times each.
+SCALED_MM = {"scaled_mm": {}, "scaled_mm_fast": {"fast_accum": True}, "scaled_mm_tensor": {"per_tensor": True},
+             "scaled_mm_tensor_fast": {"per_tensor": True, "fast_accum": True}}
 FP8_GEMM = "scaled_mm"
-TRITON_GEMM = GemvConfig(128, 128, num_warps=8, num_stages=4, block_m=64)
 
 
 def linear(x: Input, w: Weight, bias: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:
@@ -54,10 +55,8 @@ def dense(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch
     """x @ w^T + bias unfused: cuBLAS, or FP8_GEMM's path for FP8 weights (dequantized off an FP8 GPU)."""
     if not isinstance(w, Fp8Weight):
         return F.linear(x, w, bias)
-    if FP8_GEMM == "scaled_mm" and scaled_mm_supported(x, w):
-        return scaled_mm_linear(x, w, bias)
-    if FP8_GEMM == "triton" and x.is_cuda:
-        return gemv_triton(x, w, bias, TRITON_GEMM)
+    if FP8_GEMM in SCALED_MM and scaled_mm_supported(x, w):
+        return scaled_mm_linear(x, w, bias, **SCALED_MM[FP8_GEMM])
     return F.linear(x, w.dequantize(x.dtype), bias)
 
 

@@ -38,11 +38,12 @@ def test_quantize_is_each_blocks_amax_over_448_in_e4m3(shape, block):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_quantize_rows_kernel_is_each_rows_amax_over_448(device):
     x = torch.randn(5, 2500, device=device) * torch.tensor([1e-3, 1.0, 30.0, 0.0, 5.0], device=device)[:, None]
-    values, scales = quantize_rows(x[:, 3:2003])  # a strided view, K over one 1,024 chunk
-    ref_values, ref_scales, _ = quantize_fp8_reference(x[:, 3:2003].cpu(), 1, 2000)
-    assert torch.equal(scales.cpu(), ref_scales)
-    if device == "cuda":  # Triton's interpreter rounds to e4m3 wrongly next to a power of two (124.8 -> 64)
-        assert torch.equal(values.cpu().float(), ref_values.float())
+    for per_tensor, rows in ((False, 1), (True, 5)):  # a strided view; per tensor: one scale for all 5 rows
+        values, scales = quantize_rows(x[:, 3:2003], per_tensor)
+        ref_values, ref_scales, _ = quantize_fp8_reference(x[:, 3:2003].cpu(), rows, 2000)
+        assert torch.equal(scales.cpu(), torch.cat([ref_scales.flatten(), torch.ones(1)]) if per_tensor else ref_scales)
+        if device == "cuda":  # Triton's interpreter rounds to e4m3 wrongly next to a power of two (124.8 -> 64)
+            assert torch.equal(values.cpu().float(), ref_values.float())
 
 
 def _fold_input(fold: str, m: int, k: int) -> torch.Tensor | NormedInput:
@@ -177,12 +178,12 @@ def test_fp8_linears_on_cuda_match_the_dequantized_weight_at_qwen_shapes(block, 
                                          bias.float() if has_bias else None)
         configs = candidate_configs(n, k, num_sms(x.device), rows, fp8_block=block) if rows <= 16 else []
         outs = {str(c): run_path("", x, weight, bias, c) for c in configs}  # the GEMV reading e4m3
-        for path in ["scaled_mm", "triton", "dequant"]:
+        for path in [*linear.SCALED_MM, "dequant"]:
             monkeypatch.setattr(linear, "FP8_GEMM", path)
             outs[path] = run_path("", x, weight, bias, None)
         for what, out in outs.items():
             # scaled_mm rounds x to e4m3 (~3% of an output's scale); the weight-only paths round to bf16 only
-            tol = 0.06 if what == "scaled_mm" else 0.02
+            tol = 0.06 if what in linear.SCALED_MM else 0.02
             err = (out.float() - ref).abs().max() / ref.abs().max()
             assert err < tol, f"{name} rows {rows} {what}: relative error {err:.4f}"
 
