@@ -94,7 +94,7 @@ def fastest_config(fold: str, rows: int, w: Weight, bias: torch.Tensor | None, o
 
 def _compile_candidates(op: Op, w: Weight, bias: torch.Tensor | None, configs: list[GemvConfig]) -> None:
     """Every candidate's kernels at once, in parallel; one that cannot build fails again when timed, and is skipped."""
-    if not w.is_cuda:  # the interpreter compiles nothing
+    if w.device.type != "cuda":  # the interpreter compiles nothing (w may be an Fp8Weight)
         return
     with compile_only():
         for config in configs:
