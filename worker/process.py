@@ -69,6 +69,8 @@ def startup_summary(parts: dict, clock: dict[str, float]) -> str:
 
 def _build_runner(config: EngineConfig, addresses: Addresses, rank: int, clock: dict[str, float]):
     # Imported here: torch and CUDA load only once this process is committed to being a worker.
+    import torch
+
     from worker.model_runner import ModelRunner, select_device
     from worker.parallel import init_tp_group
 
@@ -76,6 +78,8 @@ def _build_runner(config: EngineConfig, addresses: Addresses, rank: int, clock: 
     tp_size = config.tensor_parallel_size
     device = select_device(config.device, rank)
     clock["device_selected"] = time.time()
+    if device.type == "cuda":  # the host's torch ops are small copies: idle OpenMP threads would spin on every core
+        torch.set_num_threads(1)
     if tp_size > 1:
         # A file in the engine's private ipc directory: no TCP port to collide with another engine's.
         init_method = f"file://{addresses.ipc_dir}/tp-rendezvous" if addresses.ipc_dir else "tcp://127.0.0.1:29500"
