@@ -59,7 +59,10 @@ class Grammars:
 
         mask = xgr.allocate_token_bitmask(len(matchers), self.vocab_size)  # all ones
         rows = [i for i, m in enumerate(matchers) if m is not None and not m.is_terminated()]
-        if rows:
+        if len(rows) < FILL_THREADS:  # a few rows: handing them to threads costs more than it saves
+            for i in rows:
+                matchers[i].fill_next_token_bitmask(mask, i)
+        else:
             if self._batch is None:
                 self._batch = xgr.BatchGrammarMatcher(FILL_THREADS)
             self._batch.batch_fill_next_token_bitmask([matchers[i] for i in rows], mask, rows)
