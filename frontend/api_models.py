@@ -275,10 +275,13 @@ class ChatCompletionRequest(_SamplingRequest):
         return self._params(defaults, getattr(self, self.max_tokens_field), logprobs)
 
     def prompts(self, tokenizer: PreTrainedTokenizerBase) -> list[list[int]]:
-        tools = [t.model_dump(exclude_none=True) for t in self.tools] if self.parses_tool_calls else None
+        # tool_choice "none" still shows the tools (as OpenAI and vLLM do); the answer is then not parsed for calls.
+        tools = [t.model_dump(exclude_none=True) for t in self.tools or []] or None
         if tools and OPEN not in (tokenizer.chat_template or ""):
-            raise bad_request("tools are served in Qwen's <tool_call> format, which this model's chat template does "
-                              "not use (Qwen2.5 and Qwen3 do; Llama 3 does not): leave tools out", "tools")
+            if self.parses_tool_calls:
+                raise bad_request("tools are served in Qwen's <tool_call> format, which this model's chat template "
+                                  "does not use (Qwen2.5 and Qwen3 do; Llama 3 does not): leave tools out", "tools")
+            tools = None  # tool_choice "none" on a template that cannot show them: nothing to call anyway
         return [chat_prompt(self.messages, tokenizer, self.add_generation_prompt is not False,
                             bool(self.continue_final_message), self.chat_template_kwargs, tools)]
 

@@ -7,6 +7,7 @@ import pytest
 
 from frontend.api_models import ChatCompletionRequest
 from frontend.output_constraints import response_format_spec
+from frontend.tokenizer import load_tokenizer
 from frontend.tool_calls import ToolCallStream, parse_tool_calls
 from protocol.config import InvalidParam
 
@@ -101,3 +102,13 @@ def test_response_format_maps_to_structured_outputs():
     assert response_format_spec(None) is None and response_format_spec({"type": "text"}) is None
     with pytest.raises(InvalidParam):
         response_format_spec({"type": "json_schema"})
+
+
+def test_tool_choice_none_shows_the_tools_but_parses_no_call():
+    tokenizer = load_tokenizer("qwen2.5-1.5b", None)
+    request = _request(tools=TOOLS, tool_choice="none")
+    shown = tokenizer.decode(request.prompts(tokenizer)[0])
+    assert "<tools>" in shown and '"get_weather"' in shown
+    assert request.parses_tool_calls is False and request.constraint() == (None, None)
+    plain = tokenizer.decode(_request().prompts(tokenizer)[0])
+    assert "<tools>" not in plain
