@@ -50,6 +50,8 @@ class SamplingParams:
                 f"use at most max_tokens={self.max_tokens}")
         self.logit_bias = {int(t): float(b) for t, b in (self.logit_bias or {}).items()} or None
         self.structured_outputs = check_structured_outputs(self.structured_outputs)
+        require(self.structured_outputs is None or self.min_tokens == 0, "min_tokens", self.min_tokens,
+                "use 0 with structured_outputs: a grammar that ends would leave no token min_tokens allows")
 
     def check_vocab(self, vocab_size: int) -> None:
         bad = sorted(t for t in self.logit_bias or {} if t >= vocab_size)

@@ -10,6 +10,7 @@ from frontend.output_constraints import response_format_spec
 from frontend.tokenizer import load_tokenizer
 from frontend.tool_calls import ToolCallStream, parse_tool_calls
 from protocol.config import InvalidParam
+from protocol.sampling import SamplingParams
 
 WEATHER = {"city": "Paris", "opts": {"units": "c", "days": [1, 2], "deep": {"x": {}}}}
 ANSWER = ('Let me check.\n\n<tool_call>\n{"name": "get_weather", "arguments": ' + json.dumps(WEATHER) +
@@ -112,3 +113,10 @@ def test_tool_choice_none_shows_the_tools_but_parses_no_call():
     assert request.parses_tool_calls is False and request.constraint() == (None, None)
     plain = tokenizer.decode(_request().prompts(tokenizer)[0])
     assert "<tools>" not in plain
+
+
+def test_min_tokens_with_a_constraint_is_refused_naming_min_tokens():
+    with pytest.raises(InvalidParam) as e:
+        SamplingParams(min_tokens=4, structured_outputs={"choice": ["yes", "no"]})
+    assert e.value.field == "min_tokens" and "structured_outputs" in str(e.value)
+    assert SamplingParams(min_tokens=0, structured_outputs={"choice": ["yes", "no"]}).min_tokens == 0
