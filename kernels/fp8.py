@@ -19,15 +19,16 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 MIN_AMAX = 1e-12  # an all-zero block gets a tiny scale, not a division by zero
 PER_CHANNEL = (1, 0)  # (rows, columns) of a scale's block; 0: the whole dim
-# GEMV tiles (kernels/gemv.py's candidates). The one-row kernel keeps a float32 a value of its tile: past 64 values a
-# thread (32 where SwiGLU sums K tiles) ptxas spills for sm_90. An e4m3 tile of a bf16 tile's values is half its
-# bytes, so most load two tiles ahead (the 6th field): a latency-bound stream needs the bytes in flight.
+# GEMV tiles (kernels/gemv.py's candidates). The one-row kernel keeps a float32 per value of its tile: past 64
+# values per thread (32 where SwiGLU sums K tiles) ptxas spills for sm_90. An e4m3 tile of a bf16 tile's values is
+# half its bytes, so most load two tiles ahead (the 6th field): a latency-bound stream needs the bytes in flight.
 _DOT_TILES = ((64, 128, 4, 2), (32, 256, 4, 2), (128, 128, 8, 2), (64, 256, 4, 2))
 _ONE_ROW_TILES = ((4, 2048, 4, 8, 0, 2), (2, 2048, 4, 8, 0, 2), (4, 2048, 4, 0, 0, 2), (2, 2048, 4, 0, 0, 2),
                   (4, 2048, 8, 0, 0, 2), (8, 2048, 8, 0, 0, 2), (4, 2048, 4, 8, 168, 1), (2, 2048, 4, 8, 0, 1))
 _BLOCK_DOT_TILES = ((64, 128, 4, 2), (32, 128, 4, 2), (128, 128, 8, 2))
 _BLOCK_ONE_ROW_TILES = ((16, 128, 4, 8, 0, 2), (32, 128, 8, 0, 0, 2), (32, 128, 8, 8, 0), (64, 128, 8, 0, 0),
                         (32, 128, 4, 8, 0, 2))
+
 
 @dataclass(frozen=True, slots=True)
 class Fp8Weight:
@@ -193,4 +194,3 @@ def shift_tiles(w2, w2_up, s2, s2_up, w_next, w_up_next, s_next, s_up_next, AHEA
     if AHEAD == 2:
         return w2, w2_up, s2, s2_up, w_next, w_up_next, s_next, s_up_next
     return w_next, w_up_next, s_next, s_up_next, w2, w2_up, s2, s2_up
-

@@ -33,7 +33,7 @@ class GemvConfig:
     one_row: bool = False  # _gemv_row_kernel: x of exactly one row, split_k 1
     per_sm: int = 0  # one_row: programs per SM, each walking output blocks in turn; 0: a program a block
     max_regs: int = 0  # ptxas's register cap (maxnreg); 0: its own choice
-    block_m: int = BLOCK_M  # the dot kernel's rows a program (more: a weight-only GEMM for many rows)
+    block_m: int = BLOCK_M  # the dot kernel's rows per program (more: a weight-only GEMM for many rows)
     ahead: int = 1  # one_row: W tiles loaded ahead of the one multiplied (2: an e4m3 tile is half a bf16 one's bytes)
 
 

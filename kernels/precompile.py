@@ -20,7 +20,7 @@ MAX_THREADS = 32
 
 @dataclass
 class DryRun:
-    futures: list[Future] = field(default_factory=list)  # one a kernel
+    futures: list[Future] = field(default_factory=list)  # one per kernel
     deferred: int = 0  # choices left to the real run: they need kernels that run (kernels/linear_plan.py)
 
 

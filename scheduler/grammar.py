@@ -90,4 +90,3 @@ class Grammars:
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1)
                 torch.set_num_threads(1)  # its CPU ops here are small: idle OpenMP threads would spin on every core
             return self._compiler
-

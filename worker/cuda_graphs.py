@@ -48,7 +48,7 @@ class CudaGraphs:
 
     def capture(self, kind: str, views: dict[int, Views], forward: Callable[[Views], object],
                 warmup: Callable[[Views], object] | None, bar: tqdm | None = None) -> None:
-        """warmup: an eager run before each capture (None: the kernels are ready); bar: advanced by one a graph."""
+        """warmup: an eager run before each capture (None: the kernels are ready); bar: advanced by one per graph."""
         self.sizes[kind], self.views[kind] = sorted(views), views
         pool = torch.cuda.graph_pool_handle() if self.graphs else None
         for size in self.sizes[kind][::-1]:
