@@ -338,8 +338,8 @@ def candidate_configs(n: int, k: int, num_sms: int, rows: int = GEMV_MAX_M, swig
         per_split = chunks if swiglu else max(1, chunks // wanted)  # whole chunks a split: >= `wanted` splits
         configs.append(GemvConfig(block_n, block_k, triton.cdiv(chunks, per_split), warps))
     if rows == 1:
-        configs += [GemvConfig(n, k, 1, warps, one_row=True, per_sm=per_sm, max_regs=regs, ahead=(*ahead, 1)[0])
-                    for n, k, warps, per_sm, regs, *ahead in one_row_tiles]
+        configs += [GemvConfig(block_n, block_k, 1, warps, one_row=True, per_sm=per_sm, max_regs=regs,
+                               ahead=(*ahead, 1)[0]) for block_n, block_k, warps, per_sm, regs, *ahead in one_row_tiles]
     return configs
 
 

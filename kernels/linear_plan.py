@@ -49,12 +49,12 @@ def planned_config(fold: str, x: torch.Tensor, w: Weight, bias: torch.Tensor | N
                    op: Op) -> GemvConfig | None:
     """The config for this fold and shape: from memory, the shipped picks, the disk cache, else timed (and kept);
     None while capturing a shape not looked up yet, or compiling only one not timed yet."""
-    key = (fold, triton.next_power_of_2(x.shape[0]), *w.shape, x.dtype, bias is not None, x.device, fp8_block(w))
+    key = (fold, triton.next_power_of_2(x.shape[0]), *w.shape, x.dtype, bias is not None, x.device, _scale_block(w))
     if key not in _CHOICES:
         if torch.cuda.is_current_stream_capturing():
             return None
         shape = (f"fold {fold!r} rows {key[1]} w {w.shape[0]}x{w.shape[1]} {x.dtype} bias {bias is not None} "
-                 f"fp8 {fp8_block(w)}")
+                 f"fp8 {_scale_block(w)}")
         kept = _kept("gemv", shape, x.device)  # False: never timed; None: the unfused path won
         if kept is False:
             if (dry := dry_run()) is not None:  # nothing runs: the real run after times it
@@ -77,7 +77,7 @@ def fastest_config(fold: str, rows: int, w: Weight, bias: torch.Tensor | None, o
         log.warning("no memory to time the GEMV candidates for %s: cuBLAS", tuple(w.shape))
         return None
     best, best_us = None, unfused_us * MARGIN
-    configs = candidate_configs(*w.shape, num_sms(w.device), rows, fold.endswith("swiglu"), fp8_block(w))
+    configs = candidate_configs(*w.shape, num_sms(w.device), rows, fold.endswith("swiglu"), _scale_block(w))
     _compile_candidates(op, *copies[0], configs)
     for config in configs:
         try:
@@ -127,11 +127,11 @@ def gemm_times(w: Weight, bias: torch.Tensor | None, dtype: torch.dtype,
                gemm: Gemm = F.linear) -> dict[int, float] | None:
     """µs of gemm at each padded row count for this weight, shipped or timed once and kept; None while capturing
     or compiling only, untimed."""
-    key = (*w.shape, dtype, bias is not None, w.device, fp8_block(w))
+    key = (*w.shape, dtype, bias is not None, w.device, _scale_block(w))
     if key not in _GEMM_TIMES:
         if torch.cuda.is_current_stream_capturing():
             return None
-        shape = f"w {w.shape[0]}x{w.shape[1]} {dtype} bias {bias is not None} fp8 {fp8_block(w)}"
+        shape = f"w {w.shape[0]}x{w.shape[1]} {dtype} bias {bias is not None} fp8 {_scale_block(w)}"
         kept = _kept("gemm rows", shape, w.device)
         if kept is False:
             if (dry := dry_run()) is not None:  # its timing captures graphs: not beside kernels loading
@@ -186,7 +186,7 @@ def cold_copies(w: Weight, bias: torch.Tensor | None) -> list[tuple[Weight, torc
     return [(w, bias), *clones]
 
 
-def fp8_block(w: Weight) -> tuple[int, int] | None:
+def _scale_block(w: Weight) -> tuple[int, int] | None:
     return w.block if isinstance(w, Fp8Weight) else None
 
 

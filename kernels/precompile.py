@@ -35,17 +35,17 @@ def dry_run() -> DryRun | None:
 class _Pool(ThreadPoolExecutor):
     """Threads that compile and load kernels for the current GPU, keeping each one's future."""
 
-    def __init__(self, run: DryRun) -> None:
+    def __init__(self, dry: DryRun) -> None:
         super().__init__(max_workers=min(MAX_THREADS, len(os.sched_getaffinity(0))), thread_name_prefix="compile")
-        self.run = run
+        self.dry = dry
 
-    def submit(self, fn, /, *args, **kwargs) -> Future:  # called by the launching thread
+    def submit(self, fn: Callable[[], object], /, *args, **kwargs) -> Future:  # called by the launching thread
         future = super().submit(_compile_and_load, torch.cuda.current_device(), fn)
-        self.run.futures.append(future)
+        self.dry.futures.append(future)
         return future
 
 
-def _compile_and_load(device: int, compile_kernel: Callable):
+def _compile_and_load(device: int, compile_kernel: Callable[[], object]) -> object:
     torch.cuda.set_device(device)  # a thread's own: the module loads on the engine's GPU
     kernel = compile_kernel()
     kernel._init_handles()  # what a first launch does: build the launcher, load the module
@@ -61,15 +61,15 @@ def compile_only(progress: bool = False) -> Iterator[DryRun]:
         raise RuntimeError("compile_only() is already active: a dry run cannot hold another")
     launch, _active = JITFunction.run, DryRun()
 
-    def compile_kernel(self, *args, grid, warmup, **kwargs):
+    def compile_instead_of_run(self: JITFunction, *args, grid, warmup: bool, **kwargs) -> object:
         return launch(self, *args, grid=grid, warmup=True, **kwargs)
 
-    JITFunction.run = compile_kernel
+    JITFunction.run = compile_instead_of_run
     try:
         with _Pool(_active) as pool, AsyncCompileMode(pool, ignore_errors=True):
-            yield pool.run
-            for _ in tqdm(as_completed(pool.run.futures), total=len(pool.run.futures), unit="kernel",
-                          desc=f"Compiling {len(pool.run.futures)} Triton kernels", disable=not progress):
+            yield pool.dry
+            for _ in tqdm(as_completed(pool.dry.futures), total=len(pool.dry.futures), unit="kernel",
+                          desc=f"Compiling {len(pool.dry.futures)} Triton kernels", disable=not progress):
                 pass
     finally:
         JITFunction.run, _active = launch, None
