@@ -30,6 +30,7 @@ from worker.step_output import Launched, step_result
 
 WARMUP_LAYERS = 2  # the first layer (no residual yet) and one like every later one: every kernel variant
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+MaskedRows = Callable[[], tuple[np.ndarray, np.ndarray]]  # waits for a step's GrammarMask: (rows, bitmask)
 
 
 def select_device(device: str, rank: int) -> torch.device:
@@ -220,8 +221,8 @@ class ModelRunner:
         size = self._padded_size(step)
         self.buffers.write(step, self.mirror.host_input_ids(step), self.mirror.take_deltas(), self.dummy_row, size)
         self._apply_block_table_deltas()
-        grammar = functools.partial(self._grammar, plan, step, wait_mask) if len(plan.masked) else None
-        out = self._run_decode(step, size, grammar) if step.is_decode else self._run_mixed(step, size, grammar)
+        masked = functools.partial(self._masked_rows, plan, step, wait_mask) if len(plan.masked) else None
+        out = self._run_decode(step, size, masked) if step.is_decode else self._run_mixed(step, size, masked)
         if events is not None:
             events[1].record()
         launched = self._copy_out(plan.step, step.samples, out)
@@ -230,18 +231,19 @@ class ModelRunner:
             launched.trace = (start_ns, time.perf_counter_ns(), events, step.is_decode)
         return launched
 
-    def _grammar(self, plan: StepPlan, step: HostStep, wait_mask) -> tuple[np.ndarray, np.ndarray]:
+    def _masked_rows(self, plan: StepPlan, step: HostStep,
+                     wait_mask: Callable[[int], GrammarMask] | None) -> tuple[np.ndarray, np.ndarray]:
         """(indices into the step's sampled rows, bitmask [k, words]) of its masked rows."""
-        masked = plan.masked.astype(np.int64)
-        if wait_mask is None or masked.min() < 0 or masked.max() >= len(step.rows) or not step.samples[masked].all():
-            raise ValueError(f"StepPlan {plan.step} masks rows {masked.tolist()}: each must index a sampling row, "
+        indices = plan.masked.astype(np.int64)
+        if wait_mask is None or indices.min() < 0 or indices.max() >= len(step.rows) or not step.samples[indices].all():
+            raise ValueError(f"StepPlan {plan.step} masks rows {indices.tolist()}: each must index a sampling row, "
                              "and the caller must pass wait_mask")
         mask = wait_mask(plan.step)
         words = -(-self.model_config.vocab_size // 32)
-        if mask.step != plan.step or mask.bitmask.shape != (len(masked) * words,):
+        if mask.step != plan.step or mask.bitmask.shape != (len(indices) * words,):
             raise ValueError(f"GrammarMask for step {mask.step} of {mask.bitmask.shape} int32 does not fit step "
-                             f"{plan.step}'s {len(masked)} masked rows of {words} words")
-        return np.cumsum(step.samples)[masked] - 1, mask.bitmask.reshape(len(masked), words).copy()  # writable
+                             f"{plan.step}'s {len(indices)} masked rows of {words} words")
+        return np.cumsum(step.samples)[indices] - 1, mask.bitmask.reshape(len(indices), words).copy()  # writable
 
     def _padded_size(self, step: HostStep) -> int | None:
         if step.is_decode:
@@ -311,7 +313,7 @@ class ModelRunner:
         meta = self.attention.prefill_metadata(views)
         return self.model(views["input_ids"], views["positions"], meta, self.kv_caches[:layers])
 
-    def _run_decode(self, step: HostStep, size: int | None, grammar=None) -> SamplerOutput:
+    def _run_decode(self, step: HostStep, size: int | None, masked: MaskedRows | None = None) -> SamplerOutput:
         b = len(step.rows)
         views = self.graphs.views["decode"][size] if size else self.buffers.decode_views(b)
         self.sampler.sync_params()  # before the graph: its draw reads the rows' temperatures and seeds
@@ -320,9 +322,9 @@ class ModelRunner:
             return SamplerOutput(out.token_ids[:b])
         # Some row needs more than the captured draw: sample the step's logits again, eagerly.
         return self.sampler(logits[:b], views["rows"][:b], views["sample_pos"][:b], step.rows, self.last_token,
-                            grammar and grammar())
+                            masked and masked())
 
-    def _run_mixed(self, step: HostStep, size: int | None, grammar=None) -> SamplerOutput | None:
+    def _run_mixed(self, step: HostStep, size: int | None, masked: MaskedRows | None = None) -> SamplerOutput | None:
         """A step with prompt chunks; its decode rows take their input tokens from the device."""
         views = self.graphs.views["prefill"][size] if size else self.buffers.prefill_views()
         num_device = step.num_device_tokens
@@ -333,4 +335,4 @@ class ModelRunner:
             return None
         logits = self.model.compute_logits(hidden[self.buffers.view("sample_idx")])
         return self.sampler(logits, self.buffers.view("sample_rows"), self.buffers.view("sample_pos"),
-                            step.rows[step.samples], self.last_token, grammar and grammar())
+                            step.rows[step.samples], self.last_token, masked and masked())
