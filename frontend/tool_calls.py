@@ -95,7 +95,7 @@ class ToolCallStream:
 
     def __init__(self) -> None:
         self.content_sent = 0
-        self.slots: dict[int, list] = {}  # block index -> [call index, id, arguments sent]
+        self.slots: dict[int, list[int]] = {}  # block index -> [call index, arguments' chars sent]
 
     def update(self, text: str, final: bool) -> tuple[str, list[dict]]:
         """(new content, tool-call deltas) since the last update."""
@@ -119,11 +119,11 @@ class ToolCallStream:
     def _deltas(self, block: int, name: str, args: str) -> list[dict]:
         deltas = []
         if block not in self.slots:
-            self.slots[block] = [len(self.slots), _call_id(), 0]
-            deltas.append({"index": self.slots[block][0], "id": self.slots[block][1], "type": "function",
+            self.slots[block] = [len(self.slots), 0]
+            deltas.append({"index": self.slots[block][0], "id": _call_id(), "type": "function",
                            "function": {"name": name, "arguments": ""}})
-        index, _, sent = self.slots[block]
+        index, sent = self.slots[block]
         if len(args) > sent:
             deltas.append({"index": index, "function": {"arguments": args[sent:]}})
-            self.slots[block][2] = len(args)
+            self.slots[block][1] = len(args)
         return deltas

@@ -39,7 +39,7 @@ class Grammars:
                 del self._cache[next(iter(self._cache))]
             future = self._cache[key] = Future()
             # A daemon thread per new grammar: one that never finishes must not hold the process at exit.
-            threading.Thread(target=self._run, args=(future, spec), name="grammar-compile", daemon=True).start()
+            threading.Thread(target=self._compile_to, args=(future, spec), name="grammar-compile", daemon=True).start()
         return future
 
     def late(self, future: Future) -> bool:
@@ -68,7 +68,7 @@ class Grammars:
             self._batch.batch_fill_next_token_bitmask([matchers[i] for i in rows], mask, rows)
         return mask.numpy().reshape(-1)
 
-    def _run(self, future: Future, spec: dict) -> None:
+    def _compile_to(self, future: Future, spec: dict) -> None:
         try:
             compiler = self._get_compiler()
             future.started = time.monotonic()
@@ -76,7 +76,7 @@ class Grammars:
         except Exception as e:  # the request's error: InvalidParam for a bad spec, else why the compiler failed
             future.set_exception(e)
 
-    def _get_compiler(self):
+    def _get_compiler(self) -> object:
         with self._lock:
             if self._compiler is None:
                 import torch

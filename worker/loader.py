@@ -23,6 +23,7 @@ _PACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": (
            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 _UNPACKED = {packed: hf for hf, packed in _PACKED.items()}
 _SCALE_LEAF = {"weight_scale_inv": "weight_scale"}  # an FP8 checkpoint's name -> ours (w = value * scale)
+_HF_SCALE_LEAF = {ours: hf for hf, ours in _SCALE_LEAF.items()}
 # Float weights, or e4m3 ones into e4m3 parameters: copy_ would turn int8 / float8 values into floats without
 # their scales.
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -94,17 +95,16 @@ def _checkpoint_files(model_dir: Path) -> dict[str, list[str]]:
 def _our_name(name: str) -> tuple[str, str | int | None]:
     module, _, leaf = name.rpartition(".")
     leaf = _SCALE_LEAF.get(leaf, leaf)
-    name = f"{module}.{leaf}"
     parent, _, proj = module.rpartition(".")
     if proj in _PACKED:
         packed, shard = _PACKED[proj]
         return f"{parent}.{packed}.{leaf}", shard
-    return name, None
+    return f"{module}.{leaf}", None
 
 
 def _hf_name(target: str, shard: str | int | None) -> str:
     module, _, leaf = target.rpartition(".")
-    leaf = {ours: hf for hf, ours in _SCALE_LEAF.items()}.get(leaf, leaf)
+    leaf = _HF_SCALE_LEAF.get(leaf, leaf)
     if shard is None:
         return f"{module}.{leaf}"
     parent, _, packed = module.rpartition(".")
