@@ -20,8 +20,8 @@ import zmq
 from protocol.addresses import Addresses, remove_ipc_dir
 from protocol.codec import MAX_FRAME_BYTES, ProtocolError, decode, encode
 from protocol.config import EngineConfig
-from protocol.messages import (READY_TIMEOUT_S, Abort, AddRequest, EngineDead, Error, GetStats, Ready, Shutdown,
-                               StepResult, TokenBatch, WorkerError, i32)
+from protocol.messages import (READY_TIMEOUT_S, Abort, AddRequest, EngineDead, Error, GetStats, GrammarMask, Ready,
+                               Shutdown, StepPlan, StepResult, TokenBatch, WorkerError, i32)
 from protocol.tracing import Tracer
 from scheduler.scheduler import Scheduler
 
@@ -246,7 +246,7 @@ class SchedulerServer:
                 self._send(client, batch)
         return True
 
-    def _send_workers(self, msg) -> None:
+    def _send_workers(self, msg: StepPlan | GrammarMask) -> None:
         frame = encode(msg)
         for rank, sock in enumerate(self.plans):
             try:

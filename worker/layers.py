@@ -43,9 +43,8 @@ def _linear_weight(module: nn.Module, out: int, in_: int, loader: Callable, bloc
     module.fp8_block = block
     module.weight = _param(out, in_, loader=loader, shard_ids=shard_ids, dtype=FP8 if block else None)
     if block:
-        rows, cols = (b or n for b, n in zip(block, (out, in_)))
-        module.weight_scale = _param(-(-out // rows), -(-in_ // cols), loader=loader, shard_ids=shard_ids,
-                                     dtype=torch.float32)
+        scales = (-(-n // b) if b else 1 for n, b in zip((out, in_), block))  # as _check_shape counts them
+        module.weight_scale = _param(*scales, loader=loader, shard_ids=shard_ids, dtype=torch.float32)
         module.weight_scale.block = block
 
 
