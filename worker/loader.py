@@ -24,8 +24,7 @@ _PACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": (
 _UNPACKED = {packed: hf for hf, packed in _PACKED.items()}
 _SCALE_LEAF = {"weight_scale_inv": "weight_scale"}  # an FP8 checkpoint's name -> ours (w = value * scale)
 _HF_SCALE_LEAF = {ours: hf for hf, ours in _SCALE_LEAF.items()}
-# Float weights, or e4m3 ones into e4m3 parameters: copy_ would turn int8 / float8 values into floats without
-# their scales.
+# copy_ would turn int8 / float8 values into floats without their scales (e4m3 loads into e4m3 parameters only).
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
