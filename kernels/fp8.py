@@ -138,7 +138,8 @@ def fp8_scale_args(w: torch.Tensor | Fp8Weight, config: GemvConfig, swiglu: bool
     rows, cols = w.block
     if cols and cols % config.block_k or swiglu and w.shape[0] // 2 % rows:
         raise ValueError(f"{config} does not fit FP8 scale blocks of {w.block}: a K tile must lie in one block "
-                         "(block_k dividing it) and gate | up must split between row blocks")
+                         "(block_k dividing it) and gate | up must split between row blocks; take a config of "
+                         "candidate_configs(..., fp8_block) for these scales")
     return ((w.scale, w.scale.stride(0), w.scale.stride(1)),
             {"SCALE": 2 if cols else 1, "SCALE_BN": rows, "SCALE_BK": cols or 1})
 
