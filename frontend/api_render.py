@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import time
+from collections import defaultdict
+
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from frontend.api_models import Job
@@ -25,7 +27,7 @@ class Renderer:
         self.id, self.model, self.jobs, self.tokenizer, self.echo = response_id, model, jobs, tokenizer, echo
         self.tokens_as_ids = tokens_as_ids  # vLLM's return_tokens_as_token_ids: a logprob's token is "token_id:N"
         self.continuous_usage = continuous_usage  # vLLM's continuous_usage_stats: usage in every chunk
-        self.tool_streams = {} if tool_calls else None  # choice -> ToolCallStream, when tool calls are parsed
+        self.tool_streams = defaultdict(ToolCallStream) if tool_calls else None  # choice -> its stream, when parsed
         self.created = int(time.time())
         self.n = jobs[0].params.n
         self._sent: dict[int, tuple[int, int]] = {}  # choice -> (chars, tokens) already streamed
@@ -134,7 +136,7 @@ class ChatRenderer(Renderer):
         for i, o, chars, tokens in self.deltas(job, out):
             delta, finish = {"role": None, "content": o.text[chars:] or None}, o.finish_reason
             if self.tool_streams is not None:
-                calls = self.tool_streams.setdefault(i, ToolCallStream())
+                calls = self.tool_streams[i]
                 content, tool_deltas = calls.update(o.text, finish is not None)
                 delta["content"] = content or None
                 if tool_deltas:
