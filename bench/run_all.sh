@@ -52,11 +52,10 @@ for name in ${*:-tests latency throughput trace startup serving profile}; do
          step latency-fp8-qwen3 110 python3 -m bench.latency --model qwen3-1.7b --load-format dummy --out "$OUT/qwen3" \
            --quantization fp8 --max-tokens 129 --prompt-lens 32 1024 ;;
     latency-eager) step latency-eager 50 python3 -m bench.latency "${MODEL[@]}" --enforce-eager --prompt-lens 32 --max-tokens 65 --repeats 1 ;;
-    # Batch-1 decode traced; merged here (idempotent) and only summary.txt kept: the device returns 8 files.
+    # Batch-1 decode traced (the engine merges its processes' traces as it stops); only summary.txt kept.
     trace) rm -rf /tmp/bench-trace
            step trace 40 python3 -m bench.latency "${MODEL[@]}" --prompt-lens 32 --max-tokens 129 --repeats 1 \
              --trace-dir /tmp/bench-trace --out /tmp/bench-trace-results \
-           && python3 -c "from protocol.tracing import merge_traces; merge_traces('/tmp/bench-trace')" \
            && cp /tmp/bench-trace/summary.txt "$OUT/trace_summary.txt" ;;
     *) echo "unknown step '$name': use tests latency throughput trace startup serving profile latency-eager kernels" \
          "kernels-fp8 fp8"

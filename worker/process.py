@@ -101,7 +101,8 @@ def _serve(runner, plans: zmq.Socket, results: zmq.Socket, rank: int, tracer: Tr
         if pending is not None:
             _finish(runner, pending, results, rank, tracer)
             pending = None
-        msg = decode(plans.recv())
+        with tracer.span("worker.wait_mask", step):
+            msg = decode(plans.recv())
         if isinstance(msg, Shutdown):
             raise _Stopped
         if not isinstance(msg, GrammarMask) or msg.step != step:
