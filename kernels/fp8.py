@@ -77,7 +77,7 @@ def scaled_mm_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = 
     if not per_tensor:
         return torch._scaled_mm(x8, w.weight.t(), scale_a=x_scale, scale_b=w.scale.view(1, -1), bias=bias,
                                 out_dtype=x.dtype, use_fast_accum=fast_accum)
-    out = torch._scaled_mm(x8, w.weight.t(), scale_a=x_scale[0], scale_b=x_scale[1], out_dtype=x.dtype,
+    out = torch._scaled_mm(x8, w.weight.t(), scale_a=x_scale[0], scale_b=x_scale[4], out_dtype=x.dtype,
                            use_fast_accum=fast_accum)
     scale = w.scale.view(1, -1)
     return out.mul_(scale) if bias is None else torch.addcmul(bias, out, scale, out=out)
@@ -85,11 +85,12 @@ def scaled_mm_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = 
 
 def quantize_rows(x: torch.Tensor, per_tensor: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 x, float32 scales [M, 1]): each row of x [M, K] by its own amax / 448; per_tensor: all by x's amax,
-    the scales [x's, 1.0] (a tensor-wise GEMM's scale_a and scale_b)."""
+    the scales at [0] (x's) and [4] (1.0): a tensor-wise GEMM's scale_a and scale_b, 16 bytes apart (cuBLASLt refuses
+    a scale at a 4-byte offset)."""
     m, k = x.shape
     out = torch.empty((m, k), dtype=FP8, device=x.device)
     amax = torch.empty(m if per_tensor else 0, dtype=torch.float32, device=x.device)
-    scale = torch.empty(2 if per_tensor else (m, 1), dtype=torch.float32, device=x.device)
+    scale = torch.empty(8 if per_tensor else (m, 1), dtype=torch.float32, device=x.device)
     block = triton.next_power_of_2(k)  # a row in one load: a loop over K waits on memory once a chunk
     args = (x, out, amax, scale, m, k, x.stride(0), x.stride(1), MIN_AMAX, FP8_MAX)
     warps = min(16, max(4, block // 1024))
@@ -116,7 +117,7 @@ def _quantize_rows_kernel(x_ptr, out_ptr, amax_ptr, scale_ptr, M, K, stride_xm, 
                 amax = tl.maximum(amax, tl.max(tl.load(amax_ptr + r0 + rows, mask=r0 + rows < M, other=0.0), axis=0))
         scale = tl.div_rn(tl.maximum(amax, min_amax), fp8_max)  # IEEE division: the CPU's scale and values
         if PHASE == 2:  # every program stores the same two
-            tl.store(scale_ptr + tl.arange(0, 2), tl.where(tl.arange(0, 2) == 0, scale, 1.0))
+            tl.store(scale_ptr + tl.arange(0, 2) * 4, tl.where(tl.arange(0, 2) == 0, scale, 1.0))
         else:
             tl.store(scale_ptr + row, scale)
         x = tl.clamp(tl.div_rn(x, scale), -fp8_max, fp8_max)

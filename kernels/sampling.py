@@ -181,3 +181,29 @@ def gumbel_argmax(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor
     if last_token is not None:
         last_token[rows] = out
     return out
+
+
+@triton.jit
+def _token_bitmask_kernel(logits_ptr, stride, idx_ptr, mask_ptr, words, vocab, BLOCK: tl.constexpr):
+    # Program (i, c) masks BLOCK ids of row idx[i]; it stores only the banned ones (no load of the logits).
+    i, offs = tl.program_id(0), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    row = tl.load(idx_ptr + i).to(tl.int64)
+    bits = tl.load(mask_ptr + i * words + offs // 32, mask=offs < vocab, other=-1)
+    banned = ((bits >> (offs % 32)) & 1) == 0
+    tl.store(logits_ptr + row * stride + offs, float("-inf"), mask=banned & (offs < vocab))
+
+
+def token_bitmask_triton(logits: torch.Tensor, idx: torch.Tensor, bitmask: torch.Tensor) -> None:
+    (k, words), vocab = bitmask.shape, min(logits.shape[1], 32 * bitmask.shape[1])
+    _token_bitmask_kernel[(k, triton.cdiv(vocab, 4096))](logits, logits.stride(0), idx, bitmask, words, vocab,
+                                                        BLOCK=4096, num_warps=4)
+
+
+def apply_token_bitmask_(logits: torch.Tensor, idx: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place: -inf in rows idx[i] of logits wherever bit t (of int32 word t // 32, xgrammar's packing) of
+    bitmask[i] is 0."""
+    if logits.is_cuda:
+        return token_bitmask_triton(logits, idx, bitmask)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((bitmask[:, :, None] >> shifts) & 1).view(len(idx), -1)[:, :logits.shape[1]].bool()
+    logits[idx.long()] = logits[idx.long()].masked_fill(~allowed, float("-inf"))

@@ -250,14 +250,16 @@ class SchedulerServer:
         frame = encode(msg)
         for rank, sock in enumerate(self.plans):
             try:
-                sock.send(frame)
+                sock.send(frame, copy=len(frame) < 65536)  # a mask's megabyte goes without a copy
             except zmq.Again:
                 raise _Exit(1, f"worker {rank} took no plan for {self.config.step_timeout} s") from None
 
     def _send_mask(self) -> None:
         """A constrained step's mask, once every step before it has its result (Scheduler.take_mask)."""
-        if (mask := self.scheduler.take_mask()) is not None:
-            with self.tracer.span("scheduler.grammar_mask", mask.step):
+        if not self.scheduler.mask_waits:
+            return
+        with self.tracer.span("scheduler.grammar_mask", self.in_flight[0] if self.in_flight else -1):
+            if (mask := self.scheduler.take_mask()) is not None:
                 self._send_workers(mask)
 
     def _wait_result(self, step: int) -> list[tuple[bytes, TokenBatch]]:
@@ -266,7 +268,9 @@ class SchedulerServer:
             left_ms = (deadline - time.monotonic()) * 1000
             if left_ms <= 0:
                 raise _Exit(1, f"step {step} made no progress for {self.config.step_timeout} s (step_timeout)")
-            msg = self._poll(min(left_ms, POLL_MS))  # aborts and new requests arrive while the GPU works
+            # Aborts and new requests arrive while the GPU works. Spin while a mask waits on this result: waking
+            # from a blocking poll costs ~0.1 ms, and the worker's next draw waits for the mask.
+            msg = self._poll(0 if self.scheduler.mask_waits else min(left_ms, POLL_MS))
             if isinstance(msg, StepResult) and msg.step == step:
                 try:
                     with self.tracer.span("scheduler.on_result", step):

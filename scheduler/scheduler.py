@@ -80,6 +80,11 @@ class Scheduler:
                 replies.append((req.client, self._batch([(req.request_id, -1, "error", reason, None)])))
         return replies
 
+    @property
+    def mask_waits(self) -> bool:
+        """A step in flight has masked rows: its mask is filled once the step before it returns."""
+        return bool(self._masks)
+
     def take_mask(self) -> GrammarMask | None:
         """The mask of the oldest step in flight, if it has masked rows: every step before it has its result, so
         each matcher has seen every token before this step's."""

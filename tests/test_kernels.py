@@ -16,7 +16,7 @@ from kernels.embedding import embed_rows_triton
 from kernels.kv_store import make_cos_sin, rope_store_kv_ref, rope_store_kv_triton
 from kernels.norm import rms_norm_ref, rms_norm_triton
 from kernels.prefill_attention import max_prefill_work, paged_prefill_attention_triton, prefill_work
-from kernels.sampling import gumbel_argmax_ref, gumbel_argmax_triton
+from kernels.sampling import apply_token_bitmask_, gumbel_argmax_ref, gumbel_argmax_triton, token_bitmask_triton
 
 TOL = dict(atol=1e-4, rtol=1e-4)
 BLOCK = 16
@@ -286,3 +286,20 @@ def test_public_names_run_the_reference_on_cpu():
     x, w = torch.randn(2, 8), torch.randn(8)
     torch.testing.assert_close(kernels.rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6), rtol=0, atol=0)
     torch.testing.assert_close(kernels.silu_and_mul(x), silu_and_mul_ref(x), rtol=0, atol=0)
+
+
+def test_token_bitmask_triton_bans_exactly_the_zero_bits_of_each_masked_row():
+    vocab, words = 100, 4  # 128 bits for 100 ids: the padding bits never reach past the vocab
+    logits = torch.randn(5, vocab)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (2, words), dtype=torch.int32)
+    idx = torch.tensor([3, 0], dtype=torch.int32)
+    out = logits.clone()
+    token_bitmask_triton(out, idx, bitmask)
+    ref = logits.clone()
+    apply_token_bitmask_(ref, idx, bitmask)
+    bits = (bitmask[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
+    allowed = bits.view(2, -1)[:, :vocab].bool()
+    for i, row in enumerate(idx.tolist()):
+        assert torch.equal(out[row].isneginf(), ~allowed[i])
+        assert torch.equal(out[row][allowed[i]], logits[row][allowed[i]])
+    assert torch.equal(out, ref) and torch.equal(out[[1, 2, 4]], logits[[1, 2, 4]])  # unmasked rows untouched

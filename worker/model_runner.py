@@ -243,7 +243,7 @@ class ModelRunner:
         if mask.step != plan.step or mask.bitmask.shape != (len(indices) * words,):
             raise ValueError(f"GrammarMask for step {mask.step} of {mask.bitmask.shape} int32 does not fit step "
                              f"{plan.step}'s {len(indices)} masked rows of {words} words")
-        return np.cumsum(step.samples)[indices] - 1, mask.bitmask.reshape(len(indices), words).copy()  # writable
+        return np.cumsum(step.samples)[indices] - 1, mask.bitmask.reshape(len(indices), words)
 
     def _padded_size(self, step: HostStep) -> int | None:
         if step.is_decode:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels import gumbel_argmax
+from kernels import apply_token_bitmask_, gumbel_argmax
 from protocol.sampling import SamplingParams
 
 # Column order of the float and int parameter tables.
@@ -60,6 +60,7 @@ class Sampler:
         self.prompt_mask = torch.zeros((max_rows, vocab_size), dtype=torch.bool, device=device)
         self.banned = torch.zeros((max_rows, vocab_size), dtype=torch.bool, device=device)  # before min_tokens
         self.bias = torch.zeros((max_rows, vocab_size), dtype=torch.float32, device=device)  # logit_bias
+        self._mask_host = self._mask = None  # GrammarMask staging: [k row indices, k rows of words], host and device
 
     # ---- rows ---------------------------------------------------------------------------------------
 
@@ -156,8 +157,7 @@ class Sampler:
         if self._count["logprobs"]:
             self._raw_logprobs(logits, out)
         if grammar is not None:
-            idx, bitmask = (_upload(a, self.device) for a in grammar)
-            logits = apply_token_bitmask(logits, idx.long(), bitmask)
+            apply_token_bitmask_(logits, *self._stage_mask(*grammar))
         if self._count["min_tokens"]:
             early = positions < self.ints[rows, _MIN_UNTIL]
             logits = logits.masked_fill(self.banned[rows] & early[:, None], float("-inf"))
@@ -172,6 +172,20 @@ class Sampler:
         if out.logprobs is not None:
             out.logprobs = out.logprobs.gather(1, out.token_ids[:, None]).squeeze(1)
         return out
+
+    def _stage_mask(self, idx: np.ndarray, bitmask: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row indices [k], bitmasks [k, words]) on the device, in one copy through a pinned buffer made at the first
+        mask; reusing it is safe: the step before has finished by now, and with it the copy that last read it."""
+        k, words = bitmask.shape
+        n = k * (words + 1)
+        if self._mask_host is None:
+            size = len(self._floats) * (words + 1)
+            self._mask_host = torch.empty(size, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+            self._mask = torch.empty(size, dtype=torch.int32, device=self.device)
+        host = self._mask_host[:n].numpy()
+        host[:k], host[k:] = idx, bitmask.reshape(-1)
+        staged = self._mask[:n].copy_(self._mask_host[:n], non_blocking=True)
+        return staged[:k], staged[k:].view(k, words)
 
     def _raw_logprobs(self, logits: torch.Tensor, out: SamplerOutput) -> None:
         """log_softmax of the raw logits (vLLM's default); the sampled gather happens after sampling."""
@@ -221,13 +235,6 @@ class Sampler:
         logits = logits.clone()
         logits[idx] = _top_k_top_p(logits[idx], self.ints[sel_rows, _TOP_K], self.floats[sel_rows, _TOP_P])
         return logits
-
-
-def apply_token_bitmask(logits: torch.Tensor, idx: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """logits with -inf where bit t (of int32 word t // 32) of bitmask[i] is 0, in rows idx[i] (xgrammar's packing)."""
-    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = ((bitmask[:, :, None] >> shifts) & 1).view(len(idx), -1)[:, :logits.shape[1]].bool()
-    return logits.index_put((idx,), logits[idx].masked_fill(~allowed, float("-inf")))
 
 
 def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
