@@ -18,7 +18,7 @@ import zmq
 from frontend.model_resolution import resolve_config
 from protocol.addresses import Addresses, make_addresses, remove_ipc_dir
 from protocol.codec import encode
-from protocol.config import EngineConfig, pack_child_args
+from protocol.config import EngineConfig, cache_root, pack_child_args
 from protocol.messages import Shutdown
 
 log = logging.getLogger("pico_vllm.launcher")
@@ -31,6 +31,10 @@ def start_child(module: str, args: bytes) -> subprocess.Popen:
     """`python -m module` with our packages first on its path (-P: not the caller's directory)."""
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, **_CHILD_ENV, "PYTHONPATH": path}
+    if env.pop("PYTHONDONTWRITEBYTECODE", None):
+        # Container images often set it and ship no .pyc: a child would compile torch's sources at every start
+        # (seconds). Children keep their bytecode in our cache instead, beside nothing of the installation's.
+        env.setdefault("PYTHONPYCACHEPREFIX", str(cache_root() / "pycache"))
     safe_path = ["-P"] if sys.version_info >= (3, 11) else []
     proc = subprocess.Popen([sys.executable, *safe_path, "-m", module], stdin=subprocess.PIPE, env=env)
     with contextlib.suppress(BrokenPipeError):  # it died at once: the watcher reports its exit code

@@ -175,3 +175,18 @@ def test_a_restart_compiles_every_kernel_in_its_dry_run_and_captures_without_war
     runner = ModelRunner(resolve_config(EngineConfig(**kw)))
     assert runner.startup["kernels_compiled"] > 0 and runner.graphs.warmup_s == 0.0
     assert compiled_later == []
+
+
+def test_a_child_of_an_engine_without_bytecode_keeps_its_bytecode_in_our_cache(tmp_path, monkeypatch):
+    from frontend.launcher import start_child
+
+    monkeypatch.setenv("PICO_VLLM_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")  # as container images set it
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    (tmp_path / "probe_dep.py").write_text("X = 1\n")
+    (tmp_path / "probe_main.py").write_text(
+        "import pathlib, sys, probe_dep\n"
+        f"pathlib.Path({str(tmp_path / 'out.txt')!r}).write_text(f'{{sys.dont_write_bytecode}} {{sys.pycache_prefix}}')\n")
+    assert start_child("probe_main", b"").wait(60) == 0
+    assert (tmp_path / "out.txt").read_text() == f"False {tmp_path / 'cache' / 'pycache'}"
+    assert list((tmp_path / "cache" / "pycache").rglob("probe_dep*.pyc")), "the child wrote no bytecode in the cache"

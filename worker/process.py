@@ -2,6 +2,7 @@
 from our scheduler, so a bad frame is fatal: the worker says why (WorkerError) and exits non-zero."""
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -75,6 +76,11 @@ def _build_runner(config: EngineConfig, addresses: Addresses, rank: int, clock: 
     from worker.parallel import init_tp_group
 
     clock["torch_imported"] = time.time()
+    with contextlib.suppress(ImportError):  # private: without it, Triton hashes its files at the first compile
+        from triton.runtime.cache import triton_key
+
+        # Triton's cache keys start with a hash of its own files (~0.5 s): taken while CUDA and the weights load.
+        threading.Thread(target=triton_key, name="triton-key", daemon=True).start()
     tp_size = config.tensor_parallel_size
     device = select_device(config.device, rank)
     clock["device_selected"] = time.time()
