@@ -11,7 +11,7 @@ import uuid
 import numpy as np
 import zmq
 
-from frontend.launcher import EngineProcesses
+from frontend.launcher import EngineProcesses, cached_bytecode
 from frontend.tokenizer import load_tokenizer
 from protocol.codec import ProtocolError, decode, encode
 from protocol.config import EngineConfig, InvalidParam, ModelConfig
@@ -49,7 +49,8 @@ class EngineClient:
         self.sock.connect(address)
         try:
             self.send(GetStats())  # hello: the scheduler answers Ready once the workers are up
-            self.tokenizer = load_tokenizer(config.model, config.model_path) if config else None
+            with cached_bytecode():  # transformers' imports: the last thing a warm launch waits for
+                self.tokenizer = load_tokenizer(config.model, config.model_path) if config else None
             self.clock["tokenizer_loaded"] = time.time()
             self.info = self._wait_ready(ready_timeout)
             self.clock["engine_ready"] = time.time()

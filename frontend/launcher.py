@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import zmq
@@ -31,9 +31,7 @@ def start_child(module: str, args: bytes) -> subprocess.Popen:
     """`python -m module` with our packages first on its path (-P: not the caller's directory)."""
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, **_CHILD_ENV, "PYTHONPATH": path}
-    if env.pop("PYTHONDONTWRITEBYTECODE", None):
-        # Container images often set it and ship no .pyc: a child would compile torch's sources at every start
-        # (seconds). Children keep their bytecode in our cache instead, beside nothing of the installation's.
+    if env.pop("PYTHONDONTWRITEBYTECODE", None):  # see cached_bytecode
         env.setdefault("PYTHONPYCACHEPREFIX", str(cache_root() / "pycache"))
     safe_path = ["-P"] if sys.version_info >= (3, 11) else []
     proc = subprocess.Popen([sys.executable, *safe_path, "-m", module], stdin=subprocess.PIPE, env=env)
@@ -41,6 +39,22 @@ def start_child(module: str, args: bytes) -> subprocess.Popen:
         proc.stdin.write(args)
         proc.stdin.close()
     return proc
+
+
+@contextlib.contextmanager
+def cached_bytecode() -> Iterator[None]:
+    """Imports inside keep their bytecode under our cache when this interpreter writes none: container images often
+    set PYTHONDONTWRITEBYTECODE and ship no .pyc, and torch or transformers then compile from source at every start
+    (seconds). Nothing is written beside the installation's files."""
+    if not sys.dont_write_bytecode:
+        yield
+        return
+    prefix = sys.pycache_prefix
+    sys.dont_write_bytecode, sys.pycache_prefix = False, prefix or str(cache_root() / "pycache")
+    try:
+        yield
+    finally:
+        sys.dont_write_bytecode, sys.pycache_prefix = True, prefix
 
 
 class EngineProcesses:

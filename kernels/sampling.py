@@ -184,26 +184,28 @@ def gumbel_argmax(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor
 
 
 @triton.jit
-def _token_bitmask_kernel(logits_ptr, stride, idx_ptr, mask_ptr, words, vocab, BLOCK: tl.constexpr):
-    # Program (i, c) masks BLOCK ids of row idx[i]; it stores only the banned ones (no load of the logits).
+def _token_bitmask_kernel(logits_ptr, stride, lanes_ptr, mask_ptr, words, vocab, BLOCK: tl.constexpr):
+    # Program (i, c) masks BLOCK ids of row i by mask row lanes[i] (-1: none); it stores only the banned ones.
     i, offs = tl.program_id(0), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    row = tl.load(idx_ptr + i).to(tl.int64)
-    bits = tl.load(mask_ptr + i * words + offs // 32, mask=offs < vocab, other=-1)
-    banned = ((bits >> (offs % 32)) & 1) == 0
-    tl.store(logits_ptr + row * stride + offs, float("-inf"), mask=banned & (offs < vocab))
+    m = tl.load(lanes_ptr + i)
+    if m >= 0:
+        bits = tl.load(mask_ptr + m.to(tl.int64) * words + offs // 32, mask=offs < vocab, other=-1)
+        banned = ((bits >> (offs % 32)) & 1) == 0
+        tl.store(logits_ptr + i.to(tl.int64) * stride + offs, float("-inf"), mask=banned & (offs < vocab))
 
 
-def token_bitmask_triton(logits: torch.Tensor, idx: torch.Tensor, bitmask: torch.Tensor) -> None:
-    (k, words), vocab = bitmask.shape, min(logits.shape[1], 32 * bitmask.shape[1])
-    _token_bitmask_kernel[(k, triton.cdiv(vocab, 4096))](logits, logits.stride(0), idx, bitmask, words, vocab,
-                                                        BLOCK=4096, num_warps=4)
+def token_bitmask_triton(logits: torch.Tensor, lanes: torch.Tensor, bitmask: torch.Tensor) -> None:
+    vocab = min(logits.shape[1], 32 * bitmask.shape[1])
+    _token_bitmask_kernel[(logits.shape[0], triton.cdiv(vocab, 4096))](
+        logits, logits.stride(0), lanes, bitmask, bitmask.shape[1], vocab, BLOCK=4096, num_warps=4)
 
 
-def apply_token_bitmask_(logits: torch.Tensor, idx: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """In place: -inf in rows idx[i] of logits wherever bit t (of int32 word t // 32, xgrammar's packing) of
-    bitmask[i] is 0."""
+def apply_token_bitmask_(logits: torch.Tensor, lanes: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place: -inf in each row i of logits with lanes[i] >= 0 wherever bit t (of int32 word t // 32, xgrammar's
+    packing) of bitmask[lanes[i]] is 0."""
     if logits.is_cuda:
-        return token_bitmask_triton(logits, idx, bitmask)
+        return token_bitmask_triton(logits, lanes, bitmask)
+    rows = torch.nonzero(lanes[:logits.shape[0]] >= 0).flatten()
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = ((bitmask[:, :, None] >> shifts) & 1).view(len(idx), -1)[:, :logits.shape[1]].bool()
-    logits[idx.long()] = logits[idx.long()].masked_fill(~allowed, float("-inf"))
+    bits = (bitmask[lanes[rows].long()][:, :, None] >> shifts) & 1
+    logits[rows] = logits[rows].masked_fill(~bits.view(len(rows), -1)[:, :logits.shape[1]].bool(), float("-inf"))

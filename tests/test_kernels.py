@@ -292,14 +292,13 @@ def test_token_bitmask_triton_bans_exactly_the_zero_bits_of_each_masked_row():
     vocab, words = 100, 4  # 128 bits for 100 ids: the padding bits never reach past the vocab
     logits = torch.randn(5, vocab)
     bitmask = torch.randint(-2**31, 2**31 - 1, (2, words), dtype=torch.int32)
-    idx = torch.tensor([3, 0], dtype=torch.int32)
+    lanes = torch.tensor([1, -1, -1, 0, -1], dtype=torch.int32)  # rows 0 and 3 take mask rows 1 and 0
     out = logits.clone()
-    token_bitmask_triton(out, idx, bitmask)
+    token_bitmask_triton(out, lanes, bitmask)
     ref = logits.clone()
-    apply_token_bitmask_(ref, idx, bitmask)
-    bits = (bitmask[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
-    allowed = bits.view(2, -1)[:, :vocab].bool()
-    for i, row in enumerate(idx.tolist()):
-        assert torch.equal(out[row].isneginf(), ~allowed[i])
-        assert torch.equal(out[row][allowed[i]], logits[row][allowed[i]])
-    assert torch.equal(out, ref) and torch.equal(out[[1, 2, 4]], logits[[1, 2, 4]])  # unmasked rows untouched
+    apply_token_bitmask_(ref, lanes, bitmask)
+    allowed = ((bitmask[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).view(2, -1)[:, :vocab].bool()
+    for row, m in ((0, 1), (3, 0)):
+        assert torch.equal(out[row].isneginf(), ~allowed[m])
+        assert torch.equal(out[row][allowed[m]], logits[row][allowed[m]])
+    assert torch.equal(out, ref) and torch.equal(out[[1, 2, 4]], logits[[1, 2, 4]])  # rows without a mask untouched

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 
 import pytest
 import torch
@@ -190,3 +191,17 @@ def test_a_child_of_an_engine_without_bytecode_keeps_its_bytecode_in_our_cache(t
     assert start_child("probe_main", b"").wait(60) == 0
     assert (tmp_path / "out.txt").read_text() == f"False {tmp_path / 'cache' / 'pycache'}"
     assert list((tmp_path / "cache" / "pycache").rglob("probe_dep*.pyc")), "the child wrote no bytecode in the cache"
+
+
+def test_imports_inside_cached_bytecode_write_it_under_our_cache_and_the_flags_come_back(tmp_path, monkeypatch):
+    from frontend.launcher import cached_bytecode
+
+    monkeypatch.setenv("PICO_VLLM_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    monkeypatch.setattr(sys, "pycache_prefix", None)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "probe_in_process.py").write_text("X = 1\n")
+    with cached_bytecode():
+        import probe_in_process  # noqa: F401
+    assert (sys.dont_write_bytecode, sys.pycache_prefix) == (True, None)
+    assert list((tmp_path / "cache" / "pycache").rglob("probe_in_process*.pyc"))

@@ -108,7 +108,7 @@ class ModelRunner:
     def _init_step_state(self, max_batch: int, max_tokens: int) -> None:
         self.max_blocks = -(-self.max_model_len // self.config.block_size)
         # One row more than the engine's: the dummy row of padded graph lanes.
-        self.sampler = Sampler(self.max_rows + 1, self.model_config.vocab_size, self.device)
+        self.sampler = Sampler(self.max_rows + 1, self.model_config.vocab_size, self.device, max_batch)
         self.last_token = torch.zeros(self.max_rows + 1, dtype=torch.int64, device=self.device)
         block_tables = torch.zeros(self.max_rows + 1, self.max_blocks, dtype=torch.int32, device=self.device)
         self.attention = AttentionBackend(block_tables, self._local_kv_heads(), self._gqa_group(), max_batch)
@@ -320,6 +320,13 @@ class ModelRunner:
         logits, out = self.graphs.replay("decode", size) if size else self._decode_forward(views)
         if self.sampler.plain:
             return SamplerOutput(out.token_ids[:b])
+        if masked and self.sampler.plain_but_masks:
+            # The decode graph's draw again under the masks, as a graph of its own per size: once the mask has
+            # come, the host launches one replay, not a handful of kernels.
+            self.sampler.stage_masks(*masked())
+            draw = functools.partial(self.sampler.masked_draw, logits, views["rows"], views["sample_pos"],
+                                     self.last_token)
+            return SamplerOutput((self.graphs.replay_or_capture(("masked_draw", size), draw) if size else draw())[:b])
         # Some row needs more than the captured draw: sample the step's logits again, eagerly.
         return self.sampler(logits[:b], views["rows"][:b], views["sample_pos"][:b], step.rows, self.last_token,
                             masked and masked())

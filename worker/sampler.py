@@ -44,8 +44,9 @@ def _upload(host: np.ndarray, device: torch.device) -> torch.Tensor:
 class Sampler:
     """Samples one token per row from logits in the model's dtype; rows are the runner's mirror rows."""
 
-    def __init__(self, max_rows: int, vocab_size: int, device: torch.device) -> None:
-        self.vocab_size, self.device = vocab_size, device
+    def __init__(self, max_rows: int, vocab_size: int, device: torch.device, max_lanes: int | None = None) -> None:
+        """max_lanes: the rows a step samples at most (a padded decode graph's); max_rows by default."""
+        self.vocab_size, self.device, self.max_lanes = vocab_size, device, max_lanes or max_rows
         # Host copies are the truth; the device tables are refreshed from them on steps that add rows.
         self._floats = np.zeros((max_rows, 6), np.float32)
         self._ints = np.zeros((max_rows, 3), np.int64)
@@ -60,7 +61,7 @@ class Sampler:
         self.prompt_mask = torch.zeros((max_rows, vocab_size), dtype=torch.bool, device=device)
         self.banned = torch.zeros((max_rows, vocab_size), dtype=torch.bool, device=device)  # before min_tokens
         self.bias = torch.zeros((max_rows, vocab_size), dtype=torch.float32, device=device)  # logit_bias
-        self._mask_host = self._mask = None  # GrammarMask staging: [k row indices, k rows of words], host and device
+        self._mask_host = self._mask = None  # GrammarMask staging, host and device: [lane map, mask rows]
 
     # ---- rows ---------------------------------------------------------------------------------------
 
@@ -134,6 +135,11 @@ class Sampler:
         """No active row needs more than a temperature and a seed: sampling is one draw, which a graph captures."""
         return not any(count for name, count in self._count.items() if name != "random")
 
+    @property
+    def plain_but_masks(self) -> bool:
+        """Only grammars add to the plain draw: a masked draw serves the step (ModelRunner captures it)."""
+        return not any(count for name, count in self._count.items() if name not in ("random", "grammar"))
+
     def sync_params(self) -> None:
         if self._dirty:
             self.floats.copy_(_upload(self._floats, self.device))
@@ -157,7 +163,8 @@ class Sampler:
         if self._count["logprobs"]:
             self._raw_logprobs(logits, out)
         if grammar is not None:
-            apply_token_bitmask_(logits, *self._stage_mask(*grammar))
+            self.stage_masks(*grammar)
+            apply_token_bitmask_(logits, *self._staged_masks())
         if self._count["min_tokens"]:
             early = positions < self.ints[rows, _MIN_UNTIL]
             logits = logits.masked_fill(self.banned[rows] & early[:, None], float("-inf"))
@@ -173,19 +180,30 @@ class Sampler:
             out.logprobs = out.logprobs.gather(1, out.token_ids[:, None]).squeeze(1)
         return out
 
-    def _stage_mask(self, idx: np.ndarray, bitmask: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """(row indices [k], bitmasks [k, words]) on the device, in one copy through a pinned buffer made at the first
-        mask; reusing it is safe: the step before has finished by now, and with it the copy that last read it."""
+    def stage_masks(self, lanes: np.ndarray, bitmask: np.ndarray) -> None:
+        """A step's GrammarMask onto the device in one copy: the lane map (the mask row of each sampled row i, -1:
+        none) and the mask rows [k, words]. The buffers are made at the first mask and stay (masked draws' graphs
+        read them); the pinned one is reused safely: the step before has finished, and the copy that read it."""
         k, words = bitmask.shape
-        n = k * (words + 1)
-        if self._mask_host is None:
-            size = len(self._floats) * (words + 1)
+        if self._mask is None:
+            size = self.max_lanes * (words + 1)
             self._mask_host = torch.empty(size, dtype=torch.int32, pin_memory=self.device.type == "cuda")
             self._mask = torch.empty(size, dtype=torch.int32, device=self.device)
+        n = self.max_lanes + k * words
         host = self._mask_host[:n].numpy()
-        host[:k], host[k:] = idx, bitmask.reshape(-1)
-        staged = self._mask[:n].copy_(self._mask_host[:n], non_blocking=True)
-        return staged[:k], staged[k:].view(k, words)
+        host[:self.max_lanes] = -1
+        host[lanes] = np.arange(k)
+        host[self.max_lanes:] = bitmask.reshape(-1)
+        self._mask[:n].copy_(self._mask_host[:n], non_blocking=True)
+
+    def masked_draw(self, logits: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+                    last_token: torch.Tensor) -> torch.Tensor:
+        """The plain draw (see __call__) under the staged masks: what a masked draw's graph captures."""
+        apply_token_bitmask_(logits, *self._staged_masks())
+        return gumbel_argmax(logits, self.floats[:, _TEMP], self.ints[:, _SEED], positions, rows, last_token)
+
+    def _staged_masks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._mask[:self.max_lanes], self._mask[self.max_lanes:].view(self.max_lanes, -1)
 
     def _raw_logprobs(self, logits: torch.Tensor, out: SamplerOutput) -> None:
         """log_softmax of the raw logits (vLLM's default); the sampled gather happens after sampling."""
