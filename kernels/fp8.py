@@ -68,60 +68,34 @@ def scaled_mm_supported(x: torch.Tensor, w: Fp8Weight) -> bool:
             and w.shape[1] % 16 == 0 and torch.cuda.get_device_capability(x.device) >= (8, 9))
 
 
-def scaled_mm_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None, fast_accum: bool = False,
-                     per_tensor: bool = False) -> torch.Tensor:
-    """x @ w^T + bias on FP8 tensor cores, w per output channel and x per row (its amax / 448), or per_tensor: x by
-    one scale in a tensor-wise GEMM, w's scales and the bias applied to its output; fast_accum: cuBLAS's fast
-    (less exact) FP8 sums."""
-    x8, x_scale = quantize_rows(x, per_tensor)
-    if not per_tensor:
-        return torch._scaled_mm(x8, w.weight.t(), scale_a=x_scale, scale_b=w.scale.view(1, -1), bias=bias,
-                                out_dtype=x.dtype, use_fast_accum=fast_accum)
-    out = torch._scaled_mm(x8, w.weight.t(), scale_a=x_scale[0], scale_b=x_scale[4], out_dtype=x.dtype,
-                           use_fast_accum=fast_accum)
-    scale = w.scale.view(1, -1)
-    return out.mul_(scale) if bias is None else torch.addcmul(bias, out, scale, out=out)
+def scaled_mm_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
+                     fast_accum: bool = False) -> torch.Tensor:
+    """x @ w^T + bias on FP8 tensor cores, w per output channel and x per row (its amax / 448); fast_accum: cuBLAS's
+    fast (less exact) FP8 sums."""
+    x8, x_scale = quantize_rows(x)
+    return torch._scaled_mm(x8, w.weight.t(), scale_a=x_scale, scale_b=w.scale.view(1, -1), bias=bias,
+                            out_dtype=x.dtype, use_fast_accum=fast_accum)
 
 
-def quantize_rows(x: torch.Tensor, per_tensor: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 x, float32 scales [M, 1]): each row of x [M, K] by its own amax / 448; per_tensor: all by x's amax,
-    the scales at [0] (x's) and [4] (1.0): a tensor-wise GEMM's scale_a and scale_b, 16 bytes apart (cuBLASLt refuses
-    a scale at a 4-byte offset)."""
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 x, float32 scales [M, 1]): each row of x [M, K] by its own amax / 448."""
     m, k = x.shape
     out = torch.empty((m, k), dtype=FP8, device=x.device)
-    amax = torch.empty(m if per_tensor else 0, dtype=torch.float32, device=x.device)
-    scale = torch.empty(8 if per_tensor else (m, 1), dtype=torch.float32, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     block = triton.next_power_of_2(k)  # a row in one load: a loop over K waits on memory once a chunk
-    args = (x, out, amax, scale, m, k, x.stride(0), x.stride(1), MIN_AMAX, FP8_MAX)
-    warps = min(16, max(4, block // 1024))
-    if per_tensor:
-        _quantize_rows_kernel[(m,)](*args, PHASE=1, BLOCK=block, num_warps=warps)
-    _quantize_rows_kernel[(m,)](*args, PHASE=2 if per_tensor else 0, BLOCK=block, num_warps=warps)
+    _quantize_rows_kernel[(m,)](x, out, scale, k, x.stride(0), x.stride(1), MIN_AMAX, FP8_MAX, BLOCK=block,
+                                num_warps=min(16, max(4, block // 1024)))
     return out, scale
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, out_ptr, amax_ptr, scale_ptr, M, K, stride_xm, stride_xk, min_amax, fp8_max,
-                          PHASE: tl.constexpr, BLOCK: tl.constexpr):
-    # PHASE 0: a row by its own amax; 1: each row's amax into amax_ptr; 2: every row by their max (one scale).
+def _quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, K, stride_xm, stride_xk, min_amax, fp8_max, BLOCK: tl.constexpr):
     row, offs = tl.program_id(0), tl.arange(0, BLOCK)
     x = tl.load(x_ptr + row * stride_xm + offs * stride_xk, mask=offs < K, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=0)
-    if PHASE == 1:
-        tl.store(amax_ptr + row, amax)
-    else:
-        if PHASE == 2:
-            rows = tl.arange(0, 256)  # bench.kernels' and the decode graphs' rows at most; more loop
-            amax = tl.max(tl.load(amax_ptr + rows, mask=rows < M, other=0.0), axis=0)
-            for r0 in range(256, M, 256):
-                amax = tl.maximum(amax, tl.max(tl.load(amax_ptr + r0 + rows, mask=r0 + rows < M, other=0.0), axis=0))
-        scale = tl.div_rn(tl.maximum(amax, min_amax), fp8_max)  # IEEE division: the CPU's scale and values
-        if PHASE == 2:  # every program stores the same two
-            tl.store(scale_ptr + tl.arange(0, 2) * 4, tl.where(tl.arange(0, 2) == 0, scale, 1.0))
-        else:
-            tl.store(scale_ptr + row, scale)
-        x = tl.clamp(tl.div_rn(x, scale), -fp8_max, fp8_max)
-        tl.store(out_ptr + row * K + offs, x.to(out_ptr.dtype.element_ty), mask=offs < K)
+    scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), min_amax), fp8_max)  # IEEE division: as the CPU's
+    tl.store(scale_ptr + row, scale)
+    x = tl.clamp(tl.div_rn(x, scale), -fp8_max, fp8_max)
+    tl.store(out_ptr + row * K + offs, x.to(out_ptr.dtype.element_ty), mask=offs < K)
 
 
 def fp8_tiles(block: tuple[int, int]) -> tuple[list[tuple], list[tuple]]:

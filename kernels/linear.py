@@ -18,10 +18,9 @@ from kernels.gemv import (GEMV_MAX_M, GemvConfig, Input, NormedInput, Weight, ge
 # float16's range cannot hold that where the residual stream is large, bfloat16's can.
 DTYPES = {"": (torch.float16, torch.bfloat16), "norm": (torch.bfloat16,), "swiglu": (torch.float16, torch.bfloat16),
           "norm+swiglu": (torch.bfloat16,)}
-# FP8 weights past the GEMV's rows: a SCALED_MM path (FP8 tensor cores: x quantized per row or per tensor, cuBLAS's
-# fast sums or not) or "dequant" (a bf16 copy, then cuBLAS); `bench.kernels --fp8` times each.
-SCALED_MM = {"scaled_mm": {}, "scaled_mm_fast": {"fast_accum": True}, "scaled_mm_tensor": {"per_tensor": True},
-             "scaled_mm_tensor_fast": {"per_tensor": True, "fast_accum": True}}
+# FP8 weights past the GEMV's rows: a SCALED_MM path (FP8 tensor cores, x quantized per row, cuBLAS's fast sums or
+# not) or "dequant" (a bf16 copy, then cuBLAS); `bench.kernels --fp8` times each (per-tensor x: slower, dropped).
+SCALED_MM = {"scaled_mm": {}, "scaled_mm_fast": {"fast_accum": True}}
 FP8_GEMM = "scaled_mm"
 
 
