@@ -17,7 +17,8 @@ from protocol.grammar import build_grammar
 
 COMPILE_TIMEOUT_S = 10.0  # a request whose grammar compiles longer ends with an error (the compile runs on)
 MAX_CACHED = 512  # compiled grammars kept by their text
-FILL_THREADS = min(8, os.cpu_count() or 1)
+FILL_THREADS = max(2, min(16, (os.cpu_count() or 1) - 4))  # the cores that the worker, loop and frontend leave
+LOOP_ROWS = 4  # fewer rows fill in the loop: handing them to threads costs more than it saves
 
 
 class Grammars:
@@ -59,7 +60,7 @@ class Grammars:
 
         mask = xgr.allocate_token_bitmask(len(matchers), self.vocab_size)  # all ones
         rows = [i for i, m in enumerate(matchers) if m is not None and not m.is_terminated()]
-        if len(rows) < FILL_THREADS:  # a few rows: handing them to threads costs more than it saves
+        if len(rows) < LOOP_ROWS:
             for i in rows:
                 matchers[i].fill_next_token_bitmask(mask, i)
         else:
