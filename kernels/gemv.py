@@ -243,14 +243,16 @@ def _load_w_tiles(w_ptr, block, k_tile, N, K, stride_wn, stride_wk, scale_ptr, s
                   SCALE: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, SWIGLU: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # W's tile of output block `block` (and the up rows'), with their scales; a block past the last loads nothing.
+    word: tl.constexpr = 4 if SCALE else 1  # e4m3 read as int32 words of four values (fp8_to_f32 unpacks them)
+    w_ptr = w_ptr.to(tl.pointer_type(tl.int32), bitcast=True) if SCALE else w_ptr
     offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = k_tile * BLOCK_K + tl.arange(0, BLOCK_K)
-    ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :] * stride_wk
-    mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
+    offs_k = k_tile * (BLOCK_K // word) + tl.arange(0, BLOCK_K // word)
+    ptrs = w_ptr + offs_n[:, None].to(tl.int64) * (stride_wn // word) + offs_k[None, :] * stride_wk
+    mask = (offs_n[:, None] < N) & (offs_k[None, :] < K // word)
     w = tl.load(ptrs, mask=mask, other=0.0)
     w_up = w
     if SWIGLU:
-        w_up = tl.load(ptrs + N * stride_wn, mask=mask, other=0.0)
+        w_up = tl.load(ptrs + N * (stride_wn // word), mask=mask, other=0.0)
     s, s_up = fp8_scales(scale_ptr, offs_n, k_tile * BLOCK_K, N, stride_sn, stride_sk, SWIGLU, SCALE, SCALE_BN,
                       SCALE_BK)
     return w, w_up, s, s_up
