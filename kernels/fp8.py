@@ -19,12 +19,12 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 MIN_AMAX = 1e-12  # an all-zero block gets a tiny scale, not a division by zero
 PER_CHANNEL = (1, 0)  # (rows, columns) of a scale's block; 0: the whole dim
-# GEMV tiles (kernels/gemv.py's candidates). An e4m3 tile is half a bf16 one's bytes, so the one-row tiles load two
-# ahead (the 6th field) and some cap registers (the 5th) for more programs per SM: a latency-bound stream needs as
-# many weight bytes in flight per SM as bf16's best tiles keep.
+# GEMV tiles (kernels/gemv.py's candidates). An e4m3 tile is half a bf16 one's bytes, so the one-row tiles load 2-3
+# ahead (the 6th field) and some cap registers (the 5th) for more programs per SM: a latency-bound stream needs at
+# least as many weight bytes in flight per SM as bf16's best tiles keep.
 _DOT_TILES = ((64, 128, 4, 2), (32, 256, 4, 2), (128, 128, 8, 2), (64, 256, 4, 2))
-_ONE_ROW_TILES = ((4, 2048, 4, 8, 128, 2), (2, 2048, 4, 8, 72, 2), (2, 2048, 4, 8, 80, 2), (4, 2048, 4, 8, 0, 2),
-                  (2, 2048, 4, 8, 0, 2), (1, 2048, 4, 12, 48, 2), (1, 2048, 4, 8, 0, 2), (4, 2048, 8, 0, 0, 2),
+_ONE_ROW_TILES = ((4, 2048, 4, 8, 0, 3), (2, 2048, 4, 8, 88, 3), (1, 2048, 4, 12, 56, 3), (2, 2048, 4, 8, 72, 2),
+                  (2, 2048, 4, 8, 80, 2), (4, 2048, 4, 8, 0, 2), (2, 2048, 4, 8, 0, 2), (4, 2048, 8, 0, 0, 1),
                   (8, 2048, 8, 0, 0, 2))
 _BLOCK_DOT_TILES = ((64, 128, 4, 2), (32, 128, 4, 2), (128, 128, 8, 2))
 _BLOCK_ONE_ROW_TILES = ((16, 128, 4, 8, 0, 2), (32, 128, 8, 0, 0, 2), (32, 128, 8, 8, 0), (64, 128, 8, 0, 0),
@@ -142,8 +142,8 @@ def fp8_scale_args(w: torch.Tensor | Fp8Weight, config: GemvConfig, swiglu: bool
                          "(block_k dividing it) and gate | up must split between row blocks; take a config of "
                          "candidate_configs(..., fp8_block) for these scales")
     if config.one_row and (w.weight.stride(1) != 1 or (w.shape[1] | w.weight.stride(0) | w.weight.data_ptr()) % 4):
-        raise ValueError(f"the one-row GEMV reads e4m3 in int32 words: K {w.shape[1]}, row stride and address must be "
-                         f"multiples of 4 (stride {w.weight.stride()}); pass a contiguous weight or one_row=False")
+        raise ValueError(f"one-row GEMVs read e4m3 in int32 words: K {w.shape[1]} (stride {w.weight.stride()}) "
+                         "and the address must be multiples of 4; pass a contiguous weight or one_row=False")
     return ((w.scale, w.scale.stride(0), w.scale.stride(1)),
             {"SCALE": 2 if cols else 1, "SCALE_BN": rows, "SCALE_BK": cols or 1})
 
@@ -178,8 +178,7 @@ def fp8_dot(x, w, s, x_ptr, SCALE: tl.constexpr):
 
 @triton.jit
 def fp8_to_f32(w, s, SCALE: tl.constexpr):
-    # A [BLOCK_N, BLOCK_K] tile in float32 from int32 words of four e4m3 (a register per four values while loads are
-    # in flight; bytes 0 and 2, 1 and 3 joined back in column order), times its block scales (per-row: on the sums).
+    # A [BLOCK_N, BLOCK_K] tile in float32 from int32 words of four e4m3, times its block scales (per-row: on the sums).
     if SCALE:
         w = tl.join(tl.join(w, w >> 16), tl.join(w >> 8, w >> 24)).to(tl.int8).to(tl.float8e4nv, bitcast=True)
         w = tl.reshape(w, [w.shape[0], w.shape[1] * 4])
@@ -198,8 +197,11 @@ def fp8_row_sums(products, s, SCALE: tl.constexpr):
 
 
 @triton.jit
-def shift_tiles(w2, w2_up, s2, s2_up, w_next, w_up_next, s_next, s_up_next, AHEAD: tl.constexpr):
-    # The GEMV's (tile to multiply next, the one after it): AHEAD 1 leaves the second unread.
+def shift_tiles(w2, w2_up, s2, s2_up, w3, w3_up, s3, s3_up, w_next, w_up_next, s_next, s_up_next,
+                AHEAD: tl.constexpr):
+    # The GEMV's (tile to multiply next, the one after it, the one after that): AHEAD 1 leaves the last two unread.
+    if AHEAD == 1:
+        return w_next, w_up_next, s_next, s_up_next, w2, w2_up, s2, s2_up, w3, w3_up, s3, s3_up
     if AHEAD == 2:
-        return w2, w2_up, s2, s2_up, w_next, w_up_next, s_next, s_up_next
-    return w_next, w_up_next, s_next, s_up_next, w2, w2_up, s2, s2_up
+        return w2, w2_up, s2, s2_up, w_next, w_up_next, s_next, s_up_next, w3, w3_up, s3, s3_up
+    return w2, w2_up, s2, s2_up, w3, w3_up, s3, s3_up, w_next, w_up_next, s_next, s_up_next
