@@ -19,12 +19,13 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 MIN_AMAX = 1e-12  # an all-zero block gets a tiny scale, not a division by zero
 PER_CHANNEL = (1, 0)  # (rows, columns) of a scale's block; 0: the whole dim
-# GEMV tiles (kernels/gemv.py's candidates). The one-row kernel keeps a float32 per value of its tile: past 64
-# values per thread (32 where SwiGLU sums K tiles) ptxas spills for sm_90. An e4m3 tile of a bf16 tile's values is
-# half its bytes, so most load two tiles ahead (the 6th field): a latency-bound stream needs the bytes in flight.
+# GEMV tiles (kernels/gemv.py's candidates). An e4m3 tile is half a bf16 one's bytes, so the one-row tiles load 2-3
+# ahead (the 6th field) and some cap registers (the 5th) for more programs per SM: a latency-bound stream needs at
+# least as many weight bytes in flight per SM as bf16's best tiles keep.
 _DOT_TILES = ((64, 128, 4, 2), (32, 256, 4, 2), (128, 128, 8, 2), (64, 256, 4, 2))
-_ONE_ROW_TILES = ((4, 2048, 4, 8, 0, 2), (2, 2048, 4, 8, 0, 2), (4, 2048, 4, 0, 0, 2), (2, 2048, 4, 0, 0, 2),
-                  (4, 2048, 8, 0, 0, 2), (8, 2048, 8, 0, 0, 2), (4, 2048, 4, 8, 168, 1), (2, 2048, 4, 8, 0, 1))
+_ONE_ROW_TILES = ((4, 2048, 4, 8, 0, 3), (2, 2048, 4, 8, 88, 3), (1, 2048, 4, 12, 56, 3), (2, 2048, 4, 8, 72, 2),
+                  (2, 2048, 4, 8, 80, 2), (4, 2048, 4, 8, 0, 2), (2, 2048, 4, 8, 0, 2), (4, 2048, 8, 0, 0, 1),
+                  (8, 2048, 8, 0, 0, 2))
 _BLOCK_DOT_TILES = ((64, 128, 4, 2), (32, 128, 4, 2), (128, 128, 8, 2))
 _BLOCK_ONE_ROW_TILES = ((16, 128, 4, 8, 0, 2), (32, 128, 8, 0, 0, 2), (32, 128, 8, 8, 0), (64, 128, 8, 0, 0),
                         (32, 128, 4, 8, 0, 2))
@@ -115,6 +116,9 @@ def fp8_scale_args(w: torch.Tensor | Fp8Weight, config: GemvConfig, swiglu: bool
         raise ValueError(f"{config} does not fit FP8 scale blocks of {w.block}: a K tile must lie in one block "
                          "(block_k dividing it) and gate | up must split between row blocks; take a config of "
                          "candidate_configs(..., fp8_block) for these scales")
+    if config.one_row and (w.weight.stride(1) != 1 or (w.shape[1] | w.weight.stride(0) | w.weight.data_ptr()) % 4):
+        raise ValueError(f"one-row GEMVs read e4m3 in int32 words: K {w.shape[1]} (stride {w.weight.stride()}) "
+                         "and the address must be multiples of 4; pass a contiguous weight or one_row=False")
     return ((w.scale, w.scale.stride(0), w.scale.stride(1)),
             {"SCALE": 2 if cols else 1, "SCALE_BN": rows, "SCALE_BK": cols or 1})
 
@@ -149,7 +153,10 @@ def fp8_dot(x, w, s, x_ptr, SCALE: tl.constexpr):
 
 @triton.jit
 def fp8_to_f32(w, s, SCALE: tl.constexpr):
-    # A [BLOCK_N, BLOCK_K] tile in float32, times its block scales (per-row scales go on the sums).
+    # A [BLOCK_N, BLOCK_K] tile in float32 from int32 words of four e4m3, times its block scales (per-row: on the sums).
+    if SCALE:
+        w = tl.join(tl.join(w, w >> 16), tl.join(w >> 8, w >> 24)).to(tl.int8).to(tl.float8e4nv, bitcast=True)
+        w = tl.reshape(w, [w.shape[0], w.shape[1] * 4])
     w = w.to(tl.float32)
     if SCALE == 2:
         w = w * s[:, None]
@@ -165,8 +172,11 @@ def fp8_row_sums(products, s, SCALE: tl.constexpr):
 
 
 @triton.jit
-def shift_tiles(w2, w2_up, s2, s2_up, w_next, w_up_next, s_next, s_up_next, AHEAD: tl.constexpr):
-    # The GEMV's (tile to multiply next, the one after it): AHEAD 1 leaves the second unread.
+def shift_tiles(w2, w2_up, s2, s2_up, w3, w3_up, s3, s3_up, w_next, w_up_next, s_next, s_up_next,
+                AHEAD: tl.constexpr):
+    # The GEMV's (tile to multiply next, the one after it, the one after that): AHEAD 1 leaves the last two unread.
+    if AHEAD == 1:
+        return w_next, w_up_next, s_next, s_up_next, w2, w2_up, s2, s2_up, w3, w3_up, s3, s3_up
     if AHEAD == 2:
-        return w2, w2_up, s2, s2_up, w_next, w_up_next, s_next, s_up_next
-    return w_next, w_up_next, s_next, s_up_next, w2, w2_up, s2, s2_up
+        return w2, w2_up, s2, s2_up, w_next, w_up_next, s_next, s_up_next, w3, w3_up, s3, s3_up
+    return w2, w2_up, s2, s2_up, w3, w3_up, s3, s3_up, w_next, w_up_next, s_next, s_up_next

@@ -34,7 +34,7 @@ class GemvConfig:
     per_sm: int = 0  # one_row: programs per SM, each walking output blocks in turn; 0: a program a block
     max_regs: int = 0  # ptxas's register cap (maxnreg); 0: its own choice
     block_m: int = BLOCK_M  # the dot kernel's rows per program (more: a weight-only GEMM for many rows)
-    ahead: int = 1  # one_row: W tiles loaded ahead of the one multiplied (2: an e4m3 tile is half a bf16 one's bytes)
+    ahead: int = 1  # one_row: W tiles loaded ahead of the one multiplied, 1 to 3 (e4m3 tiles: half the bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,7 +183,10 @@ def _gemv_row_kernel(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, w_ptr, bias_ptr, o
                                      SCALE, SCALE_BN, SCALE_BK, SWIGLU, BLOCK_N, BLOCK_K)
     w2, w2_up, s2, s2_up = _load_w_tiles(w_ptr, pid + 1 // k_tiles * num_programs, 1 % k_tiles, N, K, stride_wn,
                                          stride_wk, scale_ptr, stride_sn, stride_sk, SCALE, SCALE_BN, SCALE_BK, SWIGLU,
-                                         BLOCK_N, BLOCK_K)  # the tile after w: AHEAD 1 never reads it
+                                         BLOCK_N, BLOCK_K)  # the tiles after w: fewer AHEAD leave the last unread
+    w3, w3_up, s3, s3_up = _load_w_tiles(w_ptr, pid + 2 // k_tiles * num_programs, 2 % k_tiles, N, K, stride_wn,
+                                         stride_wk, scale_ptr, stride_sn, stride_sk, SCALE, SCALE_BN, SCALE_BK, SWIGLU,
+                                         BLOCK_N, BLOCK_K)
     if PDL:
         tl.extra.cuda.gdc_wait()
     if WHOLE_K:  # x's one tile serves every block
@@ -199,8 +202,8 @@ def _gemv_row_kernel(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, w_ptr, bias_ptr, o
             _store_block(fp8_row_sums(fp8_to_f32(w, s, SCALE) * x, s, SCALE),
                          fp8_row_sums(fp8_to_f32(w_up, s_up, SCALE) * x, s_up, SCALE), sumsq, out_ptr, bias_ptr,
                          pid + i * num_programs, N, K, eps, NORM, HAS_BIAS, SWIGLU, BLOCK_N)
-            w, w_up, s, s_up, w2, w2_up, s2, s2_up = shift_tiles(w2, w2_up, s2, s2_up, w_next, w_up_next, s_next,
-                                                            s_up_next, AHEAD)
+            w, w_up, s, s_up, w2, w2_up, s2, s2_up, w3, w3_up, s3, s3_up = shift_tiles(
+                w2, w2_up, s2, s2_up, w3, w3_up, s3, s3_up, w_next, w_up_next, s_next, s_up_next, AHEAD)
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -226,8 +229,8 @@ def _gemv_row_kernel(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, w_ptr, bias_ptr, o
                 acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
                 acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
                 sq_acc = tl.zeros([BLOCK_K], dtype=tl.float32)
-            w, w_up, s, s_up, w2, w2_up, s2, s2_up = shift_tiles(w2, w2_up, s2, s2_up, w_next, w_up_next, s_next,
-                                                            s_up_next, AHEAD)
+            w, w_up, s, s_up, w2, w2_up, s2, s2_up, w3, w3_up, s3, s3_up = shift_tiles(
+                w2, w2_up, s2, s2_up, w3, w3_up, s3, s3_up, w_next, w_up_next, s_next, s_up_next, AHEAD)
 
 
 @triton.jit
@@ -243,14 +246,14 @@ def _load_w_tiles(w_ptr, block, k_tile, N, K, stride_wn, stride_wk, scale_ptr, s
                   SCALE: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, SWIGLU: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # W's tile of output block `block` (and the up rows'), with their scales; a block past the last loads nothing.
+    word: tl.constexpr = 4 if SCALE else 1  # e4m3 in int32 words of four: loaded bytes take a 16-bit register each
+    w_ptr = w_ptr.to(tl.pointer_type(tl.int32), bitcast=True) if SCALE else w_ptr
     offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = k_tile * BLOCK_K + tl.arange(0, BLOCK_K)
-    ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :] * stride_wk
-    mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
+    offs_k = k_tile * (BLOCK_K // word) + tl.arange(0, BLOCK_K // word)
+    ptrs = w_ptr + offs_n[:, None].to(tl.int64) * (stride_wn // word) + offs_k[None, :] * stride_wk
+    mask = (offs_n[:, None] < N) & (offs_k[None, :] < K // word)
     w = tl.load(ptrs, mask=mask, other=0.0)
-    w_up = w
-    if SWIGLU:
-        w_up = tl.load(ptrs + N * stride_wn, mask=mask, other=0.0)
+    w_up = tl.load(ptrs + N * (stride_wn // word), mask=mask, other=0.0) if SWIGLU else w
     s, s_up = fp8_scales(scale_ptr, offs_n, k_tile * BLOCK_K, N, stride_sn, stride_sk, SWIGLU, SCALE, SCALE_BN,
                       SCALE_BK)
     return w, w_up, s, s_up

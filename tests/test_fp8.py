@@ -10,6 +10,7 @@ import torch
 
 from checkpoints import fp8_checkpoints, make_checkpoint, quantize_fp8_reference
 from frontend.model_resolution import resolve_model
+from kernels import gemv
 from kernels.fp8 import FP8, PER_CHANNEL, Fp8Weight, quantize, quantize_rows
 from kernels.gemv import GemvConfig, NormedInput
 from kernels.linear import run_path
@@ -65,6 +66,22 @@ def test_fp8_gemv_equals_the_linear_on_its_dequantized_weight(config, block, fol
         out = run_path(fold, x, weight, bias, config)  # the GEMV reading e4m3
         ref = run_path(fold, x, weight, bias, None)  # the unfused path: F.linear on value * scale in float32
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("ahead", [2, 3])
+@pytest.mark.parametrize("block_k", [32, 128], ids=["k-tiles", "whole-k"])
+def test_fp8_one_row_gemv_walking_tiles_ahead_equals_the_dequantized_weight(block_k, ahead, monkeypatch):
+    # e4m3 read as int32 words of four values and unpacked in column order; 3 programs walk 10 blocks of 4 rows
+    # (one "SM"), loading 2 or 3 tiles ahead. A byte out of order, or a scale dropped or applied twice, fails.
+    monkeypatch.setattr(gemv, "num_sms", lambda device: 1)
+    config = GemvConfig(4, block_k, one_row=True, per_sm=3, ahead=ahead)
+    weight = Fp8Weight(*quantize(torch.randn(80, 100) * torch.rand(80, 1) / 10, PER_CHANNEL), PER_CHANNEL)
+    for fold in ("norm", "norm+swiglu"):
+        x = _fold_input(fold, 1, 100)
+        torch.testing.assert_close(run_path(fold, x, weight, None, config), run_path(fold, x, weight, None, None),
+                                   atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match=r"K 98 \(stride \(100, 1\)\) and the address must be multiples of 4"):
+        run_path("", torch.randn(1, 98), Fp8Weight(weight.weight[:, :98], weight.scale, PER_CHANNEL), None, config)
 
 
 def test_a_gemv_tile_across_fp8_scale_blocks_is_refused():
