@@ -247,11 +247,10 @@ class SchedulerServer:
         return True
 
     def _send_workers(self, msg: StepPlan | GrammarMask) -> None:
-        # A mask's bitmask (a megabyte at 64 rows) travels as a raw frame of its own: msgpack would copy it, ~1 ms.
-        frames = [encode(msg)] if isinstance(msg, StepPlan) else [encode(GrammarMask(msg.step, i32([]))), msg.bitmask]
+        frame = encode(msg)
         for rank, sock in enumerate(self.plans):
             try:
-                sock.send_multipart(frames, copy=False)  # pyzmq still copies frames under 64 KiB
+                sock.send(frame, copy=len(frame) < 65536)  # a mask's megabyte goes without a copy
             except zmq.Again:
                 raise _Exit(1, f"worker {rank} took no plan for {self.config.step_timeout} s") from None
 

@@ -9,7 +9,6 @@ import os
 import threading
 import time
 
-import numpy as np
 import zmq
 
 from protocol.addresses import Addresses
@@ -112,8 +111,6 @@ def _serve(runner, plans: zmq.Socket, results: zmq.Socket, rank: int, tracer: Tr
             while not plans.poll(0):  # spin: waking from a blocking recv costs ~0.1 ms, on the step's critical path
                 pass
             msg = decode(plans.recv())
-            if isinstance(msg, GrammarMask) and plans.get(zmq.RCVMORE):  # the bitmask's own frame (PROTOCOL.md)
-                msg.bitmask = np.frombuffer(plans.recv(copy=False).buffer, dtype="<i4")
         if isinstance(msg, Shutdown):
             raise _Stopped
         if not isinstance(msg, GrammarMask) or msg.step != step:
