@@ -1,8 +1,7 @@
 """Pico-vLLM's entry point: `python launch.py --model qwen2.5-1.5b` serves the OpenAI API.
 
 `--prompt TEXT` runs one prompt offline; `--headless --engine-address ADDR` serves the engine to other
-frontends over ZeroMQ (protocol/PROTOCOL.md). `--help` lists every flag.
-"""
+frontends over ZeroMQ (protocol/PROTOCOL.md). `--help` lists every flag."""
 import sys
 
 from frontend.cli import main

@@ -98,6 +98,7 @@ class _SamplingRequest(_SamplingFields):
     prompt_field: ClassVar[str] = "prompt"
     max_tokens_field: ClassVar[str] = "max_tokens"
     id_prefix: ClassVar[str] = "cmpl"
+    parses_tool_calls: ClassVar[bool] = False  # whether the answer is parsed for tool calls (chat with tools)
     model: str | None = None
     max_tokens: int | None = None
     stream: bool | None = False
@@ -125,10 +126,6 @@ class _SamplingRequest(_SamplingFields):
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream=true", "stream_options")
         return self
-
-    @property
-    def parses_tool_calls(self) -> bool:
-        return False
 
     @property
     def include_usage(self) -> bool:

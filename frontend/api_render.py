@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from itertools import accumulate
 
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -96,10 +97,7 @@ class CompletionRenderer(Renderer):
         logprobs = None
         if o.logprobs is not None:
             rows = self.logprob_rows(o, tokens)
-            offsets, pos = [], len(echo) + chars
-            for (token_text, _, _), _ in rows:
-                offsets.append(pos)
-                pos += len(token_text)
+            offsets = list(accumulate([len(entry[0]) for entry, _ in rows], initial=len(echo) + chars))[:-1]
             # reversed: of top tokens that decode to the same text, the likeliest is written last and kept
             logprobs = {"tokens": [entry[0] for entry, _ in rows], "token_logprobs": [entry[1] for entry, _ in rows],
                         "top_logprobs": [{t: lp for t, lp, _ in reversed(top)} for _, top in rows],

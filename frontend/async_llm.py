@@ -51,6 +51,8 @@ class AsyncLLM:
         return cls(client=EngineClient(address=address, ready_timeout=timeout))
 
     def _ensure_started(self) -> None:
+        if self.dead_reason:  # every call into a dead engine raises, on any loop
+            raise EngineDeadError(self.dead_reason)
         loop = asyncio.get_running_loop()
         if self._task is not None and self._loop is not loop:
             if self._loop.is_running():
@@ -137,8 +139,6 @@ class AsyncLLM:
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield cumulative outputs until finished; leaving the loop early aborts the request."""
-        if self.dead_reason:
-            raise EngineDeadError(self.dead_reason)
         self._ensure_started()
         request_id = request_id or f"req-{next(self._ids)}"
         tracer = self.client.tracer
@@ -187,8 +187,6 @@ class AsyncLLM:
 
     async def get_stats(self, timeout: float = 5.0) -> dict:
         """Fresh engine counters: a round trip to the scheduler."""
-        if self.dead_reason:
-            raise EngineDeadError(self.dead_reason)
         self._ensure_started()
         waiter = self._loop.create_future()
         self._stats_waiters.append(waiter)

@@ -32,8 +32,7 @@ class LLM:
     enable_prefix_caching: reuse the KV of shared prompt prefixes; tensor_parallel_size: GPUs to shard over;
     enforce_eager: no CUDA graphs; trace_dir: write a Perfetto trace there; max_waiting_requests: bound of
     the waiting queue; step_timeout: seconds without progress before the engine counts as dead;
-    quantization "fp8": linear weights in float8 e4m3, one scale per output channel (an FP8 checkpoint sets it).
-    """
+    quantization "fp8": linear weights in float8 e4m3, one scale per output channel (an FP8 checkpoint sets it)."""
 
     def __init__(self, model: str, *, device: str = "auto", dtype: str = "auto", load_format: str = "auto",
                  seed: int = 0, max_model_len: int | None = None, max_num_seqs: int = 256,

@@ -44,7 +44,6 @@ class Metrics:
         disable_created_metrics()  # as vLLM does: no `*_created` series beside every counter and histogram
         self.registry = CollectorRegistry()
         self.model_name = model_name
-
         for attr, (kind, name, doc, buckets) in _METRICS.items():  # each labelled once, with this model's name
             extra = {} if buckets is None else {"buckets": buckets}
             setattr(self, attr, kind(name, doc, ["model_name"], registry=self.registry, **extra).labels(model_name))

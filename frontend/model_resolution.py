@@ -84,13 +84,10 @@ def _check_writable_dir(path: str) -> None:
 def short_model(name: str) -> tuple[str, ModelConfig] | None:
     """The HF repo id and built-in config of a short name like 'qwen3-1.7b[-base]', else None."""
     key = name.lower()
-    base = key.endswith("-base")
-    key = key.removesuffix("-base")
+    base, key = key.endswith("-base"), key.removesuffix("-base")
     for prefix, sizes in _FAMILIES.items():
-        if key.startswith(prefix) and key[len(prefix):] in sizes:
-            size = key[len(prefix):]
-            build = _llama if prefix == "llama-" else _qwen
-            return build(prefix, size, sizes[size], base)
+        if key.startswith(prefix) and (size := key[len(prefix):]) in sizes:
+            return (_llama if prefix == "llama-" else _qwen)(prefix, size, sizes[size], base)
     return None
 
 
@@ -106,8 +103,7 @@ def _qwen(prefix: str, size: str, shape: tuple, base: bool) -> tuple[str, ModelC
         num_key_value_heads=kv_heads, head_dim=128, vocab_size=152064 if size == "7b" else 151936,
         tie_word_embeddings=tied, eos_token_ids=list(_BASE_EOS if base else _INSTRUCT_EOS),
         max_position_embeddings=40960 if qwen3 and not base else 32768,
-        architecture="Qwen3ForCausalLM" if qwen3 else "Qwen2ForCausalLM",
-    )
+        architecture="Qwen3ForCausalLM" if qwen3 else "Qwen2ForCausalLM")
     if qwen3:
         return f"Qwen/Qwen3-{size.upper()}" + ("-Base" if base else ""), config
     return f"Qwen/Qwen2.5-{size.upper()}" + ("" if base else "-Instruct"), config
@@ -121,16 +117,14 @@ def _llama(prefix: str, size: str, shape: tuple, base: bool) -> tuple[str, Model
         rms_norm_eps=1e-5, max_position_embeddings=131072, tie_word_embeddings=tied,
         eos_token_ids=list(_LLAMA_BASE_EOS if base else _LLAMA_INSTRUCT_EOS), architecture="LlamaForCausalLM",
         rope_scaling={"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 8192},
-    )
+                      "original_max_position_embeddings": 8192})
     return f"meta-llama/Llama-{size.upper()}" + ("" if base else "-Instruct"), config
 
 
 def resolve_model(name: str, load_format: str = "auto") -> tuple[ModelConfig, str | None]:
     """Resolve --model: a local dir, an HF repo id (cache, then hub when online) or a short name (qwen3-1.7b).
 
-    The directory is None only for load_format="dummy" with a short name and no files anywhere.
-    """
+    The directory is None only for load_format="dummy" with a short name and no files anywhere."""
     path = Path(name).expanduser()
     if path.is_dir():
         return config_from_dir(path), str(path)
@@ -201,8 +195,7 @@ def config_from_dir(model_dir: str | Path) -> ModelConfig:
         torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
         eos_token_ids=_eos_ids(Path(model_dir), cfg), architecture=architecture,
         rope_scaling=None if scaling is None else {k: scaling[k] for k in _LLAMA3_KEYS} | {"rope_type": "llama3"},
-        quantization="fp8" if block else None, weight_block_size=block,
-    )
+        quantization="fp8" if block else None, weight_block_size=block)
 
 
 _MODEL_TYPES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
@@ -262,8 +255,5 @@ def _rope_scaling(cfg: dict, path: Path | None = None) -> dict | None:
 def _eos_ids(model_dir: Path, cfg: dict) -> list[int]:
     gen = model_dir / "generation_config.json"
     eos = json.loads(gen.read_text()).get("eos_token_id") if gen.is_file() else None
-    if eos is None:
-        eos = cfg.get("eos_token_id")
-    if eos is None:
-        return []
-    return [int(e) for e in eos] if isinstance(eos, list) else [int(eos)]
+    eos = cfg.get("eos_token_id") if eos is None else eos
+    return [] if eos is None else [int(e) for e in eos] if isinstance(eos, list) else [int(eos)]

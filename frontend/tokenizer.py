@@ -64,8 +64,7 @@ def load_tokenizer(model: str, model_dir: str | None) -> PreTrainedTokenizerBase
     """The tokenizer (with chat template) of `model`, read from model_dir; short names work offline."""
     if model_dir is not None and has_tokenizer_files(model_dir):
         return _from_pretrained(model_dir)
-    short = short_model(model)
-    if short is not None:
+    if (short := short_model(model)) is not None:
         repo = short[0]
         if repo.startswith("meta-llama/"):
             return load_llama3_tokenizer(repo.endswith("-Instruct"), "3.1" if "Llama-3.1" in repo else "3.2")
@@ -179,10 +178,8 @@ def _package_file(package: str, relative: str, install: str) -> Path:
 def read_qwen_ranks() -> dict[bytes, int]:
     """Qwen's BPE ranks from dashscope's qwen.tiktoken."""
     ranks_file = _package_file("dashscope", "resources/qwen.tiktoken", "pip install dashscope")
-    ranks = {}
-    for line in ranks_file.read_bytes().splitlines():
-        token, rank = line.split()
-        ranks[base64.b64decode(token)] = int(rank)
+    ranks = {base64.b64decode(token): int(rank)
+             for token, rank in (line.split() for line in ranks_file.read_bytes().splitlines())}
     if len(ranks) != NUM_BPE_TOKENS or sorted(ranks.values()) != list(range(NUM_BPE_TOKENS)):
         raise ValueError(f"{ranks_file} holds {len(ranks)} ranks, not Qwen's {NUM_BPE_TOKENS}: reinstall dashscope")
     return ranks
@@ -226,8 +223,7 @@ def build_qwen25_tokenizer(ranks: dict[bytes, int], added: list[tuple[str, bool]
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     tok.add_tokens([AddedToken(t, special=s, normalized=False) for t, s in added])
@@ -250,8 +246,7 @@ def build_llama3_tokenizer() -> Tokenizer:
     tok.post_processor = processors.Sequence([
         processors.ByteLevel(trim_offsets=False),
         processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos}:1 $B:1",
-                                      special_tokens=[(bos, NUM_LLAMA3_BPE_TOKENS)]),
-    ])
+                                      special_tokens=[(bos, NUM_LLAMA3_BPE_TOKENS)])])
     return tok
 
 
@@ -268,8 +263,7 @@ def _tokenizer_config(added: list[tuple[str, bool]] = QWEN25_ADDED_TOKENS, templ
         "bos_token": None, "chat_template": template or qwen25_chat_template(True),
         "clean_up_tokenization_spaces": False, "eos_token": "<|im_end|>", "errors": "replace",
         "model_max_length": 131072, "pad_token": "<|endoftext|>", "split_special_tokens": False,
-        "tokenizer_class": "Qwen2Tokenizer", "unk_token": None,
-    }
+        "tokenizer_class": "Qwen2Tokenizer", "unk_token": None}
 
 
 def _llama3_tokenizer_config() -> dict:
@@ -281,5 +275,4 @@ def _llama3_tokenizer_config() -> dict:
         # The repos say true; transformers 5 ignores it for BPE (it would strip spaces before punctuation).
         "clean_up_tokenization_spaces": False, "eos_token": "<|eot_id|>",
         "model_input_names": ["input_ids", "attention_mask"], "model_max_length": 131072,
-        "tokenizer_class": "PreTrainedTokenizerFast",
-    }
+        "tokenizer_class": "PreTrainedTokenizerFast"}

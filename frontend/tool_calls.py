@@ -50,10 +50,9 @@ def _call(body: str, closed: bool) -> tuple[str | None, str, bool]:
         try:
             call = json.loads(body)
             name, args = call["name"], call["arguments"]
-            valid = isinstance(name, str) and isinstance(args, dict) and len(call) == 2
         except (ValueError, TypeError, KeyError):
             return None, "", False
-        if not valid:
+        if not (isinstance(name, str) and isinstance(args, dict) and len(call) == 2):
             return None, "", False
         raw = body[head.end():body.rstrip().rindex("}")].rstrip() if head else ""
         return name, (raw if head and _same_json(raw, args) else json.dumps(args, ensure_ascii=False)), True

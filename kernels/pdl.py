@@ -1,7 +1,6 @@
 """Programmatic dependent launch (Hopper and later): a kernel launched with it may start once the kernel before
 calls gdc_launch_dependents(), and do the work that does not depend on it (a GEMV's first weight tile) before it
-waits (gdc_wait()). Only the kernels that wait take it. PICO_VLLM_PDL=0 turns it off.
-"""
+waits (gdc_wait()). Only the kernels that wait take it. PICO_VLLM_PDL=0 turns it off."""
 from __future__ import annotations
 
 import functools

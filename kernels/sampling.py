@@ -3,8 +3,7 @@ draw from softmax(logits / temperature); plain argmax where temperature <= 0.
 
 The noise is a hash of (row seed, position of the sampled token, vocab index), so a request draws the same tokens
 alone or in any batch, and after a preemption: splitmix64 of (seed, position) is the row's key, lowbias32 of the
-key and the index each token's bits (32-bit: the per-token hash is most of the kernel's work).
-"""
+key and the index each token's bits (32-bit: the per-token hash is most of the kernel's work)."""
 from __future__ import annotations
 
 import os

@@ -158,7 +158,12 @@ class SchedulerServer:
                 self._handle(identity, msg)
         if os.getppid() != self.parent:
             raise _Exit(1, f"the parent process (pid {self.parent}) died")
-        msg = _decode_worker(self.results.recv()) if read_results and self.results in events else None
+        msg = None
+        if read_results and self.results in events:
+            try:
+                msg = decode(self.results.recv())
+            except ProtocolError as e:
+                log.warning("dropped a malformed frame from a worker: %s", e)
         if isinstance(msg, WorkerError):
             raise _Exit(1, f"worker {msg.rank} failed{' to start' if self.scheduler is None else ''}: {msg.reason}")
         return msg
@@ -280,10 +285,3 @@ class SchedulerServer:
             elif msg is not None:
                 what = f"StepResult for step {msg.step}" if isinstance(msg, StepResult) else type(msg).__name__
                 log.warning("dropped a %s from a worker while waiting for step %d", what, step)
-
-
-def _decode_worker(frame: bytes):
-    try:
-        return decode(frame)
-    except ProtocolError as e:
-        log.warning("dropped a malformed frame from a worker: %s", e)

@@ -281,7 +281,8 @@ class Scheduler:
             generated = req.num_tokens - req.num_prompt_tokens
             reason = ("stop" if generated >= req.params.min_tokens and token in req.stop_ids
                       else "length" if generated >= req.max_tokens or req.num_tokens >= self.max_model_len else None)
-            if req.matcher is not None and reason is None and not _advance(req.matcher, token):
+            matcher = req.matcher
+            if reason is None and matcher is not None and (not matcher.accept_token(token) or matcher.is_terminated()):
                 reason = "stop"  # the grammar is complete (its stop token came despite ignore_eos) or broken
             if reason is not None:
                 self._finish(req)
@@ -301,11 +302,6 @@ class Scheduler:
                           {r: e for r, e in zip(ids, errors) if e is not None},
                           list(logprobs) if any(lp is not None for lp in logprobs) else None, self.stats(),
                           request_stats)
-
-
-def _advance(matcher, token: int) -> bool:
-    """Feed the matcher the row's token; False once the grammar allows nothing more."""
-    return matcher.accept_token(token) and not matcher.is_terminated()
 
 
 def _split_logprobs(lp: dict | None, n: int):

@@ -1,7 +1,6 @@
 """The worker's static input buffers: a step's arrays, written with numpy into a pinned staging buffer, reach
 the device in one copy. The fields a graph reads come first, so their offsets depend on the graph's size alone
-and a graph reads the same addresses on every replay; a step run by a graph is staged padded to its size.
-"""
+and a graph reads the same addresses on every replay; a step run by a graph is staged padded to its size."""
 from __future__ import annotations
 
 import functools

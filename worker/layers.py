@@ -5,8 +5,7 @@ and copies this rank's TP shard of it into place. Parameters take torch's defaul
 model under them). Linears run kernels.linear: for a few rows on the GPU, a Triton GEMV where timed faster than
 cuBLAS, with the RMSNorm before it (FusedRMSNorm) and SwiGLU after gate_up (GateUpSwiGLU) folded in. With FP8 (a
 linear's fp8_block) its weight is e4m3 beside weight_scale, one float32 per block, loaded through the same
-weight_loader: a scale's shard is its weight's, in whole blocks.
-"""
+weight_loader: a scale's shard is its weight's, in whole blocks."""
 from __future__ import annotations
 
 from collections.abc import Callable

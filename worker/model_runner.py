@@ -1,8 +1,7 @@
 """ModelRunner: the model, its paged KV cache and the row mirror of one worker rank; one StepPlan per call.
 
 A decode row's input is the token it sampled last, still on the device (last_token[row]): no token crosses
-back from the host, so step N+1 can be launched before step N is collected.
-"""
+back from the host, so step N+1 can be launched before step N is collected."""
 from __future__ import annotations
 
 import functools

@@ -2,8 +2,7 @@
 
 Per-row params live in device tables indexed by row, written once when the row is added; host counts of the
 rows using each feature let a stage no row needs cost nothing. Random rows draw hashed Gumbel noise, so a
-request samples the same tokens alone or in any batch, and again after a preemption.
-"""
+request samples the same tokens alone or in any batch, and again after a preemption."""
 from __future__ import annotations
 
 from dataclasses import dataclass

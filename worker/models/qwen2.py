@@ -1,8 +1,7 @@
 """Qwen2ForCausalLM over a paged KV cache: a flat batch of tokens from many sequences, TP-sharded.
 
 Parameter names are Hugging Face's, with q/k/v packed into qkv_proj and gate/up into gate_up_proj. Each norm of a
-layer is computed by the linear after it (FusedRMSNorm), which also writes the new residual.
-"""
+layer is computed by the linear after it (FusedRMSNorm), which also writes the new residual."""
 from __future__ import annotations
 
 import torch
