@@ -1,6 +1,5 @@
 """Linears of a few rows: a Triton GEMV with the residual add + RMSNorm before it folded into its loads (out[n] =
-rstd * sum_k W[n, k] * norm_w[k] * s[k], one pass over K) and SwiGLU after gate_up into its stores. The dot kernel
-sums split-K partials in a fixed order (a replay equals the eager run); the one-row kernel holds all of K."""
+rstd * sum_k W[n, k] * norm_w[k] * s[k]) and SwiGLU into its stores; split-K partials summed in a fixed order."""
 from __future__ import annotations
 
 import functools
@@ -59,8 +58,7 @@ class NormedInput:
 Input = torch.Tensor | NormedInput
 Weight = torch.Tensor | Fp8Weight
 
-# Candidates timed per shape (kernels/linear_plan.py). Dot: (block_n, block_k, num_warps, programs per SM, which
-# sets split-K). One-row: (block_n, block_k, num_warps, per_sm, max_regs).
+# Tiles timed per shape (linear_plan.py): dot (block_n, block_k, warps, per_sm: sets split-K); one-row + max_regs.
 _DOT_TILES = ((64, 128, 4, 2), (32, 256, 4, 2), (128, 128, 8, 2))
 _ONE_ROW_TILES = ((8, 512, 4, 0, 0), (4, 2048, 8, 0, 0), (8, 2048, 8, 0, 0), (1, 2048, 4, 8, 0),
                   (4, 2048, 4, 8, 0), (4, 2048, 4, 8, 168), (2, 2048, 4, 8, 0), (4, 2048, 8, 8, 0),
@@ -75,8 +73,7 @@ def swiglu_linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | Non
 
 def norm_linear_ref(x: NormedInput, w: torch.Tensor, bias: torch.Tensor | None = None, linear: Callable = F.linear,
                     rows: int | None = None) -> torch.Tensor:
-    """linear(rms_norm(x.x + x.residual) * x.weight, w, bias) unfused, the sum written into x.residual_out;
-    `linear` runs on `rows` rows (the norm's output padded, then sliced off) if given."""
+    """linear(rms_norm(x.x + x.residual) * x.weight, w, bias) unfused (on `rows` padded rows if given)."""
     if x.residual is None:
         normed = rms_norm(x.x, x.weight, x.eps, rows)
     else:
