@@ -6,6 +6,7 @@
 #   bash bench/run_all.sh latency serving       # tests latency throughput trace startup serving profile
 #   bash bench/run_all.sh latency-eager kernels # not in the default run: the device returns 8 files at most
 #   bash bench/run_all.sh kernels-fp8 fp8       # FP8 weights (issue 33): the linears' paths; latency, throughput
+#   bash bench/run_all.sh serving-json          # serving under a JSON schema at concurrency 1 and 64 (issue 34)
 #
 # It fetches nothing. Python packages the machine lacks travel as wheels in .whl/ (carried) and are
 # installed from there. On a copied tree set BENCH_COMMIT=<hash>: results name it (the copy's .git may be stale).
@@ -42,6 +43,7 @@ for name in ${*:-tests latency throughput trace startup serving profile}; do
     throughput) step throughput 200 python3 -m bench.throughput "${MODEL[@]}" --baseline hf --hf-batch 16 --hf-num-seqs 16 ;;
     startup) step startup 180 python3 -m bench.startup --cold "${MODEL[@]}" ;;
     serving) step serving 90 python3 -m bench.serving "${MODEL[@]}" ;;
+    serving-json) step serving-json 90 python3 -m bench.serving "${MODEL[@]}" --concurrency 1 64 --json-schema ;;
     profile) step profile 120 python3 -m bench.profile "${MODEL[@]}" ;;
     kernels) step kernels 150 python3 -m bench.kernels --out "$OUT" ;;
     kernels-fp8) step kernels-fp8 300 python3 -m bench.kernels --rows 1 4 16 64 128 256 --attention 1:32:32768 \
@@ -58,7 +60,7 @@ for name in ${*:-tests latency throughput trace startup serving profile}; do
              --trace-dir /tmp/bench-trace --out /tmp/bench-trace-results \
            && cp /tmp/bench-trace/summary.txt "$OUT/trace_summary.txt" ;;
     *) echo "unknown step '$name': use tests latency throughput trace startup serving profile latency-eager kernels" \
-         "kernels-fp8 fp8"
+         "kernels-fp8 fp8 serving-json"
        exit 2 ;;
   esac
 done
