@@ -93,13 +93,17 @@ class ModelRunner:
             self._mark("kv_cache_ready")
             self.graphs = CudaGraphs(self.dummy_row, graphs=use_graphs)
             self._capture(views, warm_up=dry.deferred > 0)
-        c = self.clock  # compile_s holds the step buffers' allocation too
-        self.startup = {"weights_s": c["weights_loaded"] - c["runner_started"], "kernels_compiled": len(dry.futures),
-                        "compile_s": c["kernels_compiled"] - c["weights_loaded"],
-                        "kv_cache_s": c["kv_cache_ready"] - c["kernels_compiled"],
-                        "graph_capture_s": c["prefill_graphs_captured"] - c["kv_cache_ready"],
-                        "prefill_capture_s": c["prefill_graphs_captured"] - c["decode_graphs_captured"],
-                        "graph_warmup_s": self.graphs.warmup_s}
+        self.startup = self._stage_seconds(len(dry.futures))
+
+    def _stage_seconds(self, kernels: int) -> dict:
+        """Each start-up stage's seconds, for the worker's Ready (compile_s holds the step buffers' allocation too)."""
+        c = self.clock
+        return {"weights_s": c["weights_loaded"] - c["runner_started"], "kernels_compiled": kernels,
+                "compile_s": c["kernels_compiled"] - c["weights_loaded"],
+                "kv_cache_s": c["kv_cache_ready"] - c["kernels_compiled"],
+                "graph_capture_s": c["prefill_graphs_captured"] - c["kv_cache_ready"],
+                "prefill_capture_s": c["prefill_graphs_captured"] - c["decode_graphs_captured"],
+                "graph_warmup_s": self.graphs.warmup_s}
 
     def _mark(self, name: str) -> None:
         self.clock[name] = time.time()
