@@ -53,6 +53,10 @@ class Fp8Weight:
         return (self.weight.float() * scale).to(dtype)
 
 
+def scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:  # block 0: one for the dim
+    return tuple(-(-n // b) if b else 1 for n, b in zip(shape, block))
+
+
 def quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 values, float32 scales) of w [N, K]: each block's amax / 448, its values w / scale rounded to e4m3."""
     (n, k), (rows, cols) = w.shape, (b or d for b, d in zip(block, w.shape))

@@ -30,7 +30,7 @@ class Grammars:
         self._cache: dict[str, Future] = {}  # the spec's canonical text -> its compile
         self._lock = threading.Lock()
         self._compiler = None
-        self._batch = None  # xgrammar's BatchGrammarMatcher, made at the first fill
+        self._batch = self._mask = None  # xgrammar's BatchGrammarMatcher and the fills' bitmask, made at need
 
     def compile(self, spec: dict) -> Future:
         """A future of the compiled grammar; a spec seen before shares its first compile (and its failure)."""
@@ -55,10 +55,12 @@ class Grammars:
 
     def fill(self, matchers: list) -> np.ndarray:
         """The bitmask of each matcher's next token (None or terminated: every token allowed), filled on
-        FILL_THREADS threads: a fill where many tokens stay possible (inside a string) takes hundreds of µs."""
+        FILL_THREADS threads (hundreds of µs a row inside a string); a view that the next fill overwrites."""
         import xgrammar as xgr
 
-        mask = xgr.allocate_token_bitmask(len(matchers), self.vocab_size)  # all ones
+        if self._mask is None or len(self._mask) < len(matchers):  # kept: a step's mask is a megabyte at 64 rows
+            self._mask = xgr.allocate_token_bitmask(2 * len(matchers), self.vocab_size)
+        mask = self._mask[:len(matchers)].fill_(-1)  # all ones
         rows = [i for i, m in enumerate(matchers) if m is not None and not m.is_terminated()]
         if len(rows) < LOOP_ROWS:
             for i in rows:

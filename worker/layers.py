@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import add_rms_norm, embed_rows, make_cos_sin, rms_norm
-from kernels.fp8 import FP8, PER_CHANNEL, Fp8Weight
+from kernels.fp8 import FP8, PER_CHANNEL, Fp8Weight, scale_shape
 from kernels.linear import Input, NormedInput, Weight, linear
 from protocol.config import ModelConfig
 from worker.parallel import all_gather_last_dim, all_reduce, local_kv_heads
@@ -42,8 +42,8 @@ def _linear_weight(module: nn.Module, out: int, in_: int, loader: Callable, bloc
     module.fp8_block = block
     module.weight = _param(out, in_, loader=loader, shard_ids=shard_ids, dtype=FP8 if block else None)
     if block:
-        scales = (-(-n // b) if b else 1 for n, b in zip((out, in_), block))  # as _check_shape counts them
-        module.weight_scale = _param(*scales, loader=loader, shard_ids=shard_ids, dtype=torch.float32)
+        module.weight_scale = _param(*scale_shape((out, in_), block), loader=loader, shard_ids=shard_ids,
+                                     dtype=torch.float32)
         module.weight_scale.block = block
 
 
@@ -54,7 +54,7 @@ def _weight(module: nn.Module) -> Weight:
 def _check_shape(param: nn.Parameter, loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
     """loaded must be `expected` (the full weight's shape), or for a scale that shape in blocks."""
     if hasattr(param, "block"):
-        expected = tuple(-(-n // b) if b else 1 for n, b in zip(expected, param.block))
+        expected = scale_shape(expected, param.block)
     if tuple(loaded.shape) != tuple(expected):
         raise ValueError(f"checkpoint shape {tuple(loaded.shape)} does not match the model's {tuple(expected)}: "
                          "use the config.json that came with these weights")
