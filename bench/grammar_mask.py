@@ -8,12 +8,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 
 import numpy as np
 
 from frontend.model_resolution import resolve_model
 from frontend.tokenizer import load_tokenizer
+from protocol.shared_masks import masks_path
 from scheduler.grammar import Grammars
 
 SCHEMA = {"type": "object", "required": ["name", "age", "tags", "address"], "properties": {
@@ -30,7 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=20, help="passes over the answer")
     args = p.parse_args(argv)
     config, model_path = resolve_model(args.model, "dummy")
-    grammars = Grammars(args.model, model_path, config.vocab_size, frozenset(config.eos_token_ids))
+    tmp = tempfile.TemporaryDirectory()  # for the shared mask file, as the scheduler's ipc directory holds it
+    grammars = Grammars(args.model, model_path, config.vocab_size, frozenset(config.eos_token_ids),
+                        masks_path(tmp.name))
     start = time.perf_counter()
     compiled = grammars.compile({"json": json.dumps(SCHEMA), "any_whitespace": False}).result()
     print(f"first compile (xgrammar and tokenizer load included): {time.perf_counter() - start:.2f} s")
@@ -43,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         matcher = grammars.matcher(compiled)
         for token in ids:
             t0 = time.perf_counter()
-            grammars.fill([matcher])
+            grammars.fill(0, [matcher])
             t1 = time.perf_counter()
             assert matcher.accept_token(token)
             fill.append(t1 - t0)

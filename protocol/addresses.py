@@ -1,6 +1,7 @@
 """Socket addresses: ipc in a fresh private directory by default, TCP on loopback only when asked."""
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass
@@ -19,7 +20,8 @@ class Addresses:
 
 def make_addresses(tp_size: int, engine: str | None = None) -> Addresses:
     """Fresh 0700 ipc directory for the internal sockets; `engine` may be given (ipc:// or tcp://)."""
-    ipc_dir = tempfile.mkdtemp(prefix="pico-vllm-")  # mode 0700
+    # On tmpfs where there is one: the grammar masks' shared file (protocol/shared_masks.py) lives here too.
+    ipc_dir = tempfile.mkdtemp(prefix="pico-vllm-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)  # 0700
     engine = check_engine_address(engine) if engine else f"ipc://{ipc_dir}/engine"
     return Addresses(engine=engine, results=f"ipc://{ipc_dir}/results",
                      plans=[f"ipc://{ipc_dir}/plan{r}" for r in range(tp_size)], ipc_dir=ipc_dir)

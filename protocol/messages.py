@@ -95,10 +95,10 @@ class StepPlan:
 
 @dataclass(slots=True)
 class GrammarMask:
-    """The allowed tokens of a step's `masked` rows, sent once every earlier step has its result: bit t of row i's
-    ceil(vocab_size / 32) int32 words (xgrammar's packing) allows token t."""
+    """A step's `masked` rows have their token bitmasks in the shared mask file (protocol/shared_masks.py); sent
+    once every earlier step has its result."""
     step: int
-    bitmask: np.ndarray  # [len(plan.masked) * words], row-major
+    rows: int
 
 
 @dataclass(slots=True)

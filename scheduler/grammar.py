@@ -14,6 +14,7 @@ from concurrent.futures import Future
 import numpy as np
 
 from protocol.grammar import build_grammar
+from protocol.shared_masks import SharedMasks
 
 COMPILE_TIMEOUT_S = 10.0  # a request whose grammar compiles longer ends with an error (the compile runs on)
 MAX_CACHED = 512  # compiled grammars kept by their text
@@ -24,13 +25,15 @@ LOOP_ROWS = 4  # fewer rows fill in the loop: handing them to threads costs more
 class Grammars:
     """Compiles SamplingParams.structured_outputs against the model's vocabulary."""
 
-    def __init__(self, model: str, model_path: str | None, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+    def __init__(self, model: str, model_path: str | None, vocab_size: int, eos_token_ids: frozenset[int],
+                 masks_path: str | None = None, max_rows: int = 1) -> None:
         self._model, self._model_path = model, model_path
+        self._masks_path, self._max_rows = masks_path, max_rows  # the shared mask file, made at the first fill
         self.vocab_size, self._eos = vocab_size, sorted(eos_token_ids)
         self._cache: dict[str, Future] = {}  # the spec's canonical text -> its compile
         self._lock = threading.Lock()
         self._compiler = None
-        self._batch = self._mask = None  # xgrammar's BatchGrammarMatcher and the fills' bitmask, made at need
+        self._batch = self._masks = None  # xgrammar's BatchGrammarMatcher and the SharedMasks, made at need
 
     def compile(self, spec: dict) -> Future:
         """A future of the compiled grammar; a spec seen before shares its first compile (and its failure)."""
@@ -53,14 +56,17 @@ class Grammars:
 
         return xgr.GrammarMatcher(compiled)
 
-    def fill(self, matchers: list) -> np.ndarray:
-        """The bitmask of each matcher's next token (None or terminated: every token allowed), filled on
-        FILL_THREADS threads (hundreds of µs a row inside a string); a view that the next fill overwrites."""
+    def fill(self, step: int, matchers: list) -> None:
+        """Step `step`'s bitmask row of each matcher (None or terminated: every token allowed) into the shared mask
+        file, on FILL_THREADS threads (hundreds of µs a row inside a string)."""
         import xgrammar as xgr
 
-        if self._mask is None or len(self._mask) < len(matchers):  # kept: a step's mask is a megabyte at 64 rows
-            self._mask = xgr.allocate_token_bitmask(2 * len(matchers), self.vocab_size)
-        mask = self._mask[:len(matchers)].fill_(-1)  # all ones
+        if self._masks is None:
+            if self._masks_path is None:
+                raise ValueError("Grammars has no masks_path: the scheduler process passes its shared mask file")
+            self._masks = SharedMasks(self._masks_path, self._max_rows, self.vocab_size, create=True)
+        mask = self._masks.slot(step, len(matchers))
+        mask.fill(-1)  # all ones
         rows = [i for i, m in enumerate(matchers) if m is not None and not m.is_terminated()]
         if len(rows) < LOOP_ROWS:
             for i in rows:
@@ -69,7 +75,6 @@ class Grammars:
             if self._batch is None:
                 self._batch = xgr.BatchGrammarMatcher(FILL_THREADS)
             self._batch.batch_fill_next_token_bitmask([matchers[i] for i in rows], mask, rows)
-        return mask.numpy().reshape(-1)
 
     def _compile_to(self, future: Future, spec: dict) -> None:
         try:

@@ -18,6 +18,7 @@ from dataclasses import asdict
 import zmq
 
 from protocol.addresses import Addresses, remove_ipc_dir
+from protocol.shared_masks import masks_path
 from protocol.codec import MAX_FRAME_BYTES, ProtocolError, decode, encode
 from protocol.config import EngineConfig
 from protocol.messages import (READY_TIMEOUT_S, Abort, AddRequest, EngineDead, Error, GetStats, GrammarMask, Ready,
@@ -68,7 +69,7 @@ def serve(config: EngineConfig, addresses: Addresses, parent_pid: int | None = N
 
 class SchedulerServer:
     def __init__(self, config: EngineConfig, addresses: Addresses, parent_pid: int, owner: bytes | None) -> None:
-        self.config, self.parent, self.owner = config, parent_pid, owner
+        self.config, self.addresses, self.parent, self.owner = config, addresses, parent_pid, owner
         self.ctx = zmq.Context()
         self.engine = self._bind(zmq.ROUTER, addresses.engine)
         self.plans = [self._bind(zmq.PUSH, addr) for addr in addresses.plans]
@@ -97,7 +98,7 @@ class SchedulerServer:
     def run(self) -> int:
         try:
             num_blocks, startup = self._wait_workers()
-            self.scheduler = sched = Scheduler(self.config, num_blocks)
+            self.scheduler = sched = Scheduler(self.config, num_blocks, masks_path(self.addresses.ipc_dir))
             self.info = {"num_kv_blocks": sched.block_manager.num_blocks, "max_model_len": sched.max_model_len,
                          "vocab_size": sched.vocab_size, "eos_token_ids": sorted(sched.eos_token_ids),
                          "block_size": self.config.block_size, "model": self.config.model,
@@ -255,7 +256,7 @@ class SchedulerServer:
         frame = encode(msg)
         for rank, sock in enumerate(self.plans):
             try:
-                sock.send(frame, copy=len(frame) < 65536)  # a mask's megabyte goes without a copy
+                sock.send(frame)
             except zmq.Again:
                 raise _Exit(1, f"worker {rank} took no plan for {self.config.step_timeout} s") from None
 

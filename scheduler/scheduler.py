@@ -26,7 +26,7 @@ _NO_REQUEST_STATS: dict = {}  # the request_stats of every batch without a first
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_blocks: int) -> None:
+    def __init__(self, config: EngineConfig, num_blocks: int, masks_path: str | None = None) -> None:
         if (mc := config.model_config) is None or config.max_model_len is None:
             raise ValueError("EngineConfig.model_config or max_model_len is None: resolve the config first "
                              "(frontend.model_resolution.resolve_config)")
@@ -44,7 +44,8 @@ class Scheduler:
         self._arrivals = itertools.count()
         self._rng = random.Random(config.seed)
         self._first_stats: dict[bytes, dict] = {}  # client -> request id -> request_stats, for this result's batch
-        self.grammars = Grammars(config.model, config.model_path, self.vocab_size, self.eos_token_ids)
+        self.grammars = Grammars(config.model, config.model_path, self.vocab_size, self.eos_token_ids, masks_path,
+                                 config.max_num_seqs)
         self.compiling: dict[Request, Future] = {}  # -> its grammar's compile
         self._masks: dict[int, list] = {}  # step -> its masked rows' (request, num_preemptions then)
 
@@ -93,7 +94,8 @@ class Scheduler:
             return None
         live = [req.matcher if req.status is Status.RUNNING and req.num_preemptions == epoch else None
                 for req, epoch in rows]
-        return GrammarMask(step, self.grammars.fill(live))
+        self.grammars.fill(step, live)
+        return GrammarMask(step, len(live))
 
     def refuse(self, client: bytes, request_id: str | None, reason: str) -> list[tuple[bytes, TokenBatch | Error]]:
         """A request the engine will not run: it finishes with "error", unless no id or a live request's id names

@@ -33,7 +33,7 @@ SAMPLES = [
     NEW_ROW,
     StepPlan(step=2, rows=i32([3, 1]), num_tokens=i32([1, 7]), new_rows=[NEW_ROW], block_appends=[],
              free_rows=i32([0]), trace=True, masked=i32([0])),
-    GrammarMask(step=2, bitmask=i32([-1, 0, 7])),
+    GrammarMask(step=2, rows=3),
     StepResult(step=2, token_ids=i32([4, -1]),
                logprobs={"sampled": np.float32([-1.5, 0]).tobytes(), "k": 0, "top_ids": b"", "top_logprobs": b""},
                timings={"start_ns": 1}),

@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from kernels.precompile import DryRun, compile_only
 from protocol.config import EngineConfig, ModelConfig
-from protocol.messages import GrammarMask, StepPlan, StepResult
+from protocol.messages import StepPlan, StepResult
 from protocol.sampling import SamplingParams
 from worker.attention import AttentionBackend, AttentionMetadata, Views
 from worker.cuda_graphs import CudaGraphs, graph_batch_sizes, prefill_buckets
@@ -29,7 +29,7 @@ from worker.step_output import Launched, step_result
 
 WARMUP_LAYERS = 2  # the first layer (no residual yet) and one like every later one: every kernel variant
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-MaskedRows = Callable[[], tuple[np.ndarray, np.ndarray]]  # waits for a step's GrammarMask: (rows, bitmask)
+MaskedRows = Callable[[], tuple[np.ndarray, np.ndarray]]  # waits for a step's GrammarMask: (lanes, bitmask rows)
 
 
 def select_device(device: str, rank: int) -> torch.device:
@@ -208,10 +208,10 @@ class ModelRunner:
         return self.collect(self.launch(plan))
 
     @torch.inference_mode()
-    def launch(self, plan: StepPlan, wait_mask: Callable[[int], GrammarMask] | None = None) -> Launched:
+    def launch(self, plan: StepPlan, wait_mask: Callable[[int], np.ndarray] | None = None) -> Launched:
         """Apply the plan's deltas and queue the step; nothing waits for the device. At most one launched step
         may stay uncollected: staging and output buffers alternate between two. A plan with masked rows samples
-        only once wait_mask(step) has its GrammarMask (the host waits; the step's forward is queued first)."""
+        only once wait_mask(step) has its mask rows (the host waits; the step's forward is queued first)."""
         if plan.step != self.step + 1:
             raise ValueError(f"StepPlan step {plan.step} after step {self.step}: plans must come one by one")
         self.step = plan.step
@@ -235,18 +235,16 @@ class ModelRunner:
         return launched
 
     def _masked_rows(self, plan: StepPlan, step: HostStep,
-                     wait_mask: Callable[[int], GrammarMask] | None) -> tuple[np.ndarray, np.ndarray]:
+                     wait_mask: Callable[[int], np.ndarray] | None) -> tuple[np.ndarray, np.ndarray]:
         """(indices into the step's sampled rows, bitmask [k, words]) of its masked rows."""
         indices = plan.masked.astype(np.int64)
         if wait_mask is None or indices.min() < 0 or indices.max() >= len(step.rows) or not step.samples[indices].all():
             raise ValueError(f"StepPlan {plan.step} masks rows {indices.tolist()}: each must index a sampling row, "
                              "and the caller must pass wait_mask")
         mask = wait_mask(plan.step)
-        words = -(-self.model_config.vocab_size // 32)
-        if mask.step != plan.step or mask.bitmask.shape != (len(indices) * words,):
-            raise ValueError(f"GrammarMask for step {mask.step} of {mask.bitmask.shape} int32 does not fit step "
-                             f"{plan.step}'s {len(indices)} masked rows of {words} words")
-        return np.cumsum(step.samples)[indices] - 1, mask.bitmask.reshape(len(indices), words)
+        if len(mask) != len(indices):
+            raise ValueError(f"GrammarMask for step {plan.step} has {len(mask)} rows, not its {len(indices)} masked rows")
+        return np.cumsum(step.samples)[indices] - 1, mask
 
     def _padded_size(self, step: HostStep) -> int | None:
         if step.is_decode:

@@ -9,12 +9,14 @@ import os
 import threading
 import time
 
+import numpy as np
 import zmq
 
 from protocol.addresses import Addresses
 from protocol.codec import decode, encode
 from protocol.config import EngineConfig
 from protocol.messages import GrammarMask, Ready, Shutdown, StepPlan, WorkerError
+from protocol.shared_masks import SharedMasks, masks_path
 from protocol.tracing import DECODE_GPU_SPAN, GPU_TRACK, Tracer
 
 log = logging.getLogger("pico_vllm.worker")
@@ -41,7 +43,7 @@ def run_worker(config_dict: dict, addresses_dict: dict, rank: int, parent_pid: i
             log.info("%s", startup_summary(runner.startup, clock))
         info = {"num_kv_blocks": runner.num_kv_blocks, "startup": {**runner.startup, "clock": clock}}
         results.send(encode(Ready(role="worker", rank=rank, info=info)))
-        _serve(runner, plans, results, rank, tracer)
+        _serve(runner, plans, results, rank, tracer, masks_path(addresses.ipc_dir))
     except Exception as e:  # anything that stops this rank must reach the scheduler as a reason
         log.exception("worker rank %d failed", rank)
         results.send(encode(WorkerError(rank, f"{type(e).__name__}: {e}")))
@@ -97,13 +99,14 @@ class _Stopped(Exception):
     """Shutdown came while a step waited for its GrammarMask."""
 
 
-def _serve(runner, plans: zmq.Socket, results: zmq.Socket, rank: int, tracer: Tracer) -> None:
+def _serve(runner, plans: zmq.Socket, results: zmq.Socket, rank: int, tracer: Tracer, masks_path: str) -> None:
     """Launch each plan as it comes, so plan N+1 queues behind step N on the GPU; collect a step once it is done."""
-    pending = None
+    pending = masks = None
 
-    def wait_mask(step: int) -> GrammarMask:
-        """Step N's result goes out first: the scheduler fills step N + 1's mask from step N's tokens."""
-        nonlocal pending
+    def wait_mask(step: int) -> np.ndarray:
+        """Step `step`'s mask rows in the shared file. Step N's result goes out first: the scheduler fills step
+        N + 1's masks from step N's tokens."""
+        nonlocal pending, masks
         if pending is not None:
             _finish(runner, pending, results, rank, tracer)
             pending = None
@@ -115,7 +118,9 @@ def _serve(runner, plans: zmq.Socket, results: zmq.Socket, rank: int, tracer: Tr
             raise _Stopped
         if not isinstance(msg, GrammarMask) or msg.step != step:
             raise ValueError(f"worker received a {type(msg).__name__} while step {step} waited for its GrammarMask")
-        return msg
+        if masks is None:  # the scheduler made the file before its first GrammarMask
+            masks = _map_masks(masks_path, runner)
+        return masks.slot(step, msg.rows)
 
     while True:
         if pending is not None and not plans.poll(0):
@@ -137,6 +142,16 @@ def _serve(runner, plans: zmq.Socket, results: zmq.Socket, rank: int, tracer: Tr
         if pending is not None:
             _finish(runner, pending, results, rank, tracer)
         pending = launched
+
+
+def _map_masks(path: str, runner) -> SharedMasks:
+    masks = SharedMasks(path, runner.max_rows, runner.model_config.vocab_size)
+    if runner.device.type == "cuda":  # page-locked: the masks' copies to the GPU read the shared pages directly
+        import torch
+
+        if error := int(torch.cuda.cudart().cudaHostRegister(masks.slots.ctypes.data, masks.slots.nbytes, 0)):
+            raise RuntimeError(f"cudaHostRegister of the grammar mask file {path} failed with CUDA error {error}")
+    return masks
 
 
 def _finish(runner, launched, results: zmq.Socket, rank: int, tracer: Tracer) -> None:

@@ -60,7 +60,7 @@ class Sampler:
         self.prompt_mask = torch.zeros((max_rows, vocab_size), dtype=torch.bool, device=device)
         self.banned = torch.zeros((max_rows, vocab_size), dtype=torch.bool, device=device)  # before min_tokens
         self.bias = torch.zeros((max_rows, vocab_size), dtype=torch.float32, device=device)  # logit_bias
-        self._mask_host = self._mask = None  # GrammarMask staging, host and device: [lane map, mask rows]
+        self._lanes_host = self._mask = None  # grammar masks: the lane map's pinned staging; on the device [lanes, rows]
 
     # ---- rows ---------------------------------------------------------------------------------------
 
@@ -180,20 +180,20 @@ class Sampler:
         return out
 
     def stage_masks(self, lanes: np.ndarray, bitmask: np.ndarray) -> None:
-        """A step's GrammarMask onto the device in one copy: the lane map (the mask row of each sampled row i, -1:
-        none) and the mask rows [k, words]. The buffers are made at the first mask and stay (masked draws' graphs
-        read them); the pinned one is reused safely: the step before has finished, and the copy that read it."""
+        """A step's masks onto the device: the lane map (the mask row of each sampled row i, -1: none) through a
+        pinned buffer, the mask rows [k, words] straight from the shared mask file. The buffers are made at the
+        first mask and stay (masked draws' graphs read them); the pinned one is reused safely: the step before has
+        finished, and the copy that read it."""
         k, words = bitmask.shape
         if self._mask is None:
-            size = self.max_lanes * (words + 1)
-            self._mask_host = torch.empty(size, dtype=torch.int32, pin_memory=self.device.type == "cuda")
-            self._mask = torch.empty(size, dtype=torch.int32, device=self.device)
-        n = self.max_lanes + k * words
-        host = self._mask_host[:n].numpy()
-        host[:self.max_lanes] = -1
+            self._lanes_host = torch.empty(self.max_lanes, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+            self._mask = torch.empty(self.max_lanes * (words + 1), dtype=torch.int32, device=self.device)
+        host = self._lanes_host.numpy()
+        host[:] = -1
         host[lanes] = np.arange(k)
-        host[self.max_lanes:] = bitmask.reshape(-1)
-        self._mask[:n].copy_(self._mask_host[:n], non_blocking=True)
+        self._mask[:self.max_lanes].copy_(self._lanes_host, non_blocking=True)
+        rows = torch.from_numpy(bitmask).view(-1)
+        self._mask[self.max_lanes:self.max_lanes + len(rows)].copy_(rows, non_blocking=True)
 
     def masked_draw(self, logits: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
                     last_token: torch.Tensor) -> torch.Tensor:
