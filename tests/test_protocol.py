@@ -217,3 +217,18 @@ def test_sampling_params_errors_name_their_field_and_plans_rebuild_without_check
     params = SamplingParams(temperature=0.5, stop="x", seed=7, logit_bias={3: 1.5}, stop_token_ids=[2])
     wire = decode(encode(NewRow(0, i32([1]), 1, 0, i32([0]), params.to_dict()))).params
     assert SamplingParams.from_plan(wire) == params
+
+
+def test_shared_masks_show_one_process_writes_to_another_by_step_parity(tmp_path):
+    from protocol.shared_masks import SharedMasks, masks_path
+
+    path = masks_path(str(tmp_path))
+    scheduler = SharedMasks(path, max_rows=3, vocab_size=70, create=True)  # 70 ids: 3 words a row
+    worker = SharedMasks(path, max_rows=3, vocab_size=70)
+    scheduler.slot(4, 2)[:] = [[1, 2, 3], [4, 5, 6]]
+    scheduler.slot(5, 1)[:] = 7
+    assert worker.slot(4, 2).tolist() == [[1, 2, 3], [4, 5, 6]] and worker.slot(5, 1).tolist() == [[7, 7, 7]]
+    with pytest.raises(FileExistsError):
+        SharedMasks(path, max_rows=3, vocab_size=70, create=True)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        SharedMasks(path, max_rows=4, vocab_size=70)
