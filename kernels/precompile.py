@@ -1,21 +1,27 @@
 """Compile-only dry runs: inside compile_only(), a Triton launch compiles its kernel, builds its launcher and loads it
 on the GPU without running it, on a pool of threads (Triton's AsyncCompileMode), so a dry run of a forward prepares
 every kernel it launches at once and the real run after it finds them ready, with the same specialisations. Triton's
-compile-only call is run(warmup=True); its LLVM passes, ptxas and the launcher's C compiler release the GIL."""
+compile-only call is run(warmup=True). Its front end is Python, one GIL for all threads: at the first dry run over a
+Triton cache, a forked child per kernel compiles it into the cache on a core of its own, and the thread then loads it
+from there (a warm start would only pay the forks)."""
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
+from triton import knobs
 from triton.runtime._async_compile import AsyncCompileMode
 from triton.runtime.jit import JITFunction
 
 MAX_THREADS = 32
+CHILD_TIMEOUT_S = 120.0  # a forked compile stuck at a lock it inherited: the thread compiles the kernel itself
 
 
 @dataclass
@@ -35,17 +41,46 @@ def dry_run() -> DryRun | None:
 class _Pool(ThreadPoolExecutor):
     """Threads that compile and load kernels for the current GPU, keeping each one's future."""
 
-    def __init__(self, dry: DryRun) -> None:
+    def __init__(self, dry: DryRun, fork: bool) -> None:
         super().__init__(max_workers=min(MAX_THREADS, len(os.sched_getaffinity(0))), thread_name_prefix="compile")
-        self.dry = dry
+        self.dry, self.fork = dry, fork
 
     def submit(self, fn: Callable[[], object], /, *args, **kwargs) -> Future:  # called by the launching thread
-        future = super().submit(_compile_and_load, torch.cuda.current_device(), fn)
+        child = fork_compile(fn) if self.fork else None
+        future = super().submit(_compile_and_load, torch.cuda.current_device(), fn, child)
         self.dry.futures.append(future)
         return future
 
 
-def _compile_and_load(device: int, compile_kernel: Callable[[], object]) -> object:
+def fork_compile(compile_kernel: Callable[[], object]) -> int | None:
+    """A child process that runs compile_kernel (it writes Triton's disk cache; no CUDA) and exits; its pid."""
+    try:
+        pid = os.fork()
+    except OSError:
+        return None
+    if pid == 0:
+        code = 1
+        try:
+            compile_kernel()
+            code = 0
+        finally:
+            os._exit(code)  # no atexit handlers, no flush of the parent's buffers, no return into its loop
+    return pid
+
+
+def wait_child(pid: int, timeout: float = CHILD_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return
+        time.sleep(0.005)
+
+
+def _compile_and_load(device: int, compile_kernel: Callable[[], object], child: int | None) -> object:
+    if child is not None:
+        wait_child(child)  # whatever it did, the compile below finds the kernel in the cache or makes it
     torch.cuda.set_device(device)  # a thread's own: the module loads on the engine's GPU
     kernel = compile_kernel()
     kernel._init_handles()  # what a first launch does: build the launcher, load the module
@@ -66,10 +101,14 @@ def compile_only(progress: bool = False) -> Iterator[DryRun]:
 
     JITFunction.run = compile_instead_of_run
     try:
-        with _Pool(_active) as pool, AsyncCompileMode(pool, ignore_errors=True):
+        marker = os.path.join(knobs.cache.dir, "pico-vllm-compiled")  # gone with the cache it stands in
+        with _Pool(_active, fork=not os.path.exists(marker)) as pool, AsyncCompileMode(pool, ignore_errors=True):
             yield pool.dry
             for _ in tqdm(as_completed(pool.dry.futures), total=len(pool.dry.futures), unit="kernel",
                           desc=f"Compiling {len(pool.dry.futures)} Triton kernels", disable=not progress):
                 pass
+        os.makedirs(knobs.cache.dir, exist_ok=True)
+        open(marker, "a").close()
     finally:
         JITFunction.run, _active = launch, None
+

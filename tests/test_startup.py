@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
+import time
 
 import pytest
 import torch
@@ -126,6 +128,18 @@ def test_launches_inside_compile_only_only_compile_and_the_switch_is_restored(mo
     assert calls == [((7,), False), ((8,), True), ((9,), False)]
 
 
+def test_a_forked_compile_leaves_its_output_to_the_parent_and_a_stuck_one_is_killed(tmp_path):
+    out = tmp_path / "kernel.cubin"
+    precompile.wait_child(precompile.fork_compile(lambda: out.write_text("compiled")))
+    assert out.read_text() == "compiled"
+    precompile.wait_child(precompile.fork_compile(lambda: 1 / 0))  # a failed child: the thread compiles it again
+    stuck, start = precompile.fork_compile(lambda: time.sleep(60)), time.monotonic()
+    precompile.wait_child(stuck, timeout=0.2)
+    assert time.monotonic() - start < 10
+    with pytest.raises(ChildProcessError):  # killed and reaped
+        os.waitpid(stuck, os.WNOHANG)
+
+
 def test_the_startup_line_names_each_stage_and_its_seconds():
     parts = {"weights_s": 0.1, "kernels_compiled": 18, "compile_s": 3.25, "kv_cache_s": 0.96, "graph_capture_s": 1.04}
     clock = {"worker_entered": 100.0, "torch_imported": 103.0, "worker_ready": 108.5}
@@ -150,6 +164,7 @@ def test_a_restart_compiles_every_kernel_in_its_dry_run_and_captures_without_war
     from worker.model_runner import ModelRunner
 
     monkeypatch.setenv("PICO_VLLM_CACHE", str(tmp_path))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))  # empty: the first dry run forks its compiles
     monkeypatch.setattr(plan, "_CHOICES", {})
     monkeypatch.setattr(plan, "_GEMM_TIMES", {})
     plan._kept_choices.cache_clear()
