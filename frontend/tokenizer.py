@@ -110,9 +110,9 @@ def has_tokenizer_files(model_dir: str | os.PathLike) -> bool:
             or ((d / "vocab.json").is_file() and (d / "merges.txt").is_file()))
 
 
-def load_qwen25_tokenizer(instruct: bool = True, cache_dir: str | os.PathLike | None = None) -> PreTrainedTokenizerBase:
+def load_qwen25_tokenizer(instruct: bool = True) -> PreTrainedTokenizerBase:
     """Qwen2.5's tokenizer rebuilt from Qwen's BPE ranks (built once, then read from the disk cache)."""
-    path = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    path = default_cache_dir()
     _build_once(path, lambda: build_qwen25_tokenizer(read_qwen_ranks()), _tokenizer_config)
     if instruct:
         return _from_pretrained(path)
