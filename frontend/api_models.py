@@ -29,8 +29,7 @@ _NO_FUNCTIONS = "the deprecated functions API is not served: send tools and tool
 # Fields this server cannot honour are refused with a 400, never ignored (the client would take unconstrained
 # text for what it asked for). name -> (values served as if absent, besides null; why the rest are refused)
 UNSERVED_FIELDS: dict[str, tuple[tuple, str]] = {
-    "functions": (([],), _NO_FUNCTIONS),
-    "function_call": (("none",), _NO_FUNCTIONS),
+    "functions": (([],), _NO_FUNCTIONS), "function_call": (("none",), _NO_FUNCTIONS),
     "suffix": (("",), "text is not inserted before a suffix: send the prompt only"),
     "prompt_logprobs": ((), "prompt logprobs are not computed, only those of generated tokens"),
     "use_beam_search": ((False,), "beam search is not supported: ask for n samples instead"),
@@ -303,10 +302,9 @@ def chat_prompt(messages: list[ChatMessage], tokenizer: PreTrainedTokenizerBase,
         raise bad_request("continue_final_message=true needs add_generation_prompt=false: the model either goes on "
                           "with the last message or starts a new one", "continue_final_message")
     try:
-        text = tokenizer.apply_chat_template([m.rendered() for m in messages], tools=tools,
-                                             tokenize=False, add_generation_prompt=add_generation_prompt,
-                                             continue_final_message=continue_final_message,
-                                             **(template_kwargs or {}))
+        text = tokenizer.apply_chat_template([m.rendered() for m in messages], tools=tools, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message, **(template_kwargs or {}))
     except Exception as exc:  # jinja raises its own types (TemplateError, and whatever the template raises)
         raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
     return tokenizer.encode(text, add_special_tokens=False)

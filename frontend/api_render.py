@@ -91,8 +91,7 @@ class CompletionRenderer(Renderer):
 
     def choice(self, job: int, index: int, o: CompletionOutput, chars: int, tokens: int) -> dict:
         prompt = self.jobs[job]
-        echo = "" if not self.echo else prompt.text if prompt.text is not None else \
-            self.tokenizer.decode(prompt.token_ids)
+        echo = (self.tokenizer.decode(prompt.token_ids) if prompt.text is None else prompt.text) if self.echo else ""
         text = (echo if chars == tokens == 0 else "") + o.text[chars:]
         logprobs = None
         if o.logprobs is not None:

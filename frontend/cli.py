@@ -21,8 +21,7 @@ _METAVARS = {int: "N", float: "X", str: "STR"}
 # A server's step budget: every prompt step stays a CUDA graph and decode rows never wait behind a long chunk.
 # LLM(...) keeps EngineConfig's 8,192 for offline throughput (vLLM's server and LLM class differ too).
 SERVE_MAX_NUM_BATCHED_TOKENS = 2048
-_DEFAULTS = {**{f.name: f.default for f in fields(EngineConfig)},
-             "max_num_batched_tokens": SERVE_MAX_NUM_BATCHED_TOKENS}
+_DEFAULTS = {f.name: f.default for f in fields(EngineConfig)} | {"max_num_batched_tokens": SERVE_MAX_NUM_BATCHED_TOKENS}
 _SERVER_DEFAULTS = {f.name: f.default for f in fields(ServerOptions)}
 # (flag, type, help) of every EngineConfig field the CLI sets, grouped as --help shows them.
 _MODEL_FLAGS = [

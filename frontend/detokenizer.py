@@ -108,8 +108,7 @@ class StopMatcher:
         self.stops = [s for s in (stops or []) if s]
         self.keep_stop = keep_stop
         self._max_prefix = max((len(s) for s in self.stops), default=1) - 1
-        self._tail = ""
-        self._held = 0
+        self._tail, self._held = "", 0
         self.stopped: str | None = None
 
     def feed(self, delta: str, check: bool = True) -> tuple[str, str | None]:

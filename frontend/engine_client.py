@@ -7,6 +7,7 @@ import logging
 import os
 import time
 import uuid
+from pathlib import Path
 
 import numpy as np
 import zmq
@@ -151,10 +152,8 @@ def merge_traces(trace_dir: str) -> None:
     """trace.json (every process's trace, for Perfetto) and summary.txt (per stage p50/p90/p99 µs, GPU idle)."""
     events: list[dict] = []
     for path in sorted(glob.glob(os.path.join(trace_dir, "*-*.json"))):
-        with open(path) as f:
-            events += json.load(f)["traceEvents"]
-    with open(os.path.join(trace_dir, "trace.json"), "w") as f:
-        json.dump({"traceEvents": events, "displayTimeUnit": "ns"}, f)
+        events += json.loads(Path(path).read_text())["traceEvents"]
+    Path(trace_dir, "trace.json").write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ns"}))
     spans: dict[tuple[str, str], list[float]] = {}
     for e in events:
         if e.get("ph") == "X":
@@ -175,5 +174,4 @@ def merge_traces(trace_dir: str) -> None:
         p50, p99 = np.percentile(gaps, [50, 99])
         lines.append(f"gpu idle between decode steps: {share:.2f}% of decode time, gap p50 {p50:.1f} us, "
                      f"p99 {p99:.1f} us over {len(gaps)} gaps")
-    with open(os.path.join(trace_dir, "summary.txt"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    Path(trace_dir, "summary.txt").write_text("\n".join(lines) + "\n")

@@ -43,9 +43,8 @@ def start_child(module: str, args: bytes) -> subprocess.Popen:
 
 @contextlib.contextmanager
 def cached_bytecode() -> Iterator[None]:
-    """Imports inside keep their bytecode under our cache when this interpreter writes none: container images often
-    set PYTHONDONTWRITEBYTECODE and ship no .pyc, and torch or transformers then compile from source at every start
-    (seconds). Nothing is written beside the installation's files."""
+    """Imports inside keep their bytecode under our cache (never beside the installation's files) when this interpreter
+    writes none: images that set PYTHONDONTWRITEBYTECODE and ship no .pyc make torch compile at every start."""
     if not sys.dont_write_bytecode:
         yield
         return

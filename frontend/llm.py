@@ -37,10 +37,9 @@ class LLM:
     def __init__(self, model: str, *, device: str = "auto", dtype: str = "auto", load_format: str = "auto",
                  seed: int = 0, max_model_len: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, block_size: int = 16, num_kv_blocks: int | None = None,
-                 gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
-                 tensor_parallel_size: int = 1, enforce_eager: bool = False, trace_dir: str | None = None,
-                 max_waiting_requests: int = 4096, step_timeout: float = 60.0,
-                 quantization: str | None = None) -> None:
+                 gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True, tensor_parallel_size: int = 1,
+                 enforce_eager: bool = False, trace_dir: str | None = None, max_waiting_requests: int = 4096,
+                 step_timeout: float = 60.0, quantization: str | None = None) -> None:
         # Every parameter is an EngineConfig field of the same name (a test keeps the two in step).
         config = resolve_config(EngineConfig(**{k: v for k, v in locals().items() if k != "self"}))
         self.client = EngineClient(config)

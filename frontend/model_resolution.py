@@ -74,8 +74,7 @@ def _check_writable_dir(path: str) -> None:
     """Fail at launch, not after the whole run, when the trace cannot be written at shutdown."""
     try:
         os.makedirs(path, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
+        tempfile.TemporaryFile(dir=path).close()
     except OSError as e:
         raise InvalidParam("trace_dir",
                            f"trace_dir={path!r} cannot be written ({e}): pass a writable directory") from None
@@ -158,8 +157,7 @@ def _find_on_hub(repo: str, weights: bool, download: bool) -> tuple[str | None, 
                 tried.append("no download was tried because HF_HUB_OFFLINE is set")
             break
         try:
-            path = snapshot_download(repo, local_files_only=local_only,
-                                     allow_patterns=None if weights else _NO_WEIGHTS)
+            path = snapshot_download(repo, local_files_only=local_only, allow_patterns=None if weights else _NO_WEIGHTS)
             return path, tried
         except Exception as e:  # any hub failure (missing repo, network, bad id) is one attempt of the list
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
@@ -180,13 +178,12 @@ def config_from_dir(model_dir: str | Path) -> ModelConfig:
         raise ValueError(f"{model_dir} has no config.json: pass a Hugging Face-format model directory")
     cfg = json.loads(path.read_text())
     architecture = _check_supported(cfg, path)
+    block, scaling = _fp8_block_size(cfg, path), _rope_scaling(cfg, path)
     hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     rope = cfg.get("rope_parameters") or {}
-    scaling, block = _rope_scaling(cfg), _fp8_block_size(cfg, path)
     return ModelConfig(
-        hidden_size=hidden, intermediate_size=cfg["intermediate_size"],
-        num_hidden_layers=cfg["num_hidden_layers"], num_attention_heads=heads,
-        num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+        hidden_size=hidden, intermediate_size=cfg["intermediate_size"], num_hidden_layers=cfg["num_hidden_layers"],
+        num_attention_heads=heads, num_key_value_heads=cfg.get("num_key_value_heads") or heads,
         head_dim=cfg.get("head_dim") or hidden // heads, vocab_size=cfg["vocab_size"],
         rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 1e6),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
@@ -215,8 +212,6 @@ def _check_supported(cfg: dict, path: Path) -> str:
     if archs[0] != "Qwen2ForCausalLM" and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
         raise ValueError(f"{path}: attention_bias / mlp_bias true is not supported for {archs[0]}: "
                          "use a checkpoint without biases (as the published ones)")
-    _fp8_block_size(cfg, path)
-    _rope_scaling(cfg, path)
     return archs[0]
 
 
@@ -240,7 +235,7 @@ def _fp8_block_size(cfg: dict, path: Path) -> list[int] | None:
     return list(block)
 
 
-def _rope_scaling(cfg: dict, path: Path | None = None) -> dict | None:
+def _rope_scaling(cfg: dict, path: Path) -> dict | None:
     """config.json's llama3 RoPE scaling (rope_scaling, or transformers 5's rope_parameters), else None."""
     scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     kind = scaling.get("rope_type") or scaling.get("type") or "default"

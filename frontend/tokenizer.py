@@ -21,7 +21,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 CHAT_TEMPLATE_FILE = Path(__file__).with_name("qwen25_chat_template.jinja")  # '@SYSTEM@': the default system prompt
-_CACHE_SUBDIR = "qwen2.5-tokenizer-v1"  # bump the suffix when what we write changes
 
 # Qwen2's pre-tokenizer: like GPT-4's but digits split one per token.
 QWEN2_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
@@ -45,13 +44,11 @@ LLAMA3_SPECIAL_TOKENS = [
     "<|finetune_right_pad_id|>", "<|reserved_special_token_2|>", "<|start_header_id|>", "<|end_header_id|>",
     "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"] + [f"<|reserved_special_token_{i}|>" for i in range(3, 248)]
 
-INSTRUCT_SYSTEM_PROMPT = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
-BASE_SYSTEM_PROMPT = "You are a helpful assistant."
-
 
 def qwen25_chat_template(instruct: bool = True) -> str:
     """The chat template a Qwen2.5 repo ships (Instruct or base: they differ in the default system prompt)."""
-    system = INSTRUCT_SYSTEM_PROMPT if instruct else BASE_SYSTEM_PROMPT
+    system = ("You are Qwen, created by Alibaba Cloud. You are a helpful assistant." if instruct
+              else "You are a helpful assistant.")
     return CHAT_TEMPLATE_FILE.read_text().replace("@SYSTEM@", system)
 
 
@@ -78,8 +75,7 @@ def load_tokenizer(model: str, model_dir: str | None) -> PreTrainedTokenizerBase
 
 
 def _from_pretrained(path, **kwargs) -> PreTrainedTokenizerBase:
-    """AutoTokenizer's pick, but Qwen2's class is imported directly: AutoTokenizer's import pulls in torch, which
-    the frontend never uses and which made the tokenizer, not the engine, the last thing a launch waited for."""
+    """AutoTokenizer's pick, Qwen2's class imported directly: AutoTokenizer imports torch, which delays launches."""
     declared = _declared_tokenizer_class(path)
     if declared in ("Qwen2Tokenizer", "Qwen2TokenizerFast"):
         return _qwen2_tokenizer_class().from_pretrained(path, **kwargs)
@@ -102,12 +98,10 @@ def _declared_tokenizer_class(path) -> str | None:
 def _qwen2_tokenizer_class():
     """The class AutoTokenizer gives a Qwen2 checkpoint: the tokenizers-backed one of each transformers major."""
     try:
-        from transformers.models.qwen2.tokenization_qwen2_fast import Qwen2TokenizerFast  # transformers 4
+        from transformers.models.qwen2.tokenization_qwen2_fast import Qwen2TokenizerFast as cls  # transformers 4
     except ImportError:
-        from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer  # 5: tokenizers-backed itself
-
-        return Qwen2Tokenizer
-    return Qwen2TokenizerFast
+        from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer as cls  # 5: tokenizers-backed itself
+    return cls
 
 
 def has_tokenizer_files(model_dir: str | os.PathLike) -> bool:
@@ -116,10 +110,9 @@ def has_tokenizer_files(model_dir: str | os.PathLike) -> bool:
             or ((d / "vocab.json").is_file() and (d / "merges.txt").is_file()))
 
 
-def load_qwen25_tokenizer(instruct: bool = True, cache_dir: str | os.PathLike | None = None
-                          ) -> PreTrainedTokenizerBase:
+def load_qwen25_tokenizer(instruct: bool = True) -> PreTrainedTokenizerBase:
     """Qwen2.5's tokenizer rebuilt from Qwen's BPE ranks (built once, then read from the disk cache)."""
-    path = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    path = default_cache_dir()
     _build_once(path, lambda: build_qwen25_tokenizer(read_qwen_ranks()), _tokenizer_config)
     if instruct:
         return _from_pretrained(path)
@@ -128,8 +121,7 @@ def load_qwen25_tokenizer(instruct: bool = True, cache_dir: str | os.PathLike | 
 
 
 def load_qwen3_tokenizer(instruct: bool = True) -> PreTrainedTokenizerBase:
-    """Qwen3's tokenizer: Qwen2.5's vocabulary and added tokens, then <tool_response>, </tool_response>, <think>
-    and </think>; the same chat template (with its enable_thinking switch) for the post-trained and base repos."""
+    """Qwen2.5's vocabulary with QWEN3_ADDED_TOKENS; one chat template (enable_thinking) for base and post-trained."""
     path = cache_root() / "qwen3-tokenizer-v1"
     config = lambda: _tokenizer_config(QWEN3_ADDED_TOKENS, chat_template("qwen3"))  # noqa: E731
     _build_once(path, lambda: build_qwen25_tokenizer(read_qwen_ranks(), QWEN3_ADDED_TOKENS), config)
@@ -146,7 +138,7 @@ def load_llama3_tokenizer(instruct: bool = True, version: str = "3.2") -> PreTra
 
 
 def default_cache_dir() -> Path:
-    return cache_root() / _CACHE_SUBDIR
+    return cache_root() / "qwen2.5-tokenizer-v1"  # bump the suffix when what we write changes
 
 
 def _build_once(path: Path, build: Callable[[], Tokenizer], config: Callable[[], dict]) -> None:
@@ -207,8 +199,7 @@ def recover_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
     return merges
 
 
-def build_qwen25_tokenizer(ranks: dict[bytes, int], added: list[tuple[str, bool]] = QWEN25_ADDED_TOKENS
-                           ) -> Tokenizer:
+def build_qwen25_tokenizer(ranks: dict[bytes, int], added: list[tuple[str, bool]] = QWEN25_ADDED_TOKENS) -> Tokenizer:
     """Qwen2's byte-level BPE (NFC, Qwen2 split pattern) with Qwen2.5's (or Qwen3's) added tokens at their ids."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -243,10 +234,8 @@ def build_llama3_tokenizer() -> Tokenizer:
     bos = LLAMA3_SPECIAL_TOKENS[0]
     if tok.get_vocab_size() != NUM_LLAMA3_BPE_TOKENS + 256 or tok.token_to_id(bos) != NUM_LLAMA3_BPE_TOKENS:
         raise ValueError(f"{llama3_ranks_file()} is not Llama 3's tokenizer: `pip install llama-models` again")
-    tok.post_processor = processors.Sequence([
-        processors.ByteLevel(trim_offsets=False),
-        processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos}:1 $B:1",
-                                      special_tokens=[(bos, NUM_LLAMA3_BPE_TOKENS)])])
+    tok.post_processor = processors.Sequence([processors.ByteLevel(trim_offsets=False), processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos}:1 $B:1", special_tokens=[(bos, NUM_LLAMA3_BPE_TOKENS)])])
     return tok
 
 
@@ -257,13 +246,12 @@ def _added_tokens_decoder(added: list[tuple[str, bool]], first_id: int) -> dict:
 
 def _tokenizer_config(added: list[tuple[str, bool]] = QWEN25_ADDED_TOKENS, template: str | None = None) -> dict:
     """Qwen2.5-Instruct's (or Qwen3's) tokenizer_config.json (the fields that change behaviour)."""
-    return {
-        "add_bos_token": False, "add_prefix_space": False, "added_tokens_decoder": _added_tokens_decoder(
-            added, NUM_BPE_TOKENS), "additional_special_tokens": [t for t, s in QWEN25_ADDED_TOKENS[1:] if s],
-        "bos_token": None, "chat_template": template or qwen25_chat_template(True),
-        "clean_up_tokenization_spaces": False, "eos_token": "<|im_end|>", "errors": "replace",
-        "model_max_length": 131072, "pad_token": "<|endoftext|>", "split_special_tokens": False,
-        "tokenizer_class": "Qwen2Tokenizer", "unk_token": None}
+    return {"add_bos_token": False, "add_prefix_space": False,
+            "added_tokens_decoder": _added_tokens_decoder(added, NUM_BPE_TOKENS),
+            "additional_special_tokens": [t for t, s in QWEN25_ADDED_TOKENS[1:] if s], "bos_token": None,
+            "chat_template": template or qwen25_chat_template(True), "clean_up_tokenization_spaces": False,
+            "eos_token": "<|im_end|>", "errors": "replace", "model_max_length": 131072, "pad_token": "<|endoftext|>",
+            "split_special_tokens": False, "tokenizer_class": "Qwen2Tokenizer", "unk_token": None}
 
 
 def _llama3_tokenizer_config() -> dict:

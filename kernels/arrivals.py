@@ -28,8 +28,7 @@ def arrival_counters(device: torch.device, size: int, kernel: str) -> torch.Tens
 
 @triton.jit
 def last_to_arrive(counter, count):
-    """Whether this program is the last of count to arrive on counter; the last may then read (.cg) what the others
-    stored before arriving."""
+    """Whether this program is the last of count to arrive on counter; the last then reads (.cg) what others stored."""
     # The barrier puts every thread's stores before the one thread's release; acq_rel acquires the others'.
     tl.debug_barrier()
     last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == count - 1

@@ -66,9 +66,8 @@ def attend_tile(q, k, v, mask, m_i, l_i, acc, qk_scale, APPLY_MASK: tl.constexpr
 
 
 @triton.jit
-def attend_range(q, q_pos, m_i, l_i, acc, k_cache, v_cache, block_table_row, kv_head, lo, hi, stride_cb,
-                 stride_ch, stride_cs, block_size, offs_d, d_mask, qk_scale, BLOCK_N: tl.constexpr,
-                 CAUSAL: tl.constexpr):
+def attend_range(q, q_pos, m_i, l_i, acc, k_cache, v_cache, block_table_row, kv_head, lo, hi, stride_cb, stride_ch,
+                 stride_cs, block_size, offs_d, d_mask, qk_scale, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
     """Rows of q (at positions q_pos) attend to tokens [lo, hi); CAUSAL masks keys past a row's position and hi."""
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)

@@ -125,8 +125,7 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, table_rows, cont
             part = (b * num_q_heads + heads).to(tl.int64) * num_splits + split  # [GROUP_PAD] rows of the partials
             tl.store(part_max + part, m_i, mask=g_mask)
             tl.store(part_sum + part, l_i, mask=g_mask)
-            tl.store(part_acc + part[:, None] * HEAD_DIM + offs_d[None, :], acc,
-                     mask=g_mask[:, None] & d_mask[None, :])
+            tl.store(part_acc + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None] & d_mask[None, :])
             counters = arrivals + (b * tl.num_programs(1) + kv_head) * COUNTERS  # [top, group 0, group 1, ...]
             two_levels = used > ONE_LEVEL
             on_top = used > 1  # one level: every split arrives on the top counter; two: each group's last does
@@ -140,8 +139,7 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, table_rows, cont
                                    LEAF_CHUNK, True)
             if on_top:
                 if EARLY:
-                    # A few rows size the top combine's tile to what it takes (more call sites cost many rows
-                    # registers).
+                    # A few rows fit the top combine's tile to what it takes (more call sites cost many rows registers).
                     if two_levels:
                         top_count = tl.cdiv(used, SPLIT_GROUP)
                         if last_to_arrive(counters, top_count):
@@ -303,14 +301,13 @@ def rope_store_decode_attention_triton(q: torch.Tensor, new_kv: NewTokenKV, k_ca
         q, k_cache, v_cache, block_tables, rows, context_lens, out, part_acc, part_max, part_sum,
         arrival_counters(q.device, batch * num_kv_heads * counters, "decode attention"), new_kv.k, new_kv.v,
         new_kv.positions, new_kv.cos_sin, new_kv.slot_mapping, norm_w[0], norm_w[1], new_kv.norm_eps,
-        scale * math.log2(math.e), q.stride(0), q.stride(1),
-        out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        new_kv.k.stride(0), new_kv.k.stride(1), new_kv.v.stride(0), new_kv.v.stride(1), block_size, group,
-        num_q_heads, HEAD_DIM=head_dim, D_PAD=d_pad, GROUP_PAD=max(16, group_p2), GROUP_P2=group_p2,
-        TOP_PAD=top_pad, TOP_CHUNK=top_chunk, LEAF_PAD=leaf_pad, LEAF_CHUNK=leaf_chunk, ONE_LEVEL=one_level,
-        ONE_CHUNK=one_chunk, SPLIT_GROUP=_SPLIT_GROUP, TABLE_ROWS=table_rows is not None, COUNTERS=counters,
-        BLOCK_N=block_n, PDL=pdl_enabled(q.device), EARLY=few_rows, QK_NORM=new_kv.q_norm is not None, **launch,
-        **(pdl_launch(q.device) if few_rows else {}))
+        scale * math.log2(math.e), q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
+        k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), new_kv.k.stride(0), new_kv.k.stride(1),
+        new_kv.v.stride(0), new_kv.v.stride(1), block_size, group, num_q_heads, HEAD_DIM=head_dim, D_PAD=d_pad,
+        GROUP_PAD=max(16, group_p2), GROUP_P2=group_p2, TOP_PAD=top_pad, TOP_CHUNK=top_chunk, LEAF_PAD=leaf_pad,
+        LEAF_CHUNK=leaf_chunk, ONE_LEVEL=one_level, ONE_CHUNK=one_chunk, SPLIT_GROUP=_SPLIT_GROUP,
+        TABLE_ROWS=table_rows is not None, COUNTERS=counters, BLOCK_N=block_n, PDL=pdl_enabled(q.device),
+        EARLY=few_rows, QK_NORM=new_kv.q_norm is not None, **launch, **(pdl_launch(q.device) if few_rows else {}))
     return out
 
 

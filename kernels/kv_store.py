@@ -33,9 +33,8 @@ def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(wavelen < old_context / high, inv_freq, slowed)
 
 
-def rope_store_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                      cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> torch.Tensor:
+def rope_store_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
     """Returns rotated q (a new tensor); stores rotated k and raw v into the cache; RoPE in float32."""
     cos, sin = cos_sin[positions.long()].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D / 2] each
 
@@ -83,10 +82,9 @@ def _rotate_store(src_ptr, dst_ptr, src_stride_h, dst_stride_h, cos, sin, heads,
 
 @triton.jit
 def _kv_store_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, pos_ptr, cos_sin_ptr,
-                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-                     stride_cb, stride_ch, stride_cs, block_size, num_q_heads, num_kv_heads,
-                     HALF: tl.constexpr, Q_HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr,
-                     HALF_PAD: tl.constexpr):
+                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_cb,
+                     stride_ch, stride_cs, block_size, num_q_heads, num_kv_heads, HALF: tl.constexpr,
+                     Q_HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr):
     # One program per token, all its heads: cos/sin and the slot are loaded once; q/k/v are views of the qkv output.
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -140,9 +138,8 @@ def rope_store_kv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posi
     return q_out
 
 
-def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                  cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  slot_mapping: torch.Tensor) -> torch.Tensor:
+def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
     """Returns a new rotated q; stores rotated k and raw v into the paged cache (slot -1 skipped)."""
     fn = rope_store_kv_triton if q.is_cuda else rope_store_kv_ref
     return fn(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)

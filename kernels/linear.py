@@ -30,8 +30,7 @@ def linear(x: Input, w: Weight, bias: torch.Tensor | None = None, swiglu: bool =
     return run_path(fold, x, w, bias, choice(fold, x, w, bias))
 
 
-def run_path(fold: str, x: Input, w: Weight, bias: torch.Tensor | None,
-             config: GemvConfig | None) -> torch.Tensor:
+def run_path(fold: str, x: Input, w: Weight, bias: torch.Tensor | None, config: GemvConfig | None) -> torch.Tensor:
     """The op by the Triton GEMV with this config, or by its unfused path for None."""
     if config is None:
         return UNFUSED[fold](x, w, bias)

@@ -2,8 +2,7 @@
 unfused path; past GEMV_MAX_M rows, the row count to run cuBLAS on. Shipped for known GPUs (kernels/linear_picks.py),
 else timed at a shape's first eager call (a shape first met during capture, or untimed in a compile-only run, runs
 unfused until then), in a CUDA graph over weights not in L2, and kept on disk under the cache directory, keyed by
-the GPU, torch, Triton and the kernels' source.
-"""
+the GPU, torch, Triton and the kernels' source."""
 from __future__ import annotations
 
 import contextlib
@@ -45,8 +44,7 @@ _CHOICES: dict[tuple, GemvConfig | None] = {}  # (fold, rows bucket, N, K, dtype
 _GEMM_TIMES: dict[tuple, dict[int, float]] = {}  # (N, K, dtype, has bias, device, fp8) -> {rows: µs of the GEMM}
 
 
-def planned_config(fold: str, x: torch.Tensor, w: Weight, bias: torch.Tensor | None,
-                   op: Op) -> GemvConfig | None:
+def planned_config(fold: str, x: torch.Tensor, w: Weight, bias: torch.Tensor | None, op: Op) -> GemvConfig | None:
     """The config for this fold and shape: from memory, the shipped picks, the disk cache, else timed (and kept);
     None while capturing a shape not looked up yet, or compiling only one not timed yet."""
     key = (fold, triton.next_power_of_2(x.shape[0]), *w.shape, x.dtype, bias is not None, x.device, _scale_block(w))
@@ -157,8 +155,7 @@ def _time_rows(w: Weight, bias: torch.Tensor | None, dtype: torch.dtype, gemm: G
 
 
 def graph_us(calls: list[Callable[[], object]]) -> float:
-    """µs a call: GRAPH_CALLS calls back to back in a CUDA graph (as a decode step runs them), taking `calls` in
-    turn."""
+    """µs a call: GRAPH_CALLS calls back to back in a CUDA graph (as a decode step runs them), `calls` in turn."""
     for call in calls:
         call()  # compiles a Triton kernel and settles the allocator outside the capture
     graph = torch.cuda.CUDAGraph()
@@ -182,8 +179,7 @@ def cold_copies(w: Weight, bias: torch.Tensor | None) -> list[tuple[Weight, torc
     l2_bytes = getattr(torch.cuda.get_device_properties(w.device), "L2_cache_size", 64 << 20)
     values = w.weight if isinstance(w, Fp8Weight) else w
     count = min(MAX_COPIES, -(-2 * l2_bytes // (values.numel() * values.element_size())))
-    clones = [(w.clone(), None if bias is None else bias.clone()) for _ in range(count - 1)]
-    return [(w, bias), *clones]
+    return [(w, bias)] + [(w.clone(), None if bias is None else bias.clone()) for _ in range(count - 1)]
 
 
 def _scale_block(w: Weight) -> tuple[int, int] | None:

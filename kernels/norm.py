@@ -16,9 +16,8 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, stride_x, stride_res, stride_out,
-                     stride_new_res, hidden, eps, ADD_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
-                     PDL: tl.constexpr):
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, stride_x, stride_res, stride_out, stride_new_res,
+                     hidden, eps, ADD_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     # One program per row: a whole row fits in registers, so it is read once.
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -76,8 +75,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, rows: int | None
     return _padded(rms_norm_ref(x, weight, eps), rows)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                 rows: int | None = None,
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, rows: int | None = None,
                  residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual, rows=rows), x + residual), the latter into residual_out if given; one pass on CUDA."""
     if x.is_cuda:
@@ -131,7 +129,6 @@ def qk_rms_norm_triton(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
                                    PDL=pdl_enabled(q.device))
 
 
-def qk_rms_norm(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                eps: float) -> None:
+def qk_rms_norm(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float) -> None:
     """RMSNorm over each head of q [T, Hq, D] and of k [T, Hk, D], in place, in one launch on CUDA."""
     (qk_rms_norm_triton if q.is_cuda else qk_rms_norm_ref)(q, k, q_weight, k_weight, eps)

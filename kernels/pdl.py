@@ -13,9 +13,7 @@ ENV = "PICO_VLLM_PDL"
 
 @functools.lru_cache(maxsize=None)
 def pdl_enabled(device: torch.device) -> bool:
-    if device.type != "cuda" or os.environ.get(ENV, "1") == "0":
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    return device.type == "cuda" and os.environ.get(ENV) != "0" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def pdl_launch(device: torch.device) -> dict:

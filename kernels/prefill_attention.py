@@ -76,11 +76,9 @@ def _prefill_kernel(q_ptr, out_ptr, k_cache, v_cache, block_tables, cu_seqlens_q
     full_end = tl.maximum(tl.minimum(((ctx - q_len + q_first + 1) // BLOCK_N) * BLOCK_N, kv_end), 0)
     block_table_row = block_tables + b.to(tl.int64) * stride_bt
     m_i, l_i, acc = attend_range(q, q_pos, m_i, l_i, acc, k_cache, v_cache, block_table_row, kv_head, 0, full_end,
-                                 stride_cb, stride_ch, stride_cs, block_size, offs_d, d_mask, qk_scale, BLOCK_N,
-                                 False)
-    m_i, l_i, acc = attend_range(q, q_pos, m_i, l_i, acc, k_cache, v_cache, block_table_row, kv_head, full_end,
-                                 kv_end, stride_cb, stride_ch, stride_cs, block_size, offs_d, d_mask, qk_scale,
-                                 BLOCK_N, True)
+                                 stride_cb, stride_ch, stride_cs, block_size, offs_d, d_mask, qk_scale, BLOCK_N, False)
+    m_i, l_i, acc = attend_range(q, q_pos, m_i, l_i, acc, k_cache, v_cache, block_table_row, kv_head, full_end, kv_end,
+                                 stride_cb, stride_ch, stride_cs, block_size, offs_d, d_mask, qk_scale, BLOCK_N, True)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
@@ -99,13 +97,12 @@ def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
                          f"{tuple(work.shape)}")
     out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     grid = (work.shape[1], num_kv_heads)
-    _prefill_kernel[grid](
-        q, out, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, work, work.shape[1],
-        scale * math.log2(math.e), q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
-        k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), block_size, group,
-        queries_per_program(group), HEAD_DIM=head_dim,
-        D_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N,
-        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES)
+    _prefill_kernel[grid](q, out, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, work, work.shape[1],
+                          scale * math.log2(math.e), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+                          k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), block_size,
+                          group, queries_per_program(group), HEAD_DIM=head_dim,
+                          D_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N,
+                          num_warps=_NUM_WARPS, num_stages=_NUM_STAGES)
     return out
 
 

@@ -51,7 +51,8 @@ class CudaGraphs:
         self.sizes[kind], self.views[kind] = sorted(views), views
         pool = torch.cuda.graph_pool_handle() if self.graphs else None
         for size in self.sizes[kind][::-1]:
-            self._fill_padding(views[size])
+            for name, view in views[size].items():
+                view.fill_(self.dummy_row if name == "rows" else _PAD.get(name, 0))
             if not self.graphs:
                 self._replays[kind, size] = functools.partial(forward, views[size])
                 continue
@@ -88,10 +89,6 @@ class CudaGraphs:
 
     def replay(self, kind: str, size: int) -> object:
         return self._replays[kind, size]()
-
-    def _fill_padding(self, views: Views) -> None:
-        for name, view in views.items():
-            view.fill_(self.dummy_row if name == "rows" else _PAD.get(name, 0))
 
 
 def _replay(graph: torch.cuda.CUDAGraph, outputs: object) -> object:

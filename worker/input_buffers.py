@@ -4,7 +4,6 @@ and a graph reads the same addresses on every replay; a step run by a graph is s
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -56,8 +55,7 @@ class StepBuffers:
         self.max_seqs, self.attention = max_seqs, attention
         work = attention.max_work_items(max_tokens, max_seqs)
         _, capacity = _layout(max_tokens, max_seqs, max_seqs, max_deltas, work)
-        pin = device.type == "cuda"
-        self._host = [torch.zeros(capacity, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
+        self._host = [torch.zeros(capacity, dtype=torch.uint8, pin_memory=device.type == "cuda") for _ in range(2)]
         self._host_np = [h.numpy() for h in self._host]
         self.device_buf = torch.zeros(capacity, dtype=torch.uint8, device=device)
         self._turn = 0

@@ -28,8 +28,7 @@ def fp8_block(config: ModelConfig) -> tuple[int, int] | None:
     return tuple(config.weight_block_size) if config.weight_block_size else PER_CHANNEL
 
 
-def _param(*shape: int, loader: Callable, shard_ids: tuple = (None,),
-           dtype: torch.dtype | None = None) -> nn.Parameter:
+def _param(*shape: int, loader: Callable, shard_ids: tuple = (None,), dtype: torch.dtype | None = None) -> nn.Parameter:
     p = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
     p.weight_loader = loader
     p.shard_ids = shard_ids  # the loader checks that every one of them was loaded
@@ -177,8 +176,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Vocab-parallel lm_head: each rank computes its vocab slice of the logits; all ranks get all logits."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden, self.weight)
-        return all_gather_last_dim(logits, self.tp_size)[:, : self.vocab_size]
+        return all_gather_last_dim(linear(hidden, self.weight), self.tp_size)[:, :self.vocab_size]
 
 
 class RMSNorm(nn.Module):
@@ -203,8 +201,7 @@ class FusedRMSNorm(RMSNorm):
 
 
 class RotaryEmbedding(nn.Module):
-    """The RoPE table cos_sin [max_position, head_dim] that the attention kernels read, float32 in any model dtype;
-    scaling: a llama3 rope_scaling or None."""
+    """The RoPE table cos_sin [max_position, head_dim] (make_cos_sin's) that the attention kernels read, float32."""
 
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None = None) -> None:
         super().__init__()

@@ -33,8 +33,7 @@ def load_weights(model: nn.Module, model_dir: str, tp_rank: int = 0, tp_size: in
     expected = {(n, s) for n, p in params.items() for s in p.shard_ids}
     files = _checkpoint_files(Path(model_dir))
     loaded = set()
-    with tqdm(total=sum(map(len, files.values())), desc="Loading weights", unit="tensor",
-              disable=tp_rank != 0) as bar:
+    with tqdm(total=sum(map(len, files.values())), desc="Loading weights", unit="tensor", disable=tp_rank != 0) as bar:
         for file, names in files.items():
             with safe_open(file, framework="pt") as f:
                 for name in names:

@@ -60,8 +60,7 @@ class RowMirror:
         self.append_blocks(row, new.block_table)
 
     def append_blocks(self, row: int, block_ids) -> None:
-        ids = np.asarray(block_ids, np.int32) if not isinstance(block_ids, bytes) \
-            else np.frombuffer(block_ids, "<i4")
+        ids = np.asarray(block_ids, np.int32) if not isinstance(block_ids, bytes) else np.frombuffer(block_ids, "<i4")
         self._check_row(row, "block append row")
         if not self.active[row]:
             raise ValueError(f"blocks appended to row {row}, which holds no request: add it with a NewRow first")
@@ -76,8 +75,7 @@ class RowMirror:
                              f"blocks: the scheduler must hand out ids in [0, {self.num_kv_blocks})")
         self.block_table[row, start:start + len(ids)] = ids
         self.num_blocks[row] = start + len(ids)
-        cols = np.arange(start, start + len(ids), dtype=np.int64)
-        self._deltas.append((row * self.max_blocks + cols, ids))
+        self._deltas.append((row * self.max_blocks + np.arange(start, start + len(ids), dtype=np.int64), ids))
 
     def free(self, rows: np.ndarray) -> None:
         for row in np.asarray(rows, np.int64).tolist():
@@ -121,8 +119,7 @@ class RowMirror:
             row = int(rows[np.argmax(short)])
             raise ValueError(f"row {row} has {self.num_blocks[row]} blocks, too few for its tokens after this "
                              f"step: append its blocks first")
-        slots = self.block_table[tok_rows, positions // self.block_size] * self.block_size \
-            + positions % self.block_size
+        slots = self.block_table[tok_rows, positions // self.block_size] * self.block_size + positions % self.block_size
         return HostStep(rows, n, positions, slots, ctx, cu, ctx == total, total, int(nd))
 
     def _gather_checked(self, rows: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

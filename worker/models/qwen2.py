@@ -53,8 +53,7 @@ class Qwen2DecoderLayer(nn.Module):
         self.post_attention_layernorm = FusedRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
-                cos_sin: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+                cos_sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, cos_sin, kv_cache, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
