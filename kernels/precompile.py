@@ -59,12 +59,10 @@ def fork_compile(compile_kernel: Callable[[], object]) -> int | None:
     except OSError:
         return None
     if pid == 0:
-        code = 1
         try:
-            compile_kernel()
-            code = 0
+            compile_kernel()  # should it fail, the parent's thread compiles the kernel again and raises
         finally:
-            os._exit(code)  # no atexit handlers, no flush of the parent's buffers, no return into its loop
+            os._exit(0)  # no atexit handlers, no flush of the parent's buffers, no return into its loop
     return pid
 
 

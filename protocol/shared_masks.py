@@ -1,6 +1,5 @@
-"""Grammar masks in shared memory: the scheduler fills a step's token bitmasks into a file in the engine's private
-ipc directory (on tmpfs) that every worker rank maps, so the megabyte a step holds at 64 constrained rows is neither
-packed, sent nor copied on its way to the GPU. The GrammarMask message only says that a step's rows are ready."""
+"""Grammar masks in shared memory: the scheduler fills a step's token bitmasks into a tmpfs file that every worker rank
+maps, so a megabyte a step (64 rows) is neither packed, sent nor copied; the GrammarMask message says they are ready."""
 from __future__ import annotations
 
 import mmap
@@ -15,16 +14,13 @@ class SharedMasks:
     """SLOTS x max_rows x ceil(vocab_size / 32) int32 words; bit t % 32 of word t // 32 allows token t."""
 
     def __init__(self, path: str, max_rows: int, vocab_size: int, create: bool = False) -> None:
-        self.words = -(-vocab_size // 32)
-        size = SLOTS * max_rows * self.words * 4
+        words = -(-vocab_size // 32)
+        size = SLOTS * max_rows * words * 4
         fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
         try:
             if create:
                 os.posix_fallocate(fd, 0, size)  # a full tmpfs fails here, not with a SIGBUS at a later write
-            elif (found := os.fstat(fd).st_size) != size:
-                raise ValueError(f"grammar mask file {path} holds {found} bytes, not the {size} of {max_rows} rows "
-                                 f"of {vocab_size} ids: the scheduler and worker disagree on max_num_seqs")
-            self.slots = np.frombuffer(mmap.mmap(fd, size), dtype=np.int32).reshape(SLOTS, max_rows, self.words)
+            self.slots = np.frombuffer(mmap.mmap(fd, size), dtype=np.int32).reshape(SLOTS, max_rows, words)
         finally:
             os.close(fd)
 

@@ -62,8 +62,6 @@ class Grammars:
         import xgrammar as xgr
 
         if self._masks is None:
-            if self._masks_path is None:
-                raise ValueError("Grammars has no masks_path: the scheduler process passes its shared mask file")
             self._masks = SharedMasks(self._masks_path, self._max_rows, self.vocab_size, create=True)
         mask = self._masks.slot(step, len(matchers))
         mask.fill(-1)  # all ones

@@ -219,7 +219,7 @@ def test_sampling_params_errors_name_their_field_and_plans_rebuild_without_check
     assert SamplingParams.from_plan(wire) == params
 
 
-def test_shared_masks_show_one_process_writes_to_another_by_step_parity(tmp_path):
+def test_shared_masks_show_one_process_writes_to_another_by_step_parity_and_refuse_a_second_creator(tmp_path):
     from protocol.shared_masks import SharedMasks, masks_path
 
     path = masks_path(str(tmp_path))
@@ -230,5 +230,3 @@ def test_shared_masks_show_one_process_writes_to_another_by_step_parity(tmp_path
     assert worker.slot(4, 2).tolist() == [[1, 2, 3], [4, 5, 6]] and worker.slot(5, 1).tolist() == [[7, 7, 7]]
     with pytest.raises(FileExistsError):
         SharedMasks(path, max_rows=3, vocab_size=70, create=True)
-    with pytest.raises(ValueError, match="max_num_seqs"):
-        SharedMasks(path, max_rows=4, vocab_size=70)
