@@ -121,9 +121,8 @@ def _llama(prefix: str, size: str, shape: tuple, base: bool) -> tuple[str, Model
 
 
 def resolve_model(name: str, load_format: str = "auto") -> tuple[ModelConfig, str | None]:
-    """Resolve --model: a local dir, an HF repo id (cache, then hub when online) or a short name (qwen3-1.7b).
-
-    The directory is None only for load_format="dummy" with a short name and no files anywhere."""
+    """Resolve --model: a local dir, an HF repo id (cache, then hub when online) or a short name (qwen3-1.7b). The
+    directory is None only for load_format="dummy" with a short name and no files anywhere."""
     path = Path(name).expanduser()
     if path.is_dir():
         return config_from_dir(path), str(path)

@@ -34,19 +34,15 @@ def load_kv_tile(k_cache, v_cache, block_table_row, offs_n, n_mask, kv_head, str
     rows = block_ids * stride_cb + (offs_n % block_size) * stride_cs + kv_head * stride_ch
     offsets = rows[:, None] + offs_d[None, :]
     mask = n_mask[:, None] & d_mask[None, :]
-    k = tl.load(k_cache + offsets, mask=mask, other=0.0)
-    v = tl.load(v_cache + offsets, mask=mask, other=0.0)
-    return k, v
+    return tl.load(k_cache + offsets, mask=mask, other=0.0), tl.load(v_cache + offsets, mask=mask, other=0.0)
 
 
 @triton.jit
 def _dot(a, b):
     # float32 operands stay float32: by default tl.dot rounds them to TF32, ~1e-3 off float32 Hugging Face.
     if a.dtype == tl.float32:
-        out = tl.dot(a, b, input_precision="ieee")
-    else:
-        out = tl.dot(a, b)
-    return out
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
 
 
 @triton.jit

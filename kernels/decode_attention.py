@@ -48,9 +48,7 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, table_rows, cont
     # at a few rows its launch costs more than its work); past ONE_LEVEL splits, as a tree of groups.
     if PDL and not EARLY:  # o_proj's GEMV may start loading its weights (kernels/pdl.py)
         tl.extra.cuda.gdc_launch_dependents()
-    b = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_splits = tl.num_programs(2)
     ctx = tl.load(context_lens + b)
     table_row = tl.load(table_rows + b) if TABLE_ROWS else b
@@ -59,10 +57,8 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, table_rows, cont
     start = split * split_len
     # A split past the row's length does nothing; split 0 runs at context 0 to write zeros.
     if (split < used) | (split == 0):
-        offs_g = tl.arange(0, GROUP_PAD)
-        offs_d = tl.arange(0, D_PAD)
-        g_mask = offs_g < group
-        d_mask = offs_d < HEAD_DIM
+        offs_g, offs_d = tl.arange(0, GROUP_PAD), tl.arange(0, D_PAD)
+        g_mask, d_mask = offs_g < group, offs_d < HEAD_DIM
         heads = kv_head * group + offs_g
         q_rows = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
         block_table_row = block_tables + table_row.to(tl.int64) * stride_bt
@@ -73,8 +69,7 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, table_rows, cont
             n_mask = offs_n < end
             k_first, v_first = load_kv_tile(k_cache, v_cache, block_table_row, offs_n, n_mask, kv_head, stride_cb,
                                             stride_ch, stride_cs, block_size, offs_d, d_mask)
-        pos = tl.load(positions + b).to(tl.int64)
-        cos, sin, partner = rope_factors(cos_sin, pos, offs_d, d_mask, HEAD_DIM)
+        cos, sin, partner = rope_factors(cos_sin, tl.load(positions + b).to(tl.int64), offs_d, d_mask, HEAD_DIM)
         slot = tl.load(slot_mapping + b).to(tl.int64)
         if PDL:
             tl.extra.cuda.gdc_wait()
@@ -185,12 +180,9 @@ def combine_splits(out_ptr, part_acc, part_max, part_sum, b, kv_head, group, num
     # The count partials at slots first, first + step, ... of the KV head's query heads, by log-sum-exp in slot
     # order (a result does not depend on which program came last); normalised into out_ptr, or (TO_PARTIAL) left as
     # a partial in slot first. Loads are .cg: other SMs wrote the partials, and an L1 line here could be stale.
-    offs_g = tl.arange(0, GROUP_P2)
-    offs_s = tl.arange(0, SPLITS_PAD)
-    offs_d = tl.arange(0, D_PAD)
+    offs_g, offs_s, offs_d = tl.arange(0, GROUP_P2), tl.arange(0, SPLITS_PAD), tl.arange(0, D_PAD)
     heads = kv_head * group + offs_g
-    g_mask = offs_g < group
-    d_mask = offs_d < HEAD_DIM
+    g_mask, d_mask = offs_g < group, offs_d < HEAD_DIM
     rows = (b * num_q_heads + heads).to(tl.int64) * num_splits + first  # [GROUP_P2]: a head's slot first
     gs_mask = g_mask[:, None] & (offs_s < count)[None, :]
     m = tl.load(part_max + rows[:, None] + offs_s[None, :] * step, mask=gs_mask, other=float("-inf"),

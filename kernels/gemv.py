@@ -74,10 +74,8 @@ def swiglu_linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | Non
 def norm_linear_ref(x: NormedInput, w: torch.Tensor, bias: torch.Tensor | None = None, linear: Callable = F.linear,
                     rows: int | None = None) -> torch.Tensor:
     """linear(rms_norm(x.x + x.residual) * x.weight, w, bias) unfused (on `rows` padded rows if given)."""
-    if x.residual is None:
-        normed = rms_norm(x.x, x.weight, x.eps, rows)
-    else:
-        normed = add_rms_norm(x.x, x.residual, x.weight, x.eps, rows, x.residual_out)[0]
+    normed = (rms_norm(x.x, x.weight, x.eps, rows) if x.residual is None
+              else add_rms_norm(x.x, x.residual, x.weight, x.eps, rows, x.residual_out)[0])
     return linear(normed, w, bias)[:x.x.shape[0]]
 
 

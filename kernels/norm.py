@@ -92,8 +92,7 @@ def _norm_heads(x_ptr, w_ptr, stride_h, heads, eps, HEAD_DIM: tl.constexpr, HEAD
     offs_d = tl.arange(0, D_PAD)[None, :]
     mask = (offs_h < heads) & (offs_d < HEAD_DIM)
     ptrs = x_ptr + offs_h * stride_h + offs_d
-    x = tl.load(ptrs, mask=mask, other=0.0)
-    xf = x.to(tl.float32)
+    xf = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / HEAD_DIM + eps)
     normed = (xf * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + offs_d, mask=offs_d < HEAD_DIM, other=0.0).to(tl.float32)

@@ -47,8 +47,7 @@ def _prefill_kernel(q_ptr, out_ptr, k_cache, v_cache, block_tables, cu_seqlens_q
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # The tile's rows are (query, head) pairs of the item's queries x the query heads sharing this KV head: each
     # K/V tile is read once for the group, and no row is lost to padding the group to a power of two.
-    item = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    item, kv_head = tl.program_id(0), tl.program_id(1)
     b = tl.load(work + item)
     if b < 0:  # an item past the step's own (a graph's padding)
         return
@@ -96,13 +95,12 @@ def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
         raise ValueError(f"work must be prefill_work's contiguous [2, W] int32 items, got {work.dtype} "
                          f"{tuple(work.shape)}")
     out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
-    grid = (work.shape[1], num_kv_heads)
-    _prefill_kernel[grid](q, out, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, work, work.shape[1],
-                          scale * math.log2(math.e), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-                          k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), block_size,
-                          group, queries_per_program(group), HEAD_DIM=head_dim,
-                          D_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N,
-                          num_warps=_NUM_WARPS, num_stages=_NUM_STAGES)
+    _prefill_kernel[(work.shape[1], num_kv_heads)](
+        q, out, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, work, work.shape[1],
+        scale * math.log2(math.e), q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
+        k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), block_size, group, queries_per_program(group),
+        HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N,
+        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES)
     return out
 
 

@@ -102,8 +102,7 @@ def _gumbel_argmax_kernel(logits_ptr, stride, rows_ptr, temps_ptr, stride_temp, 
     # Program (n, chunk) scans chunk_len columns of row n; the last of row n's chunks to arrive picks its token from
     # the chunks' maxima. A column's score depends only on its (row, column): the same result for any chunking.
     n = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    chunks = tl.num_programs(1)
+    chunk, chunks = tl.program_id(1), tl.num_programs(1)
     row = n
     if HAS_ROWS:
         row = tl.load(rows_ptr + n).to(tl.int64)
@@ -117,8 +116,7 @@ def _gumbel_argmax_kernel(logits_ptr, stride, rows_ptr, temps_ptr, stride_temp, 
     best_idx = tl.zeros((BLOCK,), tl.int32)
     for start in range(chunk * chunk_len, chunk * chunk_len + chunk_len, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        mask = cols < vocab
-        score = tl.load(logits_ptr + n * stride + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        score = tl.load(logits_ptr + n * stride + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
         if temp > 0:  # a greedy row skips the hash
             z = _mix32(row_key + cols.to(tl.uint32) * GOLDEN32)
             u = ((z >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # as uniform_from_bits

@@ -1,9 +1,8 @@
-"""Every CUDA graph of a runner, in one registry: decode steps per batch size, prompt steps per token bucket.
-
-A step replays the smallest graph of its kind that holds it, staged padded to that size. Capture goes largest
-first into one memory pool per kind, so smaller graphs reuse the largest one's memory. Padded lanes read and
-write a spare dummy row, store to slot -1 (skipped), attend to nothing (context length 0, no queries, no work
-items), and every op outside attention is row-wise, so they never reach the real rows."""
+"""Every CUDA graph of a runner, in one registry: decode steps per batch size, prompt steps per token bucket. A step
+replays the smallest graph of its kind that holds it, staged padded to that size. Capture goes largest first into one
+memory pool per kind, so smaller graphs reuse the largest one's memory. Padded lanes read and write a spare dummy row,
+store to slot -1 (skipped), attend to nothing (context length 0, no queries, no work items), and every op outside
+attention is row-wise, so they never reach the real rows."""
 from __future__ import annotations
 
 import bisect
@@ -24,8 +23,7 @@ _PAD = {"slot_mapping": -1, "work": -1}  # fill values of a padded lane; rows ta
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     """The captured decode sizes: enough to hold any batch up to max_num_seqs (or up to 512 when it is larger)."""
     candidates = [1, 2, 4] + list(range(8, MAX_GRAPH_BATCH + 1, 8))
-    sizes = [s for s in candidates if s < max_num_seqs]
-    return sizes + [s for s in candidates if s >= max_num_seqs][:1]
+    return [s for s in candidates if s < max_num_seqs] + [s for s in candidates if s >= max_num_seqs][:1]
 
 
 def prefill_buckets(max_num_batched_tokens: int) -> list[int]:

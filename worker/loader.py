@@ -1,9 +1,8 @@
-"""Weights into a model: Hugging Face safetensors (single file or sharded), or deterministic random ones.
-
-Each parameter's weight_loader cuts its own TP shard and packs q/k/v and gate/up; this file only maps
-checkpoint names onto parameters and checks that every parameter was filled and no tensor was left over. An FP8
-linear takes an FP8 checkpoint's e4m3 weight and weight_scale_inv as they are, or quantizes a float weight whole
-(so a row's scale is the same at every TP size) before its shard is cut."""
+"""Weights into a model: Hugging Face safetensors (single file or sharded), or deterministic random ones. Each
+parameter's weight_loader cuts its own TP shard and packs q/k/v and gate/up; this file only maps checkpoint names onto
+parameters and checks that every parameter was filled and no tensor was left over. An FP8 linear takes an FP8
+checkpoint's e4m3 weight and weight_scale_inv as they are, or quantizes a float weight whole (so a row's scale is the
+same at every TP size) before its shard is cut."""
 from __future__ import annotations
 
 import json
@@ -110,10 +109,9 @@ def _hf_name(target: str, shard: str | int | None) -> str:
 
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
-    """Random weights, the same for a seed: linears ~ N(0, 1/fan_in), norms 1, biases small.
-
-    Unit-variance projections of normed inputs keep the residual stream O(sqrt(layers)) and logits O(1),
-    so bf16 activations stay finite and varied through every layer of the real model shapes."""
+    """Random weights, the same for a seed: linears ~ N(0, 1/fan_in), norms 1, biases small. Unit-variance projections
+    of normed inputs keep the residual stream O(sqrt(layers)) and logits O(1), so bf16 activations stay finite and
+    varied through every layer of the real model shapes."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     params = dict(model.named_parameters())
     for name, param in params.items():

@@ -28,19 +28,14 @@ def step_result(launched: Launched) -> StepResult:
     if launched.tokens is not None:
         token_ids[launched.samples] = launched.tokens.numpy()
     result = StepResult(launched.step, token_ids, _logprobs(launched.logprobs, launched.samples))
-    if launched.trace is not None:
-        result.timings = _timings(*launched.trace)
+    if launched.trace is not None:  # host launch span; with CUDA events, GPU time and when the host saw it finish
+        start_ns, launched_ns, events, decode = launched.trace
+        result.timings = {"start_ns": start_ns, "end_ns": launched_ns, "decode": bool(decode)}
+        if events is not None:
+            events[1].synchronize()
+            result.timings["synced_ns"] = time.perf_counter_ns()
+            result.timings["gpu_ns"] = int(events[0].elapsed_time(events[1]) * 1e6)
     return result
-
-
-def _timings(start_ns: int, launched_ns: int, events: tuple | None, decode: bool) -> dict:
-    """The host's launch span; with CUDA events, the GPU's time and when the host saw it finish."""
-    timings = {"start_ns": start_ns, "end_ns": launched_ns, "decode": bool(decode)}
-    if events is not None:
-        events[1].synchronize()
-        timings["synced_ns"] = time.perf_counter_ns()
-        timings["gpu_ns"] = int(events[0].elapsed_time(events[1]) * 1e6)
-    return timings
 
 
 def _logprobs(host: tuple | None, samples: np.ndarray) -> dict | None:

@@ -1,7 +1,6 @@
-"""Qwen2ForCausalLM over a paged KV cache: a flat batch of tokens from many sequences, TP-sharded.
-
-Parameter names are Hugging Face's, with q/k/v packed into qkv_proj and gate/up into gate_up_proj. Each norm of a
-layer is computed by the linear after it (FusedRMSNorm), which also writes the new residual."""
+"""Qwen2ForCausalLM over a paged KV cache: a flat batch of tokens from many sequences, TP-sharded. Parameter names are
+Hugging Face's, with q/k/v packed into qkv_proj and gate/up into gate_up_proj. Each norm of a layer is computed by the
+linear after it (FusedRMSNorm), which also writes the new residual."""
 from __future__ import annotations
 
 import torch
@@ -83,9 +82,8 @@ class Qwen2Model(nn.Module):
 
 
 class Qwen2ForCausalLM(nn.Module):
-    """forward(input_ids[T], positions[T], meta, kv_caches) -> hidden[T, H]; compute_logits -> [N, V].
-
-    Families with this decoder and another attention (worker/models/llama.py, qwen3.py) set attention_cls."""
+    """forward(input_ids[T], positions[T], meta, kv_caches) -> hidden[T, H]; compute_logits -> [N, V]. Families with
+    this decoder and another attention (worker/models/llama.py, qwen3.py) set attention_cls."""
 
     attention_cls: type[nn.Module] = Qwen2Attention
 
