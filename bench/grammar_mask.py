@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -15,7 +16,6 @@ import numpy as np
 
 from frontend.model_resolution import resolve_model
 from frontend.tokenizer import load_tokenizer
-from protocol.shared_masks import masks_path
 from scheduler.grammar import Grammars
 
 SCHEMA = {"type": "object", "required": ["name", "age", "tags", "address"], "properties": {
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     config, model_path = resolve_model(args.model, "dummy")
     tmp = tempfile.TemporaryDirectory()  # for the shared mask file, as the scheduler's ipc directory holds it
     grammars = Grammars(args.model, model_path, config.vocab_size, frozenset(config.eos_token_ids),
-                        masks_path(tmp.name))
+                        os.path.join(tmp.name, "grammar-masks"))
     start = time.perf_counter()
     compiled = grammars.compile({"json": json.dumps(SCHEMA), "any_whitespace": False}).result()
     print(f"first compile (xgrammar and tokenizer load included): {time.perf_counter() - start:.2f} s")

@@ -1,10 +1,13 @@
 """Socket addresses: ipc in a fresh private directory by default, TCP on loopback only when asked."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass
+
+from protocol.shared_masks import masks_path
 
 
 @dataclass(slots=True)
@@ -20,8 +23,7 @@ class Addresses:
 
 def make_addresses(tp_size: int, engine: str | None = None) -> Addresses:
     """Fresh 0700 ipc directory for the internal sockets; `engine` may be given (ipc:// or tcp://)."""
-    # On tmpfs where there is one: the grammar masks' shared file (protocol/shared_masks.py) lives here too.
-    ipc_dir = tempfile.mkdtemp(prefix="pico-vllm-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)  # 0700
+    ipc_dir = tempfile.mkdtemp(prefix="pico-vllm-")  # mode 0700
     engine = check_engine_address(engine) if engine else f"ipc://{ipc_dir}/engine"
     return Addresses(engine=engine, results=f"ipc://{ipc_dir}/results",
                      plans=[f"ipc://{ipc_dir}/plan{r}" for r in range(tp_size)], ipc_dir=ipc_dir)
@@ -42,3 +44,5 @@ def check_engine_address(addr: str) -> str:
 def remove_ipc_dir(addresses: Addresses) -> None:
     if addresses.ipc_dir:
         shutil.rmtree(addresses.ipc_dir, ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(masks_path(addresses.ipc_dir))

@@ -8,6 +8,7 @@ import os
 import numpy as np
 
 SLOTS = 2  # by step parity: a rank may still copy step N's mask while the scheduler fills step N + 1's
+SHM_DIR = "/dev/shm"  # tmpfs: CUDA page-locks memory-backed pages, not a disk file's
 
 
 class SharedMasks:
@@ -30,4 +31,5 @@ class SharedMasks:
 
 
 def masks_path(ipc_dir: str) -> str:
-    return os.path.join(ipc_dir, "grammar-masks")
+    """The engine's mask file, named after its ipc directory (removed with it): on tmpfs where there is one."""
+    return os.path.join(SHM_DIR if os.path.isdir(SHM_DIR) else ipc_dir, os.path.basename(ipc_dir) + "-grammar-masks")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import msgpack
 import numpy as np
@@ -220,9 +221,9 @@ def test_sampling_params_errors_name_their_field_and_plans_rebuild_without_check
 
 
 def test_shared_masks_show_one_process_writes_to_another_by_step_parity_and_refuse_a_second_creator(tmp_path):
-    from protocol.shared_masks import SharedMasks, masks_path
+    from protocol.shared_masks import SharedMasks
 
-    path = masks_path(str(tmp_path))
+    path = str(tmp_path / "masks")
     scheduler = SharedMasks(path, max_rows=3, vocab_size=70, create=True)  # 70 ids: 3 words a row
     worker = SharedMasks(path, max_rows=3, vocab_size=70)
     scheduler.slot(4, 2)[:] = [[1, 2, 3], [4, 5, 6]]
@@ -230,3 +231,13 @@ def test_shared_masks_show_one_process_writes_to_another_by_step_parity_and_refu
     assert worker.slot(4, 2).tolist() == [[1, 2, 3], [4, 5, 6]] and worker.slot(5, 1).tolist() == [[7, 7, 7]]
     with pytest.raises(FileExistsError):
         SharedMasks(path, max_rows=3, vocab_size=70, create=True)
+
+
+def test_the_mask_file_goes_with_the_engine_ipc_directory():
+    from protocol.addresses import make_addresses, remove_ipc_dir
+    from protocol.shared_masks import SharedMasks, masks_path
+
+    addresses = make_addresses(1)
+    SharedMasks(masks_path(addresses.ipc_dir), max_rows=2, vocab_size=64, create=True)
+    remove_ipc_dir(addresses)
+    assert not os.path.exists(masks_path(addresses.ipc_dir)) and not os.path.exists(addresses.ipc_dir)

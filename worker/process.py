@@ -16,7 +16,7 @@ from protocol.addresses import Addresses
 from protocol.codec import decode, encode
 from protocol.config import EngineConfig
 from protocol.messages import GrammarMask, Ready, Shutdown, StepPlan, WorkerError
-from protocol.shared_masks import SharedMasks, masks_path
+from protocol.shared_masks import SHM_DIR, SharedMasks, masks_path
 from protocol.tracing import DECODE_GPU_SPAN, GPU_TRACK, Tracer
 
 log = logging.getLogger("pico_vllm.worker")
@@ -104,8 +104,7 @@ def _serve(runner, plans: zmq.Socket, results: zmq.Socket, rank: int, tracer: Tr
     pending = masks = None
 
     def wait_mask(step: int) -> np.ndarray:
-        """Step `step`'s mask rows in the shared file. Step N's result goes out first: the scheduler fills step
-        N + 1's masks from step N's tokens."""
+        """Step `step`'s mask rows in the shared file; step N's result goes out first (step N + 1's masks need it)."""
         nonlocal pending, masks
         if pending is not None:
             _finish(runner, pending, results, rank, tracer)
@@ -146,7 +145,7 @@ def _serve(runner, plans: zmq.Socket, results: zmq.Socket, rank: int, tracer: Tr
 
 def _map_masks(path: str, runner) -> SharedMasks:
     masks = SharedMasks(path, runner.max_rows, runner.model_config.vocab_size)
-    if runner.device.type == "cuda":  # page-locked: the masks' copies to the GPU read the shared pages directly
+    if runner.device.type == "cuda" and path.startswith(SHM_DIR):  # page-locked: copies read the shared pages
         import torch
 
         if error := int(torch.cuda.cudart().cudaHostRegister(masks.slots.ctypes.data, masks.slots.nbytes, 0)):

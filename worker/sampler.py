@@ -181,9 +181,8 @@ class Sampler:
 
     def stage_masks(self, lanes: np.ndarray, bitmask: np.ndarray) -> None:
         """A step's masks onto the device: the lane map (the mask row of each sampled row i, -1: none) through a
-        pinned buffer, the mask rows [k, words] straight from the shared mask file. The buffers are made at the
-        first mask and stay (masked draws' graphs read them); the pinned one is reused safely: the step before has
-        finished, and the copy that read it."""
+        pinned buffer, the mask rows [k, words] straight from the shared file. The buffers stay (masked draws' graphs
+        read them); the pinned one is reused safely: the step before has finished, and the copy that read it."""
         k, words = bitmask.shape
         if self._mask is None:
             self._lanes_host = torch.empty(self.max_lanes, dtype=torch.int32, pin_memory=self.device.type == "cuda")
