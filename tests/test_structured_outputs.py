@@ -108,6 +108,19 @@ PARAMS = {"weather": CITY, "noop": EMPTY}
 USER = [{"role": "user", "content": "Weather in Paris?"}]
 
 
+def test_masks_travel_in_a_shared_file_that_goes_with_the_engine(tiny_ckpt):
+    import os
+
+    from protocol.shared_masks import masks_path
+
+    with LLM(str(tiny_ckpt), device="cpu", max_num_seqs=2) as engine:
+        path = masks_path(engine.client.procs.addresses.ipc_dir)
+        spec = SamplingParams(temperature=0.0, max_tokens=30, structured_outputs={"choice": CHOICES})
+        assert engine.generate([PROMPTS[0]], [spec], use_tqdm=False)[0].outputs[0].text in CHOICES
+        assert os.path.getsize(path) > 0
+    assert not os.path.exists(path)
+
+
 @pytest.fixture(scope="module")
 def qwen_server(tmp_path_factory):
     """A server on a tiny checkpoint whose chat template is Qwen2.5's (tools, tool calls and tool results)."""
