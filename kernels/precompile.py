@@ -10,6 +10,7 @@ import contextlib
 import os
 import signal
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
@@ -54,10 +55,12 @@ class _Pool(ThreadPoolExecutor):
 
 def fork_compile(compile_kernel: Callable[[], object]) -> int | None:
     """A child process that runs compile_kernel (it writes Triton's disk cache; no CUDA) and exits; its pid."""
-    try:
-        pid = os.fork()
-    except OSError:
-        return None
+    with warnings.catch_warnings():  # of a fork beside threads: the child only compiles, and wait_child ends a hung one
+        warnings.simplefilter("ignore", DeprecationWarning)
+        try:
+            pid = os.fork()
+        except OSError:
+            return None
     if pid == 0:
         try:
             compile_kernel()  # should it fail, the parent's thread compiles the kernel again and raises

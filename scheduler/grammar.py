@@ -11,8 +11,6 @@ import threading
 import time
 from concurrent.futures import Future
 
-import numpy as np
-
 from protocol.grammar import build_grammar
 from protocol.shared_masks import SharedMasks
 

@@ -18,11 +18,11 @@ from dataclasses import asdict
 import zmq
 
 from protocol.addresses import Addresses, remove_ipc_dir
-from protocol.shared_masks import masks_path
 from protocol.codec import MAX_FRAME_BYTES, ProtocolError, decode, encode
 from protocol.config import EngineConfig
 from protocol.messages import (READY_TIMEOUT_S, Abort, AddRequest, EngineDead, Error, GetStats, GrammarMask, Ready,
                                Shutdown, StepPlan, StepResult, TokenBatch, WorkerError, i32)
+from protocol.shared_masks import masks_path
 from protocol.tracing import Tracer
 from scheduler.scheduler import Scheduler
 

@@ -243,7 +243,7 @@ class ModelRunner:
                              "and the caller must pass wait_mask")
         mask = wait_mask(plan.step)
         if len(mask) != len(indices):
-            raise ValueError(f"GrammarMask for step {plan.step} has {len(mask)} rows, not its {len(indices)} masked rows")
+            raise ValueError(f"GrammarMask for step {plan.step} has {len(mask)} rows, not its {len(indices)} masked")
         return np.cumsum(step.samples)[indices] - 1, mask
 
     def _padded_size(self, step: HostStep) -> int | None:

@@ -60,7 +60,7 @@ class Sampler:
         self.prompt_mask = torch.zeros((max_rows, vocab_size), dtype=torch.bool, device=device)
         self.banned = torch.zeros((max_rows, vocab_size), dtype=torch.bool, device=device)  # before min_tokens
         self.bias = torch.zeros((max_rows, vocab_size), dtype=torch.float32, device=device)  # logit_bias
-        self._lanes_host = self._mask = None  # grammar masks: the lane map's pinned staging; on the device [lanes, rows]
+        self._lanes_host = self._mask = None  # grammar masks: the lane map's pinned copy; on the device [lanes, rows]
 
     # ---- rows ---------------------------------------------------------------------------------------
 
