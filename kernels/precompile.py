@@ -62,6 +62,7 @@ def fork_compile(compile_kernel: Callable[[], object]) -> int | None:
         except OSError:
             return None
     if pid == 0:
+        signal.alarm(int(CHILD_TIMEOUT_S))  # a hung child ends even if its parent has gone
         try:
             compile_kernel()  # should it fail, the parent's thread compiles the kernel again and raises
         finally:

@@ -95,8 +95,7 @@ class StepPlan:
 
 @dataclass(slots=True)
 class GrammarMask:
-    """A step's `masked` rows have their token bitmasks in the shared mask file (protocol/shared_masks.py); sent
-    once every earlier step has its result."""
+    """Step `step`'s first `rows` rows of the shared mask file are its masked rows' (protocol/shared_masks.py)."""
     step: int
     rows: int
 

@@ -128,7 +128,7 @@ def test_launches_inside_compile_only_only_compile_and_the_switch_is_restored(mo
     assert calls == [((7,), False), ((8,), True), ((9,), False)]
 
 
-def test_a_forked_compile_leaves_its_output_to_the_parent_and_a_stuck_one_is_killed(tmp_path):
+def test_a_forked_compile_leaves_its_output_to_the_parent_and_a_stuck_one_is_killed(tmp_path, monkeypatch):
     out = tmp_path / "kernel.cubin"
     precompile.wait_child(precompile.fork_compile(lambda: out.write_text("compiled")))
     assert out.read_text() == "compiled"
@@ -138,6 +138,10 @@ def test_a_forked_compile_leaves_its_output_to_the_parent_and_a_stuck_one_is_kil
     assert time.monotonic() - start < 10
     with pytest.raises(ChildProcessError):  # killed and reaped
         os.waitpid(stuck, os.WNOHANG)
+    monkeypatch.setattr(precompile, "CHILD_TIMEOUT_S", 1)
+    orphan, start = precompile.fork_compile(lambda: time.sleep(60)), time.monotonic()
+    os.waitpid(orphan, 0)  # nobody kills it: its own alarm ends it
+    assert time.monotonic() - start < 30
 
 
 def test_the_startup_line_names_each_stage_and_its_seconds():
