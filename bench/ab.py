@@ -103,6 +103,8 @@ def main(argv: list[str] | None = None) -> None:
     summary = {name: medians([r for r in runs if r["tree"] == name]) for name in trees}
     for name, rows in summary.items():
         print_table(f"{name}: medians of {args.rounds} runs ({trees[name]['commit'][:12]})", rows)
+    # Named by the first tree's commit (the code under test), not by the checkout that ab itself runs from.
+    os.environ.setdefault("BENCH_COMMIT", trees[args.tree[0][0]]["commit"])
     args.tree = [f"{name}={tree}" + (f":{commit}" if commit else "") for name, tree, commit in args.tree]
     record(f"ab-{args.benchmark}", args, {"trees": trees, "medians": summary, "runs": runs})
 

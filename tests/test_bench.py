@@ -53,15 +53,16 @@ def test_latency_records_decode_speed_ttft_and_hf_ratio(tiny_ckpt, tmp_path):
 
 
 def test_ab_runs_each_tree_in_turn_and_records_every_run_and_each_trees_medians(tiny_ckpt, tmp_path):
-    # Two trees (this one twice; b's results named by the commit after its colon), two rounds: a, b, a, b.
-    cmd = [sys.executable, "-m", "bench.ab", "--tree", f"a={REPO}", "--tree", f"b={REPO}:{'0' * 40}", "--rounds", "2",
+    # Two trees (this one twice; b's results named by the commit after its colon), two rounds: b, a, b, a. The
+    # A/B's own file is named by the first tree's commit.
+    cmd = [sys.executable, "-m", "bench.ab", "--tree", f"b={REPO}:{'0' * 40}", "--tree", f"a={REPO}", "--rounds", "2",
            "--out", str(tmp_path), "latency", "--", "--model", str(tiny_ckpt), "--device", "cpu", "--prompt-lens", "8",
            "--max-tokens", "16", "--repeats", "1"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (path,) = tmp_path.glob("*-ab-latency.json")
+    (path,) = tmp_path.glob(f"*-{'0' * 12}-ab-latency.json")
     numbers = json.loads(path.read_text())["numbers"]
-    assert [(run["tree"], run["round"]) for run in numbers["runs"]] == [("a", 1), ("b", 1), ("a", 2), ("b", 2)]
+    assert [(run["tree"], run["round"]) for run in numbers["runs"]] == [("b", 1), ("a", 1), ("b", 2), ("a", 2)]
     assert numbers["trees"]["b"]["commit"] == "0" * 40 and numbers["trees"]["a"]["commit"] != "0" * 40
     for name in "ab":
         (row,) = numbers["medians"][name]
