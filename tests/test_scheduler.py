@@ -704,6 +704,9 @@ def test_malformed_frames_are_logged_dropped_and_the_engine_keeps_serving(caplog
                 junk.send(frame)
             sock.send_multipart([b"two", b"frames"])
             assert generate(sock, "after", [9, 8, 7], 4) == (reference([9, 8, 7], 4), "length")
+            deadline = time.monotonic() + 10  # the results socket is read whenever no step is in flight: soon
+            while sum("from a worker" in r.getMessage() for r in caplog.records) < 4 and time.monotonic() < deadline:
+                time.sleep(0.05)
         warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         assert sum("malformed frame from a frontend" in w for w in warnings) == 4
         assert sum("malformed frame from a worker" in w for w in warnings) == 4
