@@ -99,7 +99,7 @@ class _Stopped(Exception):
     """Shutdown came while a step waited for its GrammarMask."""
 
 
-def _serve(runner, plans: zmq.Socket, results: zmq.Socket, rank: int, tracer: Tracer, masks_path: str) -> None:
+def _serve(runner, plans: zmq.Socket, results: zmq.Socket, rank: int, tracer: Tracer, mask_file: str) -> None:
     """Launch each plan as it comes, so plan N+1 queues behind step N on the GPU; collect a step once it is done."""
     pending = masks = None
 
@@ -118,7 +118,7 @@ def _serve(runner, plans: zmq.Socket, results: zmq.Socket, rank: int, tracer: Tr
         if not isinstance(msg, GrammarMask) or msg.step != step:
             raise ValueError(f"worker received a {type(msg).__name__} while step {step} waited for its GrammarMask")
         if masks is None:  # the scheduler made the file before its first GrammarMask
-            masks = _map_masks(masks_path, runner)
+            masks = _map_masks(mask_file, runner)
         return masks.slot(step, msg.rows)
 
     while True:

@@ -132,7 +132,7 @@ class Sampler:
     @property
     def plain(self) -> bool:
         """No active row needs more than a temperature and a seed: sampling is one draw, which a graph captures."""
-        return not any(count for name, count in self._count.items() if name != "random")
+        return not self._count["grammar"] and self.plain_but_masks
 
     @property
     def plain_but_masks(self) -> bool:
