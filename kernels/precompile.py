@@ -96,12 +96,18 @@ def compile_only(progress: bool = False) -> Iterator[DryRun]:
     global _active
     if _active is not None:
         raise RuntimeError("compile_only() is already active: a dry run cannot hold another")
-    launch, _active = JITFunction.run, DryRun()
+    launch, do_compile, _active = JITFunction.run, JITFunction._do_compile, DryRun()
 
     def compile_instead_of_run(self: JITFunction, *args, grid, warmup: bool, **kwargs) -> object:
         return launch(self, *args, grid=grid, warmup=True, **kwargs)
 
-    JITFunction.run = compile_instead_of_run
+    def compile_and_keep(self: JITFunction, key, signature, device, *args) -> object:
+        kernel = do_compile(self, key, signature, device, *args)
+        if kernel is not None:  # Triton 3.6 keeps it only once compiled: each launch until then would hash it again
+            self.device_caches[device][0].setdefault(key, kernel)
+        return kernel
+
+    JITFunction.run, JITFunction._do_compile = compile_instead_of_run, compile_and_keep
     try:
         marker = os.path.join(knobs.cache.dir, "pico-vllm-compiled")  # gone with the cache it stands in
         with _Pool(_active, fork=not os.path.exists(marker)) as pool, AsyncCompileMode(pool, ignore_errors=True):
@@ -112,5 +118,5 @@ def compile_only(progress: bool = False) -> Iterator[DryRun]:
         os.makedirs(knobs.cache.dir, exist_ok=True)
         open(marker, "a").close()
     finally:
-        JITFunction.run, _active = launch, None
+        JITFunction.run, JITFunction._do_compile, _active = launch, do_compile, None
 

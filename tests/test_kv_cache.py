@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from frontend.model_resolution import config_from_dir
+from protocol.config import EngineConfig
 from worker import kv_cache
 
 GIB = 1 << 30
@@ -24,6 +25,22 @@ def test_the_card_gives_the_cache_its_share_less_what_is_used_and_the_peak_steps
     # 0.9 x 100 GiB, less 50 in use, less the step's 2 GiB transient: 38 blocks of 1 GiB.
     assert kv_cache.profile_num_kv_blocks(0.9, GIB, lambda: steps.append("peak")) == 38
     assert steps == ["peak"]
+
+
+def test_a_kept_peak_is_read_instead_of_running_the_step_and_its_key_follows_config_and_gpu(monkeypatch, tmp_path):
+    monkeypatch.setenv("PICO_VLLM_CACHE", str(tmp_path))
+    fake_card(monkeypatch, free_gib=50, transient_gib=2)
+    steps, config = [], EngineConfig("qwen2.5-1.5b")
+    key = kv_cache.peak_key(config, "NVIDIA H200")
+    assert kv_cache.profile_num_kv_blocks(0.9, GIB, lambda: steps.append("peak"), key) == 38
+    fake_card(monkeypatch, free_gib=50, transient_gib=7)  # what running the step again would measure
+    assert kv_cache.profile_num_kv_blocks(0.9, GIB, lambda: steps.append("peak"), key) == 38
+    assert steps == ["peak"]
+    assert kv_cache.profile_num_kv_blocks(0.9, GIB, lambda: steps.append("peak")) == 33  # nothing kept: measured
+    assert key == kv_cache.peak_key(EngineConfig("qwen2.5-1.5b"), "NVIDIA H200")
+    others = {kv_cache.peak_key(EngineConfig("qwen2.5-1.5b", max_num_batched_tokens=4096), "NVIDIA H200"),
+              kv_cache.peak_key(config, "NVIDIA H100 80GB HBM3"), key}
+    assert len(others) == 3
 
 
 def test_a_card_too_full_for_two_blocks_is_a_value_error_naming_the_setting(monkeypatch):

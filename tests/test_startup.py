@@ -128,6 +128,24 @@ def test_launches_inside_compile_only_only_compile_and_the_switch_is_restored(mo
     assert calls == [((7,), False), ((8,), True), ((9,), False)]
 
 
+def test_a_dry_run_keeps_each_kernel_it_submits_so_its_next_launch_does_not_compile_it_again(monkeypatch):
+    def do_compile(self, key, signature, device, *args):
+        return None if key == "left to a hook" else f"kernel {key}"
+
+    monkeypatch.setattr(jit.JITFunction, "_do_compile", do_compile)
+
+    def kernel(x):
+        pass
+
+    jitted = jit.JITFunction(kernel)
+    jitted.device_caches[0] = ({}, {}, None, None, None)  # (kernels by key, ...) of device 0, as Triton makes them
+    with precompile.compile_only():
+        assert jitted._do_compile("k", {}, 0) == "kernel k"
+        assert jitted._do_compile("left to a hook", {}, 0) is None
+    assert jitted.device_caches[0][0] == {"k": "kernel k"}
+    assert jit.JITFunction._do_compile is do_compile
+
+
 def test_a_forked_compile_leaves_its_output_to_the_parent_and_a_stuck_one_is_killed(tmp_path, monkeypatch):
     out = tmp_path / "kernel.cubin"
     precompile.wait_child(precompile.fork_compile(lambda: out.write_text("compiled")))
@@ -192,9 +210,13 @@ def test_a_restart_compiles_every_kernel_in_its_dry_run_and_captures_without_war
         init_kv_cache(self)
 
     monkeypatch.setattr(ModelRunner, "_init_kv_cache", after_the_dry_run)
+    compiles, do_compile = [], jit.JITFunction._do_compile
+    monkeypatch.setattr(jit.JITFunction, "_do_compile",
+                        lambda self, key, *args: compiles.append((self, key)) or do_compile(self, key, *args))
     runner = ModelRunner(resolve_config(EngineConfig(**kw)))
     assert runner.startup["kernels_compiled"] > 0 and runner.graphs.warmup_s == 0.0
     assert compiled_later == []
+    assert len(compiles) == len(set(compiles))  # once per specialisation, not at every launch of the dry run
 
 
 def test_a_child_of_an_engine_without_bytecode_keeps_its_bytecode_in_our_cache(tmp_path, monkeypatch):

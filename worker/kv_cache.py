@@ -1,11 +1,16 @@
 """The paged KV cache of one worker rank: how many blocks fit, and the tensors that hold them."""
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
 from typing import Callable
 
 import torch
 
-from protocol.config import ModelConfig
+from kernels.linear_plan import load_choices, save_choice, source_hash
+from protocol.config import EngineConfig, ModelConfig
+
+ROOT = Path(__file__).resolve().parents[1]
 
 _CPU_KV_CACHE_CAP = 1 << 30  # bytes: a CPU run sizes its cache to the workload, up to this
 
@@ -20,16 +25,22 @@ def cpu_num_kv_blocks(wanted: int, block_bytes: int) -> int:
     return max(2, min(wanted, _CPU_KV_CACHE_CAP // block_bytes))
 
 
-def profile_num_kv_blocks(gpu_memory_utilization: float, block_bytes: int, peak_step: Callable[[], None]) -> int:
+def profile_num_kv_blocks(gpu_memory_utilization: float, block_bytes: int, peak_step: Callable[[], None],
+                          kept_as: str | None = None) -> int:
     """Blocks that fit in gpu_memory_utilization of the card after the peak of peak_step (the largest step the
-    engine can run, against a cache of one block)."""
+    engine can run, against a cache of one block). kept_as: the key (peak_key) under which the step's transient bytes
+    are kept on disk: a later start reads them instead of running the step."""
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    peak_step()
-    torch.cuda.synchronize()
-    transient = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
-    torch.cuda.empty_cache()
+    transient = load_choices().get(kept_as) if kept_as else None
+    if not isinstance(transient, int):
+        torch.cuda.reset_peak_memory_stats()
+        peak_step()
+        torch.cuda.synchronize()
+        transient = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
+        torch.cuda.empty_cache()
+        if kept_as:
+            save_choice(kept_as, transient)
     free, total = torch.cuda.mem_get_info()
     available = total * gpu_memory_utilization - (total - free) - transient
     blocks = int(available // block_bytes)
@@ -37,6 +48,14 @@ def profile_num_kv_blocks(gpu_memory_utilization: float, block_bytes: int, peak_
         raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} leaves {available / 2**30:.2f} GiB for "
                          "the KV cache, under two blocks: raise it, or lower max_num_batched_tokens / max_num_seqs")
     return blocks
+
+
+def peak_key(config: EngineConfig, gpu: str) -> str:
+    """The peak step's key: the engine config, GPU, torch, and the worker's and kernels' source. The step lazy-loads
+    every sampler kernel: ~0.4 s of a start that could know its peak already."""
+    sources = sorted(p for package in ("worker", "kernels") for p in (ROOT / package).rglob("*.py"))
+    what = repr((config.to_dict(), gpu, torch.__version__, [source_hash(str(p)) for p in sources]))
+    return f"kv peak {hashlib.sha256(what.encode()).hexdigest()[:32]}"
 
 
 def allocate_kv_cache(mc: ModelConfig, num_blocks: int, kv_heads: int, block_size: int, dtype: torch.dtype,

@@ -19,7 +19,7 @@ from protocol.sampling import SamplingParams
 from worker.attention import AttentionBackend, AttentionMetadata, Views
 from worker.cuda_graphs import CudaGraphs, graph_batch_sizes, prefill_buckets
 from worker.input_buffers import StepBuffers
-from worker.kv_cache import allocate_kv_cache, cpu_num_kv_blocks, kv_block_bytes, profile_num_kv_blocks
+from worker.kv_cache import allocate_kv_cache, cpu_num_kv_blocks, kv_block_bytes, peak_key, profile_num_kv_blocks
 from worker.loader import init_dummy_weights, load_weights
 from worker.models import model_class
 from worker.parallel import local_kv_heads
@@ -179,7 +179,8 @@ class ModelRunner:
         block_bytes = kv_block_bytes(self.model_config, self._local_kv_heads(), self.config.block_size, self.dtype)
         if self.device.type == "cpu":
             return cpu_num_kv_blocks(-(-self.max_model_len * self.max_rows // self.config.block_size), block_bytes)
-        return profile_num_kv_blocks(self.config.gpu_memory_utilization, block_bytes, self._profile_forward)
+        return profile_num_kv_blocks(self.config.gpu_memory_utilization, block_bytes, self._profile_forward,
+                                     peak_key(self.config, torch.cuda.get_device_name(self.device)))
 
     def _one_block_cache(self, layers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         shape = (1, self._local_kv_heads(), self.config.block_size, self.model_config.head_dim)

@@ -3,6 +3,7 @@ from our scheduler, so a bad frame is fatal: the worker says why (WorkerError) a
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
 import logging
 import os
@@ -71,6 +72,8 @@ def startup_summary(parts: dict, clock: dict[str, float]) -> str:
 
 
 def _build_runner(config: EngineConfig, addresses: Addresses, rank: int, clock: dict[str, float]):
+    if config.device != "cpu":
+        threading.Thread(target=_make_cuda_context, args=(rank,), name="cuda-context", daemon=True).start()
     # Imported here: torch and CUDA load only once this process is committed to being a worker.
     import torch
 
@@ -93,6 +96,16 @@ def _build_runner(config: EngineConfig, addresses: Addresses, rank: int, clock: 
         init_method = f"file://{addresses.ipc_dir}/tp-rendezvous" if addresses.ipc_dir else "tcp://127.0.0.1:29500"
         init_tp_group(rank, tp_size, device.type, init_method)
     return ModelRunner(config, rank, tp_size)
+
+
+def _make_cuda_context(rank: int) -> None:
+    """GPU `rank`'s primary context (~0.3 s), made by the driver while torch imports (a ctypes call releases the
+    GIL); torch's first CUDA call then finds it. No driver: torch reports that itself."""
+    with contextlib.suppress(OSError):
+        cuda = ctypes.CDLL("libcuda.so.1")
+        device, context = ctypes.c_int(), ctypes.c_void_p()
+        if cuda.cuInit(0) == 0 and cuda.cuDeviceGet(ctypes.byref(device), rank) == 0:
+            cuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), device)
 
 
 class _Stopped(Exception):
