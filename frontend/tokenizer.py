@@ -78,7 +78,9 @@ def _from_pretrained(path, **kwargs) -> PreTrainedTokenizerBase:
     """AutoTokenizer's pick, Qwen2's class imported directly: AutoTokenizer imports torch, which delays launches."""
     declared = _declared_tokenizer_class(path)
     if declared in ("Qwen2Tokenizer", "Qwen2TokenizerFast"):
-        return _qwen2_tokenizer_class().from_pretrained(path, **kwargs)
+        from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer  # tokenizers-backed itself
+
+        return Qwen2Tokenizer.from_pretrained(path, **kwargs)
     if declared == "PreTrainedTokenizerFast":  # Llama 3's
         from transformers import PreTrainedTokenizerFast
 
@@ -93,15 +95,6 @@ def _declared_tokenizer_class(path) -> str | None:
         return json.loads((Path(path) / "tokenizer_config.json").read_text()).get("tokenizer_class")
     except (OSError, ValueError, AttributeError):  # no or odd config: AutoTokenizer decides, as it would anyway
         return None
-
-
-def _qwen2_tokenizer_class():
-    """The class AutoTokenizer gives a Qwen2 checkpoint: the tokenizers-backed one of each transformers major."""
-    try:
-        from transformers.models.qwen2.tokenization_qwen2_fast import Qwen2TokenizerFast as cls  # transformers 4
-    except ImportError:
-        from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer as cls  # 5: tokenizers-backed itself
-    return cls
 
 
 def has_tokenizer_files(model_dir: str | os.PathLike) -> bool:

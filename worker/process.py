@@ -72,8 +72,14 @@ def startup_summary(parts: dict, clock: dict[str, float]) -> str:
 
 
 def _build_runner(config: EngineConfig, addresses: Addresses, rank: int, clock: dict[str, float]):
+    # While torch imports (1.5-2 s): the driver makes the CUDA context, and Triton hashes its own files (~0.5 s),
+    # which every Triton cache key starts with. Both threads mostly run without the GIL.
     if config.device != "cpu":
         threading.Thread(target=_make_cuda_context, args=(rank,), name="cuda-context", daemon=True).start()
+    with contextlib.suppress(ImportError):  # private: without it, Triton hashes its files at the first compile
+        from triton.runtime.cache import triton_key
+
+        threading.Thread(target=triton_key, name="triton-key", daemon=True).start()
     # Imported here: torch and CUDA load only once this process is committed to being a worker.
     import torch
 
@@ -81,11 +87,6 @@ def _build_runner(config: EngineConfig, addresses: Addresses, rank: int, clock: 
     from worker.parallel import init_tp_group
 
     clock["torch_imported"] = time.time()
-    with contextlib.suppress(ImportError):  # private: without it, Triton hashes its files at the first compile
-        from triton.runtime.cache import triton_key
-
-        # Triton's cache keys start with a hash of its own files (~0.5 s): taken while CUDA and the weights load.
-        threading.Thread(target=triton_key, name="triton-key", daemon=True).start()
     tp_size = config.tensor_parallel_size
     device = select_device(config.device, rank)
     clock["device_selected"] = time.time()
@@ -99,8 +100,8 @@ def _build_runner(config: EngineConfig, addresses: Addresses, rank: int, clock: 
 
 
 def _make_cuda_context(rank: int) -> None:
-    """GPU `rank`'s primary context (~0.3 s), made by the driver while torch imports (a ctypes call releases the
-    GIL); torch's first CUDA call then finds it. No driver: torch reports that itself."""
+    """GPU `rank`'s primary context (~0.3 s), made by the driver (ctypes releases the GIL); torch's first CUDA call
+    then finds it. No driver: torch reports that itself."""
     with contextlib.suppress(OSError):
         cuda = ctypes.CDLL("libcuda.so.1")
         device, context = ctypes.c_int(), ctypes.c_void_p()
