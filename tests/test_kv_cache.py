@@ -31,16 +31,16 @@ def test_a_kept_peak_is_read_instead_of_running_the_step_and_its_key_follows_con
     monkeypatch.setenv("PICO_VLLM_CACHE", str(tmp_path))
     fake_card(monkeypatch, free_gib=50, transient_gib=2)
     steps, config = [], EngineConfig("qwen2.5-1.5b")
-    key = kv_cache.peak_key(config, "NVIDIA H200")
+    key = kv_cache.peak_key(config, "NVIDIA H200", 0)
     assert kv_cache.profile_num_kv_blocks(0.9, GIB, lambda: steps.append("peak"), key) == 38
     fake_card(monkeypatch, free_gib=50, transient_gib=7)  # what running the step again would measure
     assert kv_cache.profile_num_kv_blocks(0.9, GIB, lambda: steps.append("peak"), key) == 38
     assert steps == ["peak"]
     assert kv_cache.profile_num_kv_blocks(0.9, GIB, lambda: steps.append("peak")) == 33  # nothing kept: measured
-    assert key == kv_cache.peak_key(EngineConfig("qwen2.5-1.5b"), "NVIDIA H200")
-    others = {kv_cache.peak_key(EngineConfig("qwen2.5-1.5b", max_num_batched_tokens=4096), "NVIDIA H200"),
-              kv_cache.peak_key(config, "NVIDIA H100 80GB HBM3"), key}
-    assert len(others) == 3
+    assert key == kv_cache.peak_key(EngineConfig("qwen2.5-1.5b"), "NVIDIA H200", 0)
+    others = {kv_cache.peak_key(EngineConfig("qwen2.5-1.5b", max_num_batched_tokens=4096), "NVIDIA H200", 0),
+              kv_cache.peak_key(config, "NVIDIA H100 80GB HBM3", 0), kv_cache.peak_key(config, "NVIDIA H200", 1), key}
+    assert len(others) == 4
 
 
 def test_a_card_too_full_for_two_blocks_is_a_value_error_naming_the_setting(monkeypatch):

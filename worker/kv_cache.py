@@ -50,11 +50,11 @@ def profile_num_kv_blocks(gpu_memory_utilization: float, block_bytes: int, peak_
     return blocks
 
 
-def peak_key(config: EngineConfig, gpu: str) -> str:
-    """The peak step's key: the engine config, GPU, torch, and the worker's and kernels' source. The step lazy-loads
-    every sampler kernel: ~0.4 s of a start that could know its peak already."""
+def peak_key(config: EngineConfig, gpu: str, rank: int) -> str:
+    """The peak step's key: the engine config, GPU, rank, torch, and the worker's and kernels' source. The step
+    lazy-loads every sampler kernel: ~0.4 s of a start that could know its peak already."""
     sources = sorted(p for package in ("worker", "kernels") for p in (ROOT / package).rglob("*.py"))
-    what = repr((config.to_dict(), gpu, torch.__version__, [source_hash(str(p)) for p in sources]))
+    what = repr((config.to_dict(), gpu, rank, torch.__version__, [source_hash(str(p)) for p in sources]))
     return f"kv peak {hashlib.sha256(what.encode()).hexdigest()[:32]}"
 
 

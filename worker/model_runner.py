@@ -180,7 +180,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             return cpu_num_kv_blocks(-(-self.max_model_len * self.max_rows // self.config.block_size), block_bytes)
         return profile_num_kv_blocks(self.config.gpu_memory_utilization, block_bytes, self._profile_forward,
-                                     peak_key(self.config, torch.cuda.get_device_name(self.device)))
+                                     peak_key(self.config, torch.cuda.get_device_name(self.device), self.rank))
 
     def _one_block_cache(self, layers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         shape = (1, self._local_kv_heads(), self.config.block_size, self.model_config.head_dim)
