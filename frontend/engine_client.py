@@ -150,14 +150,12 @@ class EngineClient:
 
 def merge_traces(trace_dir: str) -> None:
     """trace.json (every process's trace, for Perfetto) and summary.txt (per stage p50/p90/p99 µs, GPU idle)."""
-    events: list[dict] = []
-    for path in sorted(glob.glob(os.path.join(trace_dir, "*-*.json"))):
-        events += json.loads(Path(path).read_text())["traceEvents"]
+    events = [e for path in sorted(glob.glob(os.path.join(trace_dir, "*-*.json")))
+              for e in json.loads(Path(path).read_text())["traceEvents"]]
     Path(trace_dir, "trace.json").write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ns"}))
     spans: dict[tuple[str, str], list[float]] = {}
-    for e in events:
-        if e.get("ph") == "X":
-            spans.setdefault((e["cat"], e["name"]), []).append(e["dur"])
+    for e in (e for e in events if e.get("ph") == "X"):
+        spans.setdefault((e["cat"], e["name"]), []).append(e["dur"])
     lines = [f"{'process':<12} {'stage':<22} {'count':>7} {'p50 us':>10} {'p90 us':>10} {'p99 us':>10}"]
     for (proc, name), durs in sorted(spans.items()):
         p50, p90, p99 = np.percentile(durs, [50, 90, 99])

@@ -9,28 +9,15 @@ from pathlib import Path
 from protocol.config import ARCHITECTURES, EngineConfig, InvalidParam, ModelConfig, check_tp_size
 
 # hidden, intermediate, layers, heads, kv heads, tied: the published Qwen2.5 and Qwen3 architectures (head_dim 128).
-_QWEN25_SIZES = {
-    "0.5b": (896, 4864, 24, 14, 2, True),
-    "1.5b": (1536, 8960, 28, 12, 2, True),
-    "3b": (2048, 11008, 36, 16, 2, True),
-    "7b": (3584, 18944, 28, 28, 4, False),
-}
-_QWEN3_SIZES = {
-    "0.6b": (1024, 3072, 28, 16, 8, True),
-    "1.7b": (2048, 6144, 28, 16, 8, True),
-    "4b": (2560, 9728, 36, 32, 8, True),
-    "8b": (4096, 12288, 36, 32, 8, False),
-}
+_QWEN25_SIZES = {"0.5b": (896, 4864, 24, 14, 2, True), "1.5b": (1536, 8960, 28, 12, 2, True),
+                 "3b": (2048, 11008, 36, 16, 2, True), "7b": (3584, 18944, 28, 28, 4, False)}
+_QWEN3_SIZES = {"0.6b": (1024, 3072, 28, 16, 8, True), "1.7b": (2048, 6144, 28, 16, 8, True),
+                "4b": (2560, 9728, 36, 32, 8, True), "8b": (4096, 12288, 36, 32, 8, False)}
 # hidden, intermediate, layers, heads, kv heads, head_dim, tied, RoPE scaling factor: Llama 3.x.
-_LLAMA_SIZES = {
-    "3.2-1b": (2048, 8192, 16, 32, 8, 64, True, 32.0),
-    "3.2-3b": (3072, 8192, 28, 24, 8, 128, True, 32.0),
-    "3.1-8b": (4096, 14336, 32, 32, 8, 128, False, 8.0),
-}
-_INSTRUCT_EOS = [151645, 151643]  # <|im_end|>, <|endoftext|>
-_BASE_EOS = [151643]
-_LLAMA_INSTRUCT_EOS = [128001, 128008, 128009]  # <|end_of_text|>, <|eom_id|>, <|eot_id|>
-_LLAMA_BASE_EOS = [128001]
+_LLAMA_SIZES = {"3.2-1b": (2048, 8192, 16, 32, 8, 64, True, 32.0), "3.2-3b": (3072, 8192, 28, 24, 8, 128, True, 32.0),
+                "3.1-8b": (4096, 14336, 32, 32, 8, 128, False, 8.0)}
+_QWEN_EOS = ([151643], [151645, 151643])  # (base, instruct): <|endoftext|>; <|im_end|>, <|endoftext|>
+_LLAMA_EOS = ([128001], [128001, 128008, 128009])  # (base, instruct): <|end_of_text|>; and <|eom_id|>, <|eot_id|>
 _FAMILIES = {"qwen2.5-": _QWEN25_SIZES, "qwen3-": _QWEN3_SIZES, "llama-": _LLAMA_SIZES}
 _NO_WEIGHTS = ["*.json", "*.txt", "*.jinja", "*.tiktoken", "*.model"]  # what dummy weights still need
 
@@ -100,7 +87,7 @@ def _qwen(prefix: str, size: str, shape: tuple, base: bool) -> tuple[str, ModelC
     config = ModelConfig(
         hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
         num_key_value_heads=kv_heads, head_dim=128, vocab_size=152064 if size == "7b" else 151936,
-        tie_word_embeddings=tied, eos_token_ids=list(_BASE_EOS if base else _INSTRUCT_EOS),
+        tie_word_embeddings=tied, eos_token_ids=list(_QWEN_EOS[not base]),
         max_position_embeddings=40960 if qwen3 and not base else 32768,
         architecture="Qwen3ForCausalLM" if qwen3 else "Qwen2ForCausalLM")
     if qwen3:
@@ -114,7 +101,7 @@ def _llama(prefix: str, size: str, shape: tuple, base: bool) -> tuple[str, Model
         hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
         num_key_value_heads=kv_heads, head_dim=head_dim, vocab_size=128256, rope_theta=500000.0,
         rms_norm_eps=1e-5, max_position_embeddings=131072, tie_word_embeddings=tied,
-        eos_token_ids=list(_LLAMA_BASE_EOS if base else _LLAMA_INSTRUCT_EOS), architecture="LlamaForCausalLM",
+        eos_token_ids=list(_LLAMA_EOS[not base]), architecture="LlamaForCausalLM",
         rope_scaling={"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                       "original_max_position_embeddings": 8192})
     return f"meta-llama/Llama-{size.upper()}" + ("" if base else "-Instruct"), config

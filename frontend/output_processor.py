@@ -136,8 +136,7 @@ class OutputProcessor:
 
     def abort(self, request_id: str) -> list[str]:
         """Return its engine ids, for the caller to tell the engine."""
-        state = self._requests.get(request_id)
-        if state is None:
+        if (state := self._requests.get(request_id)) is None:
             return []
         self._end(state, "abort")
         return state.engine_ids

@@ -76,7 +76,10 @@ def load_tokenizer(model: str, model_dir: str | None) -> PreTrainedTokenizerBase
 
 def _from_pretrained(path, **kwargs) -> PreTrainedTokenizerBase:
     """AutoTokenizer's pick, Qwen2's class imported directly: AutoTokenizer imports torch, which delays launches."""
-    declared = _declared_tokenizer_class(path)
+    try:
+        declared = json.loads((Path(path) / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):  # no or odd config: AutoTokenizer decides, as it would anyway
+        declared = None
     if declared in ("Qwen2Tokenizer", "Qwen2TokenizerFast"):
         from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer  # tokenizers-backed itself
 
@@ -88,13 +91,6 @@ def _from_pretrained(path, **kwargs) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer  # imported here: seconds to import, and the engine starts first
 
     return AutoTokenizer.from_pretrained(path, **kwargs)
-
-
-def _declared_tokenizer_class(path) -> str | None:
-    try:
-        return json.loads((Path(path) / "tokenizer_config.json").read_text()).get("tokenizer_class")
-    except (OSError, ValueError, AttributeError):  # no or odd config: AutoTokenizer decides, as it would anyway
-        return None
 
 
 def has_tokenizer_files(model_dir: str | os.PathLike) -> bool:

@@ -115,11 +115,10 @@ class WorkerError:
     reason: str
 
 
-_KINDS = {"np.ndarray": I32, "int": int, "str": str, "bool": bool, "dict": dict, "list": list,
-          "dict | None": (dict, type(None)), "list | None": (list, type(None)),
-          "str | None": (str, type(None))}  # annotation -> wire check
-MESSAGE_TYPES: dict[str, type] = {cls.__name__: cls for cls in (AddRequest, Abort, Shutdown, GetStats, TokenBatch,
-                                                                 Ready, EngineDead, Error, NewRow, StepPlan,
-                                                                 GrammarMask, StepResult, WorkerError)}
+_KINDS = {"np.ndarray": I32, "int": int, "str": str, "bool": bool, "dict": dict, "list": list,  # annotation -> check
+          **{f"{t.__name__} | None": (t, type(None)) for t in (dict, list, str)}}
+MESSAGE_TYPES: dict[str, type] = {cls.__name__: cls for cls in (
+    AddRequest, Abort, Shutdown, GetStats, TokenBatch, Ready, EngineDead, Error, NewRow, StepPlan, GrammarMask,
+    StepResult, WorkerError)}
 for _cls in MESSAGE_TYPES.values():
     _cls.WIRE = {f.name: _KINDS[f.type] for f in fields(_cls)}

@@ -176,12 +176,9 @@ class SchedulerServer:
                 frames = self.engine.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return out
-            if len(frames) != 2:
-                error = ProtocolError(f"a message of {len(frames) - 1} frames: send one frame per message")
-                log.warning("dropped a frontend message: %s", error)
-                out.append((frames[0], error))
-                continue
             try:
+                if len(frames) != 2:
+                    raise ProtocolError(f"a message of {len(frames) - 1} frames: send one frame per message")
                 out.append((frames[0], decode(frames[1])))
             except ProtocolError as e:
                 log.warning("dropped a malformed frame from a frontend: %s", e)
