@@ -176,8 +176,7 @@ def fp8_row_sums(products, s, SCALE: tl.constexpr):
 
 
 @triton.jit
-def shift_tiles(w2, w2_up, s2, s2_up, w3, w3_up, s3, s3_up, w_next, w_up_next, s_next, s_up_next,
-                AHEAD: tl.constexpr):
+def shift_tiles(w2, w2_up, s2, s2_up, w3, w3_up, s3, s3_up, w_next, w_up_next, s_next, s_up_next, AHEAD: tl.constexpr):
     # The GEMV's (tile to multiply next, the one after it, the one after that): AHEAD 1 leaves the last two unread.
     if AHEAD == 1:
         return w_next, w_up_next, s_next, s_up_next, w2, w2_up, s2, s2_up, w3, w3_up, s3, s3_up

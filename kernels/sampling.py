@@ -134,8 +134,7 @@ def _gumbel_argmax_kernel(logits_ptr, stride, rows_ptr, temps_ptr, stride_temp, 
     if last_to_arrive(arrivals + n, chunks):
         # The first column of the row's maximum (chunks hold ascending columns).
         offs = tl.arange(0, MAX_CHUNKS)
-        vals = tl.load(best_val_ptr + n * chunks + offs, mask=offs < chunks, other=float("-inf"),
-                       cache_modifier=".cg")
+        vals = tl.load(best_val_ptr + n * chunks + offs, mask=offs < chunks, other=float("-inf"), cache_modifier=".cg")
         idxs = tl.load(best_idx_ptr + n * chunks + offs, mask=offs < chunks, other=vocab, cache_modifier=".cg")
         token = tl.min(tl.where(vals == tl.max(vals, axis=0), idxs, vocab), axis=0).to(tl.int64)
         tl.store(out_ptr + n, token)

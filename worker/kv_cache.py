@@ -51,8 +51,7 @@ def profile_num_kv_blocks(gpu_memory_utilization: float, block_bytes: int, peak_
 
 
 def peak_key(config: EngineConfig, gpu: str, rank: int) -> str:
-    """The peak step's key: the engine config, GPU, rank, torch, and the worker's and kernels' source. The step
-    lazy-loads every sampler kernel: ~0.4 s of a start that could know its peak already."""
+    """The peak step's key: engine config, GPU, rank, torch and our source (it lazy-loads torch kernels: ~0.4 s)."""
     sources = sorted(p for package in ("worker", "kernels") for p in (ROOT / package).rglob("*.py"))
     what = repr((config.to_dict(), gpu, rank, torch.__version__, [source_hash(str(p)) for p in sources]))
     return f"kv peak {hashlib.sha256(what.encode()).hexdigest()[:32]}"

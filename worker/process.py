@@ -100,11 +100,9 @@ def _build_runner(config: EngineConfig, addresses: Addresses, rank: int, clock: 
 
 
 def _make_cuda_context(rank: int) -> None:
-    """GPU `rank`'s primary context (~0.3 s), made by the driver (ctypes releases the GIL); torch's first CUDA call
-    then finds it. No driver: torch reports that itself."""
-    with contextlib.suppress(OSError):
-        cuda = ctypes.CDLL("libcuda.so.1")
-        device, context = ctypes.c_int(), ctypes.c_void_p()
+    """GPU `rank`'s primary context (~0.3 s), made by the driver (ctypes drops the GIL): torch's first call finds it."""
+    with contextlib.suppress(OSError):  # no driver: torch reports that itself
+        cuda, device, context = ctypes.CDLL("libcuda.so.1"), ctypes.c_int(), ctypes.c_void_p()
         if cuda.cuInit(0) == 0 and cuda.cuDeviceGet(ctypes.byref(device), rank) == 0:
             cuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), device)
 

@@ -64,8 +64,7 @@ class Sampler:
 
     # ---- rows ---------------------------------------------------------------------------------------
 
-    def add_row(self, row: int, params: SamplingParams, prompt_ids: np.ndarray,
-                output_ids: np.ndarray) -> None:
+    def add_row(self, row: int, params: SamplingParams, prompt_ids: np.ndarray, output_ids: np.ndarray) -> None:
         """output_ids: tokens generated before a preemption (they count for penalties). params come resolved
         by the scheduler: a seed, and stop_token_ids with the EOS ids unless ignore_eos."""
         self.remove_row(row)
@@ -238,8 +237,7 @@ class Sampler:
         last_token.index_copy_(0, rows, tokens)
         return tokens
 
-    def _apply_top_k_top_p(self, logits: torch.Tensor, rows: torch.Tensor,
-                           rows_host: np.ndarray) -> torch.Tensor:
+    def _apply_top_k_top_p(self, logits: torch.Tensor, rows: torch.Tensor, rows_host: np.ndarray) -> torch.Tensor:
         """One sort, of only the rows that use top-k or top-p (a host-side choice: no sync)."""
         need = np.flatnonzero(self._feature["top_k_top_p"][rows_host])
         if len(need) == 0:
