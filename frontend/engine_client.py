@@ -153,15 +153,14 @@ def merge_traces(trace_dir: str) -> None:
     events = [e for path in sorted(glob.glob(os.path.join(trace_dir, "*-*.json")))
               for e in json.loads(Path(path).read_text())["traceEvents"]]
     Path(trace_dir, "trace.json").write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ns"}))
-    spans: dict[tuple[str, str], list[float]] = {}
-    for e in (e for e in events if e.get("ph") == "X"):
+    spans, timed = {}, [e for e in events if e.get("ph") == "X"]  # (process, stage) -> µs; events with a duration
+    for e in timed:
         spans.setdefault((e["cat"], e["name"]), []).append(e["dur"])
     lines = [f"{'process':<12} {'stage':<22} {'count':>7} {'p50 us':>10} {'p90 us':>10} {'p99 us':>10}"]
     for (proc, name), durs in sorted(spans.items()):
         p50, p90, p99 = np.percentile(durs, [50, 90, 99])
         lines.append(f"{proc:<12} {name:<22} {len(durs):>7} {p50:>10.1f} {p90:>10.1f} {p99:>10.1f}")
-    decode = sorted((e["args"]["step"], e["ts"], e["ts"] + e["dur"]) for e in events
-                    if e.get("ph") == "X" and e["name"] == DECODE_GPU_SPAN)
+    decode = sorted((e["args"]["step"], e["ts"], e["ts"] + e["dur"]) for e in timed if e["name"] == DECODE_GPU_SPAN)
     # Only back-to-back decode steps count: a prefill step between two of them is work, not idle time.
     pairs = [(a, b) for a, b in zip(decode, decode[1:]) if b[0] == a[0] + 1]
     if not pairs:
