@@ -2,6 +2,7 @@
 
 `--prompt TEXT` runs one prompt offline; `--headless --engine-address ADDR` serves the engine to other
 frontends over ZeroMQ (protocol/PROTOCOL.md). `--help` lists every flag."""
+
 import sys
 
 from frontend.cli import main

@@ -11,6 +11,7 @@ Each run is `python -m bench.<benchmark> <its args> --out <scratch>` with the tr
 first on PYTHONPATH, its own PICO_VLLM_CACHE (trees may tune different kernels) and BENCH_COMMIT set to the
 tree's commit where one is given after a colon (an exported tree has no .git of its own).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,16 +42,23 @@ def parse_tree(spec: str) -> tuple[str, Path, str | None]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     argv = sys.argv[1:] if argv is None else argv
     split = argv.index("--") if "--" in argv else len(argv)
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--tree", type=parse_tree, action="append", required=True, metavar="NAME=DIR[:COMMIT]",
-                   help="a source tree to run (give two or more)")
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument(
+        "--tree",
+        type=parse_tree,
+        action="append",
+        required=True,
+        metavar="NAME=DIR[:COMMIT]",
+        help="a source tree to run (give two or more)",
+    )
     p.add_argument("--rounds", type=int, default=2, help="runs of each tree, alternating")
     p.add_argument("--cache", default=None, help="root of the trees' PICO_VLLM_CACHE dirs (default: a temp dir)")
     p.add_argument("--out", default="bench/results")
     p.add_argument("benchmark", choices=BENCHMARKS)
     args = p.parse_args(argv[:split])
-    args.bench_args = argv[split + 1:]
+    args.bench_args = argv[split + 1 :]
     names = [name for name, _, _ in args.tree]
     if len(names) < 2 or len(set(names)) != len(names):
         p.error(f"--tree names {names}: give two or more, each name once")
@@ -64,8 +72,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def run_once(args: argparse.Namespace, name: str, tree: Path, commit: str | None, cache: Path) -> dict:
     """One run of the benchmark from `tree`: its result JSON."""
     with tempfile.TemporaryDirectory() as scratch:
-        env = {**os.environ, "PICO_VLLM_CACHE": str(cache / name),
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))}
+        env = {
+            **os.environ,
+            "PICO_VLLM_CACHE": str(cache / name),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")])),
+        }
         if commit:
             env["BENCH_COMMIT"] = commit
         cmd = [sys.executable, "-m", f"bench.{args.benchmark}", *args.bench_args, "--out", scratch]
@@ -80,10 +91,14 @@ def medians(runs: list[dict]) -> list[dict]:
     """Row by row over one tree's runs: each number's median; other values as the first run has them."""
     out = []
     for rows in zip(*(run["rows"] for run in runs)):
-        out.append({key: statistics.median(row[key] for row in rows)
-                    if all(isinstance(row.get(key), (int, float)) and not isinstance(row.get(key), bool)
-                           for row in rows) else value
-                    for key, value in rows[0].items()})
+        out.append(
+            {
+                key: statistics.median(row[key] for row in rows)
+                if all(isinstance(row.get(key), (int, float)) and not isinstance(row.get(key), bool) for row in rows)
+                else value
+                for key, value in rows[0].items()
+            }
+        )
     return out
 
 
@@ -98,8 +113,10 @@ def main(argv: list[str] | None = None) -> None:
                 numbers = result["numbers"]
                 rows = numbers["rows"] if "rows" in numbers else [numbers]  # startup's numbers are one row
                 runs.append({"tree": name, "round": round_, "commit": result["commit"], "rows": rows})
-    trees = {name: {"dir": str(tree), "commit": next(r["commit"] for r in runs if r["tree"] == name)}
-             for name, tree, _ in args.tree}
+    trees = {
+        name: {"dir": str(tree), "commit": next(r["commit"] for r in runs if r["tree"] == name)}
+        for name, tree, _ in args.tree
+    }
     summary = {name: medians([r for r in runs if r["tree"] == name]) for name in trees}
     for name, rows in summary.items():
         print_table(f"{name}: medians of {args.rounds} runs ({trees[name]['commit'][:12]})", rows)

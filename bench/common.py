@@ -1,5 +1,6 @@
 """What every benchmark shares: engine flags, seeded random prompts, the roofline, the result record and
 the table printer."""
+
 from __future__ import annotations
 
 import argparse
@@ -22,8 +23,18 @@ REPO_DIR = RESULTS_DIR.parents[1]
 COPY_TBPS = 4.24  # the H200's device-to-device copy, bytes read + written (bench/PERF.md)
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 # Engine options the benchmarks pass on, under LLM(...)'s keyword names (launch.py's flags in snake_case).
-ENGINE_KEYS = ("load_format", "device", "dtype", "enforce_eager", "tensor_parallel_size", "num_kv_blocks",
-               "block_size", "max_num_batched_tokens", "trace_dir", "quantization")
+ENGINE_KEYS = (
+    "load_format",
+    "device",
+    "dtype",
+    "enforce_eager",
+    "tensor_parallel_size",
+    "num_kv_blocks",
+    "block_size",
+    "max_num_batched_tokens",
+    "trace_dir",
+    "quantization",
+)
 
 
 def engine_parser(description: str) -> argparse.ArgumentParser:
@@ -38,8 +49,9 @@ def engine_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, help="GPUs to shard the model over")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="fix the KV cache size (default: from memory)")
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache block (default: the engine's)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget of one step (default: the engine's)")
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="token budget of one step (default: the engine's)"
+    )
     p.add_argument("--trace-dir", default=None, help="also write the engine's traces to this folder")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts and lengths")
     p.add_argument("--out", default=str(RESULTS_DIR), help="folder the result JSON is written to")
@@ -103,8 +115,12 @@ def timed(fn, *args) -> float:
 def param_count(c: ModelConfig) -> int:
     """Parameters of a Qwen2 model: embeddings (+ lm_head when untied), layers with qkv bias, final norm."""
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    layer = (c.hidden_size + 1) * (q + 2 * kv) + q * c.hidden_size \
-        + 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size
+    layer = (
+        (c.hidden_size + 1) * (q + 2 * kv)
+        + q * c.hidden_size
+        + 3 * c.hidden_size * c.intermediate_size
+        + 2 * c.hidden_size
+    )
     embeddings = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
     return embeddings + c.num_hidden_layers * layer + c.hidden_size
 
@@ -115,8 +131,9 @@ def linear_weight_count(c: ModelConfig) -> int:
     return c.num_hidden_layers * (c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size)
 
 
-def roofline(c: ModelConfig, dtype: str, copy_tbps: float, context: int = 0, tp: int = 1,
-             quantization: str | None = None) -> dict:
+def roofline(
+    c: ModelConfig, dtype: str, copy_tbps: float, context: int = 0, tp: int = 1, quantization: str | None = None
+) -> dict:
     """Batch-1 decode floor: each GPU reads its weights (and, with kv, the context's K and V) once a step; with
     fp8 the linears' weights are one byte each (their scales left out: under 0.1%)."""
     fp8_saved = linear_weight_count(c) * (DTYPE_BYTES[dtype] - 1) if quantization == "fp8" else 0
@@ -124,16 +141,29 @@ def roofline(c: ModelConfig, dtype: str, copy_tbps: float, context: int = 0, tp:
     kv_bytes = context * 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * DTYPE_BYTES[dtype] / tp
     ms = weight_bytes / (copy_tbps * 1e12) * 1e3
     kv_ms = (weight_bytes + kv_bytes) / (copy_tbps * 1e12) * 1e3
-    return {"weight_gb": weight_bytes / 1e9, "roofline_ms": ms, "roofline_tok_s": 1e3 / ms,
-            "roofline_kv_ms": kv_ms, "roofline_kv_tok_s": 1e3 / kv_ms}
+    return {
+        "weight_gb": weight_bytes / 1e9,
+        "roofline_ms": ms,
+        "roofline_tok_s": 1e3 / ms,
+        "roofline_kv_ms": kv_ms,
+        "roofline_kv_tok_s": 1e3 / kv_ms,
+    }
 
 
 def record(name: str, args: argparse.Namespace, numbers: dict | list) -> Path:
     """Write one run as `<date>-<commit>-<name>.json` under --out; return its path."""
     now = datetime.datetime.now(datetime.timezone.utc)
     commit = git_commit()
-    result = {"name": name, "commit": commit, "date": now.isoformat(timespec="seconds"), "gpu": gpu_name(),
-              "versions": versions(), "command": command_line(), "args": vars(args), "numbers": numbers}
+    result = {
+        "name": name,
+        "commit": commit,
+        "date": now.isoformat(timespec="seconds"),
+        "gpu": gpu_name(),
+        "versions": versions(),
+        "command": command_line(),
+        "args": vars(args),
+        "numbers": numbers,
+    }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     short = commit.split("-")[0][:12] + ("-dirty" if commit.endswith("-dirty") else "")

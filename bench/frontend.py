@@ -4,6 +4,7 @@ the work the LLM / server process does for every token the engine sends.
 
     python -m bench.frontend --model qwen2.5-1.5b
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,8 +26,9 @@ from protocol.sampling import SamplingParams
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--model", default="qwen2.5-1.5b", help="short name or Hugging Face directory")
     p.add_argument("--rows", type=int, default=256, help="requests, each getting one token a step")
     p.add_argument("--steps", type=int, default=200, help="TokenBatches processed")
@@ -41,11 +43,13 @@ def us_per_token(tokenizer, args: argparse.Namespace) -> float:
     vocab = len(tokenizer)
     processor, ids = OutputProcessor(tokenizer), []
     for i in range(args.rows):
-        _, msgs = processor.add(f"r{i}", None, random_ids(rng, 100, vocab),
-                                SamplingParams(max_tokens=args.steps + 1, ignore_eos=True))
+        _, msgs = processor.add(
+            f"r{i}", None, random_ids(rng, 100, vocab), SamplingParams(max_tokens=args.steps + 1, ignore_eos=True)
+        )
         ids.append(msgs[0].request_id)
-    batches = [TokenBatch(step, ids, np.array(random_ids(rng, args.rows, vocab), np.int32))
-               for step in range(args.steps)]
+    batches = [
+        TokenBatch(step, ids, np.array(random_ids(rng, args.rows, vocab), np.int32)) for step in range(args.steps)
+    ]
     start = time.perf_counter()
     for batch in batches:
         processor.process(batch)
@@ -65,8 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     with mock.patch.object(output_processor, "make_detokenizer", IncrementalDetokenizer):  # the baseline
         before = us_per_token(tokenizer, args)
     chosen = type(make_detokenizer(tokenizer, [])).__name__
-    rows = [{"detokenizer": "IncrementalDetokenizer (windowed decode)", "us_per_token": before},
-            {"detokenizer": f"make_detokenizer -> {chosen}", "us_per_token": us_per_token(tokenizer, args)}]
+    rows = [
+        {"detokenizer": "IncrementalDetokenizer (windowed decode)", "us_per_token": before},
+        {"detokenizer": f"make_detokenizer -> {chosen}", "us_per_token": us_per_token(tokenizer, args)},
+    ]
     print_table(f"frontend: {args.rows} rows x {args.steps} steps, {args.model}'s tokenizer", rows)
     record("frontend", args, {"cpu": cpu_name(), "rows": rows})
     return 0

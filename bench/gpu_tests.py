@@ -1,7 +1,8 @@
 """Run the GPU tests (`pytest -m gpu tests`) and record every test's outcome beside the benchmarks.
 
-    python -m bench.gpu_tests --out bench/results
+python -m bench.gpu_tests --out bench/results
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,11 +40,21 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     plugin, start = _Outcomes(), time.perf_counter()
     # A module that cannot import here (the GPU image lacks a CPU-only test's client) must not hide the rest.
-    code = pytest.main(["-q", "-m", "gpu", "-p", "no:cacheprovider", "--continue-on-collection-errors", "tests"],
-                       plugins=[plugin])
+    code = pytest.main(
+        ["-q", "-m", "gpu", "-p", "no:cacheprovider", "--continue-on-collection-errors", "tests"], plugins=[plugin]
+    )
     counts = {k: sum(v == k for v in plugin.outcomes.values()) for k in ("passed", "failed", "skipped")}
-    record("gpu-tests", args, {"exit_code": int(code), "wall_s": time.perf_counter() - start, **counts,
-                               "tests": plugin.outcomes, "collect_errors": plugin.collect_errors})
+    record(
+        "gpu-tests",
+        args,
+        {
+            "exit_code": int(code),
+            "wall_s": time.perf_counter() - start,
+            **counts,
+            "tests": plugin.outcomes,
+            "collect_errors": plugin.collect_errors,
+        },
+    )
     return int(code)
 
 

@@ -3,6 +3,7 @@ one matcher along a valid answer, with the model's whole vocabulary (Qwen2.5's 1
 
     python -m bench.grammar_mask
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,12 +19,26 @@ from frontend.model_resolution import resolve_model
 from frontend.tokenizer import load_tokenizer
 from scheduler.grammar import Grammars
 
-SCHEMA = {"type": "object", "required": ["name", "age", "tags", "address"], "properties": {
-    "name": {"type": "string"}, "age": {"type": "integer"}, "tags": {"type": "array", "items": {"type": "string"}},
-    "address": {"type": "object", "required": ["city", "zip"],
-                "properties": {"city": {"type": "string"}, "zip": {"type": "string"}}}}}
-ANSWER = {"name": "Alice Smith", "age": 31, "tags": ["admin", "ops", "on call"],
-          "address": {"city": "Paris", "zip": "75001"}}
+SCHEMA = {
+    "type": "object",
+    "required": ["name", "age", "tags", "address"],
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "address": {
+            "type": "object",
+            "required": ["city", "zip"],
+            "properties": {"city": {"type": "string"}, "zip": {"type": "string"}},
+        },
+    },
+}
+ANSWER = {
+    "name": "Alice Smith",
+    "age": 31,
+    "tags": ["admin", "ops", "on call"],
+    "address": {"city": "Paris", "zip": "75001"},
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,8 +48,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     config, model_path = resolve_model(args.model, "dummy")
     tmp = tempfile.TemporaryDirectory()  # for the shared mask file, as the scheduler's ipc directory holds it
-    grammars = Grammars(args.model, model_path, config.vocab_size, frozenset(config.eos_token_ids),
-                        os.path.join(tmp.name, "grammar-masks"))
+    grammars = Grammars(
+        args.model,
+        model_path,
+        config.vocab_size,
+        frozenset(config.eos_token_ids),
+        os.path.join(tmp.name, "grammar-masks"),
+    )
     start = time.perf_counter()
     compiled = grammars.compile({"json": json.dumps(SCHEMA), "any_whitespace": False}).result()
     print(f"first compile (xgrammar and tokenizer load included): {time.perf_counter() - start:.2f} s")
@@ -54,8 +74,10 @@ def main(argv: list[str] | None = None) -> int:
             accept.append(time.perf_counter() - t1)
     for name, times in (("fill (bitmask of one row)", fill), ("accept", accept)):
         us = np.array(times) * 1e6
-        print(f"{name}: p50 {np.percentile(us, 50):.1f} µs, p90 {np.percentile(us, 90):.1f}, max {us.max():.1f}, "
-              f"mean {us.mean():.1f} over {len(us)} tokens")
+        print(
+            f"{name}: p50 {np.percentile(us, 50):.1f} µs, p90 {np.percentile(us, 90):.1f}, max {us.max():.1f}, "
+            f"mean {us.mean():.1f} over {len(us)} tokens"
+        )
     return 0
 
 

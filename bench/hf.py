@@ -2,6 +2,7 @@
 
 Run it after our engine has shut down, so that the two never share the GPU's memory.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,11 +19,19 @@ def hf_config(config: ModelConfig):
 
     scaling = {"rope_scaling": dict(config.rope_scaling)} if config.rope_scaling else {}
     return getattr(transformers, config.architecture.replace("ForCausalLM", "Config"))(
-        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim,
-        max_position_embeddings=config.max_position_embeddings, rope_theta=config.rope_theta,
-        rms_norm_eps=config.rms_norm_eps, tie_word_embeddings=config.tie_word_embeddings, **scaling)
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        max_position_embeddings=config.max_position_embeddings,
+        rope_theta=config.rope_theta,
+        rms_norm_eps=config.rms_norm_eps,
+        tie_word_embeddings=config.tie_word_embeddings,
+        **scaling,
+    )
 
 
 def load_hf_model(args: argparse.Namespace, config: ModelConfig, model_path: str | None):
@@ -51,13 +60,22 @@ def hf_generate(model, prompts: list[list[int]], max_new: int, temperature: floa
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt):] = torch.tensor(prompt)
-        mask[row, width - len(prompt):] = 1
-    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 \
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    sampling = (
+        {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+        if temperature > 0
         else {"do_sample": False}
+    )
     with torch.inference_mode():
-        out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
-                             max_new_tokens=max_new, min_new_tokens=max_new, pad_token_id=0, **sampling)
+        out = model.generate(
+            input_ids=ids.to(model.device),
+            attention_mask=mask.to(model.device),
+            max_new_tokens=max_new,
+            min_new_tokens=max_new,
+            pad_token_id=0,
+            **sampling,
+        )
     if model.device.type == "cuda":
         torch.cuda.synchronize()
     if out.shape[1] != width + max_new:

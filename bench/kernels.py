@@ -9,6 +9,7 @@ FP8 weights (per output channel, or Qwen's 128 x 128 blocks), once per scaled_mm
     python -m bench.kernels --rows 1 8 --attention 1:32:32768 256:512:2048
     python -m bench.kernels --rows 1 4 16 64 128 256 --attention 1:32:32768 --fp8 channel
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,8 +21,17 @@ from protocol.config import ModelConfig
 
 # (batch, context, max_model_len): batch 1 in the latency engine's 32K grid; batches 2 and 4 there, the largest
 # the few-rows launch takes; the throughput recipe's.
-ATTENTION_CASES = [(1, 32, 32768), (1, 4096, 32768), (1, 32640, 32768), (2, 8192, 32768), (4, 640, 32768),
-                   (4, 8192, 32768), (64, 640, 32768), (256, 512, 2048), (256, 1024, 2048)]
+ATTENTION_CASES = [
+    (1, 32, 32768),
+    (1, 4096, 32768),
+    (1, 32640, 32768),
+    (2, 8192, 32768),
+    (4, 640, 32768),
+    (4, 8192, 32768),
+    (64, 640, 32768),
+    (256, 512, 2048),
+    (256, 1024, 2048),
+]
 
 
 def attention_case(text: str) -> tuple[int, int, int]:
@@ -29,22 +39,32 @@ def attention_case(text: str) -> tuple[int, int, int]:
     try:
         batch, context, max_len = (int(part) for part in text.split(":"))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not batch:context:max_model_len, e.g. 1:32:32768")
+        raise argparse.ArgumentTypeError(f"{text!r} is not batch:context:max_model_len, e.g. 1:32:32768") from None
     if min(batch, context, max_len) < 1 or context > max_len:
         raise argparse.ArgumentTypeError(f"{text!r}: use positive numbers with context <= max_model_len")
     return batch, context, max_len
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--model", default="qwen2.5-1.5b", help="short name, Hugging Face directory or repo id")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8], help="rows of x for every linear")
-    p.add_argument("--attention", type=attention_case, nargs="+", default=ATTENTION_CASES,
-                   help="decode attention cases, batch:context:max_model_len")
+    p.add_argument(
+        "--attention",
+        type=attention_case,
+        nargs="+",
+        default=ATTENTION_CASES,
+        help="decode attention cases, batch:context:max_model_len",
+    )
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size")
-    p.add_argument("--fp8", choices=["channel", "block"], default=None,
-                   help="also time the linears with FP8 weights: a scale per output channel, or per 128 x 128 block")
+    p.add_argument(
+        "--fp8",
+        choices=["channel", "block"],
+        default=None,
+        help="also time the linears with FP8 weights: a scale per output channel, or per 128 x 128 block",
+    )
     p.add_argument("--out", default=str(RESULTS_DIR), help="folder the result JSON is written to")
     args = p.parse_args(argv)
     if min(args.rows) < 1:
@@ -56,10 +76,13 @@ def linear_shapes(c: ModelConfig) -> dict[str, tuple[int, int, bool, tuple[str, 
     """(out features, in features, has bias, the folds timed: kernels.linear's "" and the ops a decode step
     folds into it) of each linear of a decode step, unsharded."""
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    return {"qkv": (q + 2 * kv, c.hidden_size, True, ("", "norm")), "o_proj": (c.hidden_size, q, False, ("",)),
-            "gate_up": (2 * c.intermediate_size, c.hidden_size, False, ("", "swiglu", "norm+swiglu")),
-            "down": (c.hidden_size, c.intermediate_size, False, ("",)),
-            "lm_head": (c.vocab_size, c.hidden_size, False, ("",))}
+    return {
+        "qkv": (q + 2 * kv, c.hidden_size, True, ("", "norm")),
+        "o_proj": (c.hidden_size, q, False, ("",)),
+        "gate_up": (2 * c.intermediate_size, c.hidden_size, False, ("", "swiglu", "norm+swiglu")),
+        "down": (c.hidden_size, c.intermediate_size, False, ("",)),
+        "lm_head": (c.vocab_size, c.hidden_size, False, ("",)),
+    }
 
 
 def fold_inputs(fold: str, rows: int, k: int) -> tuple:
@@ -88,7 +111,7 @@ def time_linears(c: ModelConfig, rows: list[int], fp8_block: tuple[int, int] | N
     for name, (n, k, has_bias, folds) in linear_shapes(c).items():
         if fp8_block and name == "lm_head":
             continue
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
         if fp8_block:
             w = Fp8Weight(*quantize(w, fp8_block), fp8_block)
         bias = torch.randn(n, device="cuda", dtype=torch.bfloat16) if has_bias else None
@@ -100,9 +123,18 @@ def time_linears(c: ModelConfig, rows: list[int], fp8_block: tuple[int, int] | N
                 op, copies = functools.partial(run_path, fold, x), linear_plan.cold_copies(w, bias)
                 unfused, chosen = linear_plan.op_us(op, copies, None), linear_plan.op_us(op, copies, config)
                 mb = n * k * (1 if fp8_block else 2) / 1e6  # MB per µs is TB/s
-                results.append({"linear": name, "fold": fold or "-", "rows": m, "weight_mb": mb,
-                                "unfused_us": unfused, "chosen_us": chosen, "chosen_tb_s": mb / chosen,
-                                "chosen": str(config) if config else "unfused (cuBLAS)"})
+                results.append(
+                    {
+                        "linear": name,
+                        "fold": fold or "-",
+                        "rows": m,
+                        "weight_mb": mb,
+                        "unfused_us": unfused,
+                        "chosen_us": chosen,
+                        "chosen_tb_s": mb / chosen,
+                        "chosen": str(config) if config else "unfused (cuBLAS)",
+                    }
+                )
         del w, bias
     return results
 
@@ -126,14 +158,21 @@ def time_attention(c: ModelConfig, cases: list[tuple[int, int, int]], block_size
         # As a decode step runs it: the step's own K/V rotated and stored at position context - 1, and a few rows'
         # block tables read through their rows.
         slots = tables[:, (context - 1) // block_size].long() * block_size + (context - 1) % block_size
-        new_kv = NewTokenKV(torch.randn_like(q[:, :hkv]), torch.randn_like(q[:, :hkv]), lens.long() - 1,
-                            make_cos_sin(context, d, 1e6, "cuda"), slots)
+        new_kv = NewTokenKV(
+            torch.randn_like(q[:, :hkv]),
+            torch.randn_like(q[:, :hkv]),
+            lens.long() - 1,
+            make_cos_sin(context, d, 1e6, "cuda"),
+            slots,
+        )
         rows = torch.arange(batch, device="cuda") if few_rows_launch(batch, hkv) else None
-        us = graph_us([functools.partial(rope_store_decode_attention, q, new_kv, k_cache, v_cache, tables, lens,
-                                         d ** -0.5, rows)])
+        us = graph_us(
+            [functools.partial(rope_store_decode_attention, q, new_kv, k_cache, v_cache, tables, lens, d**-0.5, rows)]
+        )
         kv_gb = 2 * batch * context * hkv * d * 2 / 1e9  # K and V read, bf16
-        results.append({"batch": batch, "context": context, "max_model_len": max_len, "us": us,
-                        "kv_tb_s": kv_gb / us * 1e3})
+        results.append(
+            {"batch": batch, "context": context, "max_model_len": max_len, "us": us, "kv_tb_s": kv_gb / us * 1e3}
+        )
         del k_cache, v_cache
     return results
 
@@ -145,11 +184,14 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("bench.kernels times CUDA graphs: it needs a CUDA GPU (this machine has none)")
     config, _ = resolve_model(args.model, load_format="dummy")
-    numbers = {"linears": time_linears(config, args.rows),
-               "attention": time_attention(config, args.attention, args.block_size)}
+    numbers = {
+        "linears": time_linears(config, args.rows),
+        "attention": time_attention(config, args.attention, args.block_size),
+    }
     print_table(f"linears of {args.model} in bf16, each in a CUDA graph over weights not in L2", numbers["linears"])
-    print_table("decode attention per layer (one layer's cache; max_model_len sets the split grid)",
-                numbers["attention"])
+    print_table(
+        "decode attention per layer (one layer's cache; max_model_len sets the split grid)", numbers["attention"]
+    )
     if args.fp8:
         from kernels import linear
         from kernels.fp8 import PER_CHANNEL

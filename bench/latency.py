@@ -7,6 +7,7 @@ prompt, so that the prefix cache never skips a prefill.
 
     python -m bench.latency --baseline hf                  # qwen2.5-1.5b, dummy weights, 32/1024/32768
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,8 +16,17 @@ import statistics
 import sys
 from collections.abc import Callable
 
-from bench.common import (COPY_TBPS, dtype_name, engine_parser, print_table, random_ids, record, roofline,
-                          start_engine, timed)
+from bench.common import (
+    COPY_TBPS,
+    dtype_name,
+    engine_parser,
+    print_table,
+    random_ids,
+    record,
+    roofline,
+    start_engine,
+    timed,
+)
 from frontend.model_resolution import resolve_model
 
 Generate = Callable[[list[int], int], object]  # (prompt ids, new tokens) -> returns when they are done
@@ -24,8 +34,13 @@ Generate = Callable[[list[int], int], object]  # (prompt ids, new tokens) -> ret
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = engine_parser(__doc__.splitlines()[0])
-    p.add_argument("--prompt-lens", type=int, nargs="+", default=[32, 1024, 32768],
-                   help="prompt lengths; each is cut to fit the model's length with --max-tokens")
+    p.add_argument(
+        "--prompt-lens",
+        type=int,
+        nargs="+",
+        default=[32, 1024, 32768],
+        help="prompt lengths; each is cut to fit the model's length with --max-tokens",
+    )
     p.add_argument("--max-tokens", type=int, default=257, help="N, the new tokens of the long generate")
     p.add_argument("--repeats", type=int, default=3, help="timed pairs per length (the median is kept)")
     p.add_argument("--hf-repeats", type=int, default=1, help="the same for the HF baseline (slow: 56 ms/step)")
@@ -65,8 +80,10 @@ def run_hf(args: argparse.Namespace, lens: list[int], config, model_path: str | 
     from bench.hf import hf_generate, load_hf_model
 
     model = load_hf_model(args, config, model_path)
-    return [measure(lambda ids, n: hf_generate(model, [ids], n), length, args, config.vocab_size,
-                    args.hf_repeats) for length in lens]
+    return [
+        measure(lambda ids, n: hf_generate(model, [ids], n), length, args, config.vocab_size, args.hf_repeats)
+        for length in lens
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,16 +97,26 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for n, mine, theirs in zip(lens, ours, hf):
         roof = roofline(config, dtype, args.copy_tbps, n, args.tensor_parallel_size, args.quantization)
-        rows.append({"prompt_len": n, **mine,
-                     "hf_ttft_ms": theirs.get("ttft_ms"), "hf_tok_s": theirs.get("tok_s"),
-                     "vs_hf": mine["tok_s"] / theirs["tok_s"] if theirs.get("tok_s") and mine["tok_s"] else None,
-                     "roofline_ms": roof["roofline_ms"], "roofline_tok_s": roof["roofline_tok_s"],
-                     "roofline_kv_tok_s": roof["roofline_kv_tok_s"],
-                     "of_roofline": mine["tok_s"] / roof["roofline_tok_s"] if mine["tok_s"] else None})
+        rows.append(
+            {
+                "prompt_len": n,
+                **mine,
+                "hf_ttft_ms": theirs.get("ttft_ms"),
+                "hf_tok_s": theirs.get("tok_s"),
+                "vs_hf": mine["tok_s"] / theirs["tok_s"] if theirs.get("tok_s") and mine["tok_s"] else None,
+                "roofline_ms": roof["roofline_ms"],
+                "roofline_tok_s": roof["roofline_tok_s"],
+                "roofline_kv_tok_s": roof["roofline_kv_tok_s"],
+                "of_roofline": mine["tok_s"] / roof["roofline_tok_s"] if mine["tok_s"] else None,
+            }
+        )
     name = ("latency-eager" if args.enforce_eager else "latency") + ("-fp8" if args.quantization else "")
-    print_table(f"{name}: batch 1, {args.max_tokens} new tokens, {args.model} {dtype} {args.quantization or ''}, "
-                f"roofline {roof['weight_gb']:.3f} GB of weights at {args.copy_tbps} TB/s "
-                "(roofline_kv: + the context's KV)", rows)
+    print_table(
+        f"{name}: batch 1, {args.max_tokens} new tokens, {args.model} {dtype} {args.quantization or ''}, "
+        f"roofline {roof['weight_gb']:.3f} GB of weights at {args.copy_tbps} TB/s "
+        "(roofline_kv: + the context's KV)",
+        rows,
+    )
     record(name, args, {"rows": rows, "weight_gb": roof["weight_gb"]})
     return 0
 

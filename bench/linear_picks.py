@@ -7,6 +7,7 @@ picks for, and again after changing a GEMV kernel; commit the file.
 
     python -m bench.linear_picks [--models qwen2.5-1.5b qwen3-1.7b ...]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,11 +29,17 @@ KV_BLOCKS = 1024  # a fixed small cache: no memory profile, and room beside it f
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--models", nargs="+", default=short_names(), help="short names, HF directories or repo ids")
-    p.add_argument("--quantization", nargs="+", default=["none", "fp8"], choices=["none", "fp8"],
-                   help="weights to time the picks of: the model's dtype ('none') and FP8")
+    p.add_argument(
+        "--quantization",
+        nargs="+",
+        default=["none", "fp8"],
+        choices=["none", "fp8"],
+        help="weights to time the picks of: the model's dtype ('none') and FP8",
+    )
     p.add_argument("--file", default=str(linear_picks.PATH), help="the picks file to merge into")
     args = p.parse_args(argv)
     # Time every shape: neither the shipped file nor this machine's cache may answer for it.
@@ -62,11 +69,22 @@ def time_model(model: str, quantization: str) -> dict:
     from worker.model_runner import ModelRunner
 
     started = time.perf_counter()
-    config = resolve_config(EngineConfig(model=model, load_format="dummy", device="cuda", num_kv_blocks=KV_BLOCKS,
-                                         quantization=None if quantization == "none" else quantization))
+    config = resolve_config(
+        EngineConfig(
+            model=model,
+            load_format="dummy",
+            device="cuda",
+            num_kv_blocks=KV_BLOCKS,
+            quantization=None if quantization == "none" else quantization,
+        )
+    )
     runner = ModelRunner(config)
-    row = {"model": model, "quantization": quantization, "seconds": time.perf_counter() - started,
-           "kernels_compiled": runner.startup["kernels_compiled"]}
+    row = {
+        "model": model,
+        "quantization": quantization,
+        "seconds": time.perf_counter() - started,
+        "kernels_compiled": runner.startup["kernels_compiled"],
+    }
     del runner
     gc.collect()
     torch.cuda.empty_cache()
@@ -78,8 +96,12 @@ def merge(path: Path, gpu: str, picks: dict[str, object], timed_when: str = "") 
     staleness key, which names the kernels' source hashes)."""
     data = linear_picks.read(path)
     data["gpus"][gpu] = {**data["gpus"].get(gpu, {}), **picks}
-    data.setdefault("timed_with", {})[gpu] = {"commit": git_commit(), "versions": versions(), "key": timed_when,
-                                             "date": datetime.date.today().isoformat()}
+    data.setdefault("timed_with", {})[gpu] = {
+        "commit": git_commit(),
+        "versions": versions(),
+        "key": timed_when,
+        "date": datetime.date.today().isoformat(),
+    }
     path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
 
 

@@ -11,6 +11,7 @@ gets its critical path: each kernel's share of the step, end(k) - end(k - 1) in 
 the kernel does to the ones beside it (under PDL a kernel starts before the one before it ends, and its
 duration is no longer its cost).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,13 @@ from protocol.sampling import SamplingParams
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = engine_parser(__doc__.splitlines()[0])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 256], help="decode batch sizes to profile")
-    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.6],
-                   help="one per batch size: 0 is greedy (the sampler inside the graph), > 0 samples")
+    p.add_argument(
+        "--temperatures",
+        type=float,
+        nargs="+",
+        default=[0.0, 0.6],
+        help="one per batch size: 0 is greedy (the sampler inside the graph), > 0 samples",
+    )
     p.add_argument("--context", type=int, default=512, help="prompt tokens of every row")
     p.add_argument("--steps", type=int, default=20, help="profiled decode steps per batch size")
     p.add_argument("--warmup", type=int, default=5, help="decode steps before the profiled ones")
@@ -93,8 +99,10 @@ def kernel_table(prof, steps: int, top: int) -> tuple[list[dict], float]:
     if total <= 0:
         raise RuntimeError("the profiler saw no kernels (are graph replays hidden?): rerun with --enforce-eager")
     ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])
-    rows = [{"kernel": name[:80], "calls_per_step": calls / steps, "us_per_step": us / steps,
-             "share": us / steps / total} for name, (us, calls) in ranked[:top]]
+    rows = [
+        {"kernel": name[:80], "calls_per_step": calls / steps, "us_per_step": us / steps, "share": us / steps / total}
+        for name, (us, calls) in ranked[:top]
+    ]
     rest = sum(us for _, (us, _) in ranked[top:]) / steps
     rows.append({"kernel": f"({max(0, len(ranked) - top)} others)", "us_per_step": rest, "share": rest / total})
     return rows, total
@@ -111,8 +119,10 @@ def critical_path(kernels: list[tuple[str, float, float]], steps: int, layers: i
     the graph's launch, which a served step overlaps): it gets its own row, HOST_GAP, not the kernel's."""
     per_step = len(kernels) // steps
     if per_step == 0 or per_step * steps != len(kernels):
-        raise ValueError(f"{len(kernels)} kernels are not {steps} steps of the same kernels: profile graph "
-                         "replays of one batch size only")
+        raise ValueError(
+            f"{len(kernels)} kernels are not {steps} steps of the same kernels: profile graph "
+            "replays of one batch size only"
+        )
     counts: dict[str, int] = defaultdict(int)
     for name, _, _ in kernels[:per_step]:
         counts[name] += 1
@@ -121,7 +131,7 @@ def critical_path(kernels: list[tuple[str, float, float]], steps: int, layers: i
         seen: dict[str, int] = defaultdict(int)
         prev_end = kernels[first][1]
         prev_name = ""
-        for name, start, end in kernels[first:first + per_step]:
+        for name, start, end in kernels[first : first + per_step]:
             per_layer = counts[name] // layers if counts[name] % layers == 0 else 1
             label = f"{name} #{seen[name] % per_layer + 1}" if per_layer > 1 else name
             seen[name] += 1
@@ -135,14 +145,23 @@ def critical_path(kernels: list[tuple[str, float, float]], steps: int, layers: i
             row[2] += 1
             prev_end, prev_name = end, name
     ranked = sorted(rows.items(), key=lambda kv: -kv[1][0])
-    return [{"kernel": label[:80], "calls_per_step": calls / steps, "share_us_per_step": share / steps,
-             "us_per_step": duration / steps} for label, (share, duration, calls) in ranked]
+    return [
+        {
+            "kernel": label[:80],
+            "calls_per_step": calls / steps,
+            "share_us_per_step": share / steps,
+            "us_per_step": duration / steps,
+        }
+        for label, (share, duration, calls) in ranked
+    ]
 
 
 def device_kernels(prof) -> list[tuple[str, float, float]]:
     """The profiled device kernels and copies as (name, start µs, end µs), in launch order."""
-    return sorted(((e.name, e.time_range.start, e.time_range.end) for e in prof.events()
-                   if e.device_type.name == "CUDA"), key=lambda k: k[1])
+    return sorted(
+        ((e.name, e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type.name == "CUDA"),
+        key=lambda k: k[1],
+    )
 
 
 def profiled(fn, steps: int, cuda: bool):
@@ -158,10 +177,12 @@ def profiled(fn, steps: int, cuda: bool):
     return prof
 
 
-def decode_table(driver: Driver, args: argparse.Namespace,
-                 cuda: bool) -> tuple[list[dict], float, str, list[dict] | str | None]:
+def decode_table(
+    driver: Driver, args: argparse.Namespace, cuda: bool
+) -> tuple[list[dict], float, str, list[dict] | str | None]:
     """The kernels of --steps decode steps as served, and on the GPU their critical path (or why there is none);
     run eagerly when the profiler cannot see inside graphs."""
+
     def tables() -> tuple[list[dict], float, list[dict] | str | None]:
         prof = profiled(driver.decode, args.steps, cuda)
         kernels, total = kernel_table(prof, args.steps, args.top)
@@ -200,8 +221,7 @@ def recapture_seconds(runner) -> float | None:
 
     start = time.perf_counter()
     with torch.inference_mode():  # the runner's buffers are inference tensors, as at start-up
-        runner.graphs.capture("decode", runner.graphs.views["decode"], runner._decode_forward,
-                              runner._decode_forward)
+        runner.graphs.capture("decode", runner.graphs.views["decode"], runner._decode_forward, runner._decode_forward)
     return time.perf_counter() - start
 
 
@@ -212,9 +232,18 @@ def main(argv: list[str] | None = None) -> int:
 
     max_len, rows = args.context + args.warmup + args.steps + 1, max(args.batches)
     blocks = args.num_kv_blocks or rows * -(-max_len // 16)  # every row at full length: all the driver needs
-    config = EngineConfig(args.model, device=args.device, load_format=args.load_format, dtype=args.dtype,
-                          seed=args.seed, enforce_eager=args.enforce_eager, max_num_seqs=rows,
-                          max_model_len=max_len, block_size=16, num_kv_blocks=blocks)
+    config = EngineConfig(
+        args.model,
+        device=args.device,
+        load_format=args.load_format,
+        dtype=args.dtype,
+        seed=args.seed,
+        enforce_eager=args.enforce_eager,
+        max_num_seqs=rows,
+        max_model_len=max_len,
+        block_size=16,
+        num_kv_blocks=blocks,
+    )
     runner = ModelRunner(resolve_config(config))
     cuda, vocab = runner.device.type == "cuda", runner.model_config.vocab_size
     driver, rng = Driver(runner, config.block_size), random.Random(args.seed)
@@ -226,13 +255,23 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.warmup):
             driver.decode()
         kernels, total, mode, path = decode_table(driver, args, cuda)
-        print_table(f"decode ({mode}), batch {batch}, temperature {temperature}: {total:.0f} us of kernels a step",
-                    kernels)
+        print_table(
+            f"decode ({mode}), batch {batch}, temperature {temperature}: {total:.0f} us of kernels a step", kernels
+        )
         if isinstance(path, list):
-            print_table(f"critical path, batch {batch}: {sum(r['share_us_per_step'] for r in path):.0f} us a step",
-                        path)
-        numbers["decode"].append({"batch": batch, "temperature": temperature, "mode": mode,
-                                  "kernel_us_per_step": total, "kernels": kernels, "critical_path": path})
+            print_table(
+                f"critical path, batch {batch}: {sum(r['share_us_per_step'] for r in path):.0f} us a step", path
+            )
+        numbers["decode"].append(
+            {
+                "batch": batch,
+                "temperature": temperature,
+                "mode": mode,
+                "kernel_us_per_step": total,
+                "kernels": kernels,
+                "critical_path": path,
+            }
+        )
     # One step's worth of whole prompts (at least one), as a throughput run's prefill steps are.
     rows = max(1, min(config.max_num_seqs, config.max_num_batched_tokens // args.context))
     prompts = [random_ids(rng, args.context, vocab) for _ in range(rows)]

@@ -11,6 +11,7 @@ concurrency 16 and 64 still gained 10% (bench/PERF.md).
     python -m bench.serving
     python -m bench.serving --concurrency 1 64 --json-schema    # every request under BENCH_SCHEMA (issue 34)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,8 +38,11 @@ from frontend.model_resolution import resolve_model
 
 # Answers as long as free ones: a list of strings that cannot close before 64 of them (random weights closed the
 # list without minItems, ~83 of 128 tokens on average, and a throughput of shorter answers compares nothing).
-BENCH_SCHEMA = {"type": "object", "required": ["notes"], "properties": {
-    "notes": {"type": "array", "items": {"type": "string"}, "minItems": 64}}}
+BENCH_SCHEMA = {
+    "type": "object",
+    "required": ["notes"],
+    "properties": {"notes": {"type": "array", "items": {"type": "string"}, "minItems": 64}},
+}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -50,9 +54,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--client-streams", type=int, default=4, help="streams in flight per client process")
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for /health")
     p.add_argument("--request-timeout", type=float, default=300.0, help="seconds a stream may stay silent")
-    p.add_argument("--json-schema", action="store_true",
-                   help="constrain every request by response_format json_schema (BENCH_SCHEMA); a request whose "
-                        "object closes ends early, so compare tok/s")
+    p.add_argument(
+        "--json-schema",
+        action="store_true",
+        help="constrain every request by response_format json_schema (BENCH_SCHEMA); a request whose "
+        "object closes ends early, so compare tok/s",
+    )
     return p.parse_args(argv)
 
 
@@ -92,8 +99,17 @@ def running_server(args: argparse.Namespace) -> Iterator[tuple[str, int]]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "launch.py", "--model", args.model, *engine_flags(args), "--port", str(port),
-           "--max-model-len", str(args.prompt_len + args.output_len)]
+    cmd = [
+        sys.executable,
+        "launch.py",
+        "--model",
+        args.model,
+        *engine_flags(args),
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(args.prompt_len + args.output_len),
+    ]
     with tempfile.TemporaryDirectory() as tmp:
         log_path = Path(tmp) / "server.log"
         with open(log_path, "w") as log:
@@ -125,8 +141,15 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, log_path: Pat
 
 async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], args: argparse.Namespace) -> dict:
     """One streamed completion: arrival times of its chunks and its completion token count."""
-    body = {"model": args.model, "prompt": prompt, "max_tokens": args.output_len, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": args.model,
+        "prompt": prompt,
+        "max_tokens": args.output_len,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if args.json_schema:
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "bench", "schema": BENCH_SCHEMA}}
     start, arrivals, tokens = time.perf_counter(), [], 0
@@ -136,7 +159,7 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], ar
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            chunk = json.loads(line[len("data: "):])
+            chunk = json.loads(line[len("data: ") :])
             if "error" in chunk:
                 raise RuntimeError(f"the stream failed: {chunk['error']}")
             if chunk.get("choices"):
@@ -146,13 +169,15 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], ar
     return {"ttft": arrivals[0] - start, "itl": np.diff(arrivals).tolist(), "tokens": tokens}
 
 
-async def stream_all(url: str, prompts: list[list[int]], concurrency: int, args: argparse.Namespace,
-                     ready: Callable[[], None]) -> list[dict]:
+async def stream_all(
+    url: str, prompts: list[list[int]], concurrency: int, args: argparse.Namespace, ready: Callable[[], None]
+) -> list[dict]:
     """Every prompt streamed, at most `concurrency` in flight; ready() runs once the client is set up."""
     gate = asyncio.Semaphore(concurrency)
     timeout = httpx.Timeout(args.request_timeout, pool=None)  # a stalled stream fails instead of hanging
     limits = httpx.Limits(max_connections=concurrency)
     async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
+
         async def gated(prompt: list[int]) -> dict:
             async with gate:
                 return await one_request(client, url, prompt, args)
@@ -161,8 +186,9 @@ async def stream_all(url: str, prompts: list[list[int]], concurrency: int, args:
         return await asyncio.gather(*(gated(p) for p in prompts))
 
 
-def client_process(url: str, prompts: list[list[int]], concurrency: int, args: argparse.Namespace,
-                   barrier, results) -> None:
+def client_process(
+    url: str, prompts: list[list[int]], concurrency: int, args: argparse.Namespace, barrier, results
+) -> None:
     """One client process: sets up, waits for the others, then puts (its requests' results, its CPU seconds
     from then on), or the error that stopped it."""
     started = []
@@ -178,16 +204,22 @@ def client_process(url: str, prompts: list[list[int]], concurrency: int, args: a
         results.put(RuntimeError(f"a client process failed: {e!r}"))
 
 
-def run_level(url: str, prompts: list[list[int]], concurrency: int, args: argparse.Namespace,
-              processes: dict[str, int]) -> dict:
+def run_level(
+    url: str, prompts: list[list[int]], concurrency: int, args: argparse.Namespace, processes: dict[str, int]
+) -> dict:
     """All prompts, at most `concurrency` in flight over ceil(concurrency / --client-streams) client processes;
     the CPU cores `processes` (role -> pid) and the clients used over the level."""
     n = -(-concurrency // args.client_streams)
     ctx = multiprocessing.get_context("fork")  # no CUDA and no running event loop in this process
     barrier, queue = ctx.Barrier(n + 1, timeout=60), ctx.Queue()
-    clients = [ctx.Process(target=client_process, daemon=True,
-                           args=(url, prompts[i::n], concurrency // n + (i < concurrency % n), args, barrier, queue))
-               for i in range(n)]
+    clients = [
+        ctx.Process(
+            target=client_process,
+            daemon=True,
+            args=(url, prompts[i::n], concurrency // n + (i < concurrency % n), args, barrier, queue),
+        )
+        for i in range(n)
+    ]
     for client in clients:
         client.start()
     barrier.wait()
@@ -203,11 +235,18 @@ def run_level(url: str, prompts: list[list[int]], concurrency: int, args: argpar
     results = [r for out, _ in outs for r in out]
     ttft = [r["ttft"] * 1e3 for r in results]
     itl = [gap * 1e3 for r in results for gap in r["itl"]] or [float("nan")]
-    return {"concurrency": concurrency, "requests": len(results), "client_procs": n,
-            "output_tok_s": sum(r["tokens"] for r in results) / wall,
-            "ttft_p50_ms": float(np.percentile(ttft, 50)), "ttft_p99_ms": float(np.percentile(ttft, 99)),
-            "itl_p50_ms": float(np.percentile(itl, 50)), "itl_p99_ms": float(np.percentile(itl, 99)), **cpu,
-            "client_cpu": sum(c for _, c in outs) / wall}
+    return {
+        "concurrency": concurrency,
+        "requests": len(results),
+        "client_procs": n,
+        "output_tok_s": sum(r["tokens"] for r in results) / wall,
+        "ttft_p50_ms": float(np.percentile(ttft, 50)),
+        "ttft_p99_ms": float(np.percentile(ttft, 99)),
+        "itl_p50_ms": float(np.percentile(itl, 50)),
+        "itl_p99_ms": float(np.percentile(itl, 99)),
+        **cpu,
+        "client_cpu": sum(c for _, c in outs) / wall,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -223,8 +262,11 @@ def main(argv: list[str] | None = None) -> int:
             prompts = [random_ids(rng, args.prompt_len, vocab) for _ in range(args.rounds * concurrency)]
             rows.append(run_level(url, prompts, concurrency, args, processes))
     constrained = " under a JSON schema" if args.json_schema else ""
-    print_table(f"serving: {args.model}, prompts of {args.prompt_len} random tokens, {args.output_len} "
-                f"output tokens each{constrained}", rows)
+    print_table(
+        f"serving: {args.model}, prompts of {args.prompt_len} random tokens, {args.output_len} "
+        f"output tokens each{constrained}",
+        rows,
+    )
     record("serving-json" if args.json_schema else "serving", args, {"rows": rows})
     return 0
 

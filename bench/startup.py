@@ -5,6 +5,7 @@ then a warm one with the caches it filled, each in a fresh process.
 
     python -m bench.startup [--cold]
 """
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,11 @@ from frontend.model_resolution import resolve_model
 def main(argv: list[str] | None = None) -> int:
     p = engine_parser(__doc__.splitlines()[0])
     p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--cold", action="store_true",
-                   help="a first launch with empty caches in a temporary directory, then a warm one with them")
+    p.add_argument(
+        "--cold",
+        action="store_true",
+        help="a first launch with empty caches in a temporary directory, then a warm one with them",
+    )
     args = p.parse_args(argv)
     if args.cold:
         rows = cold_then_warm([a for a in (sys.argv[1:] if argv is None else argv) if a != "--cold"])
@@ -32,8 +36,10 @@ def main(argv: list[str] | None = None) -> int:
         record("startup", args, {"rows": rows})
         return 0
     numbers = launch(args)
-    print_table(f"startup: {args.model}" + ("" if "weights_s" in numbers else " (the engine reports no parts: "
-                                                                             "totals only)"), [numbers])
+    print_table(
+        f"startup: {args.model}" + ("" if "weights_s" in numbers else " (the engine reports no parts: totals only)"),
+        [numbers],
+    )
     record("startup", args, numbers)
     return 0
 
@@ -44,6 +50,7 @@ def launch(args) -> dict:
     prompt = random_ids(random.Random(args.seed), args.prompt_len, config.vocab_size)
     start, start_wall = time.perf_counter(), time.time()
     from frontend import SamplingParams  # the frontend's imports (transformers) are part of a launch
+
     imported = time.perf_counter()
     with start_engine(args) as llm:  # defaults, as `launch.py --model M` starts
         ready = time.perf_counter()
@@ -53,8 +60,14 @@ def launch(args) -> dict:
     # The worker's and the frontend's wall-clock marks on the launch's timeline: where the time outside the
     # worker's own timers goes.
     marks = {f"{name}_at_s": at - start_wall for name, at in sorted(clock.items(), key=lambda item: item[1])}
-    return {"launch_to_first_token_s": ready - start + first, "import_s": imported - start,
-            "engine_ready_s": ready - imported, "first_token_s": first, **marks, **parts}
+    return {
+        "launch_to_first_token_s": ready - start + first,
+        "import_s": imported - start,
+        "engine_ready_s": ready - imported,
+        "first_token_s": first,
+        **marks,
+        **parts,
+    }
 
 
 def cold_then_warm(argv: list[str]) -> list[dict]:
@@ -65,8 +78,9 @@ def cold_then_warm(argv: list[str]) -> list[dict]:
         env = {**os.environ, "TRITON_CACHE_DIR": f"{tmp}/triton", "PICO_VLLM_CACHE": f"{tmp}/pico-vllm"}
         for start in ("cold", "warm"):
             out = Path(tmp) / start
-            subprocess.run([sys.executable, "-m", "bench.startup", *argv, "--out", str(out)], env=env, cwd=REPO_DIR,
-                           check=True)
+            subprocess.run(
+                [sys.executable, "-m", "bench.startup", *argv, "--out", str(out)], env=env, cwd=REPO_DIR, check=True
+            )
             (path,) = out.glob("*-startup.json")
             rows.append({"start": start, **json.loads(path.read_text())["numbers"]})
     return rows

@@ -1,4 +1,5 @@
 """Everything a caller touches: LLM, AsyncLLM, SamplingParams, the HTTP server, process launch."""
+
 from frontend.async_llm import AsyncLLM
 from frontend.llm import LLM
 from frontend.output_processor import CompletionOutput, RequestOutput

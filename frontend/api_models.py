@@ -1,4 +1,5 @@
 """OpenAI-compatible requests, checked before the engine sees them, and OpenAI-style error bodies."""
+
 from __future__ import annotations
 
 import json
@@ -17,9 +18,15 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 MAX_ERROR_CHARS = 400
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error",
-               503: "service_unavailable_error"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    500: "server_error",
+    503: "service_unavailable_error",
+}
 # Fields of generation_config.json that vLLM also takes as the defaults of a silent request.
 GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
 # The request fields named as SamplingParams' (each endpoint sets max_tokens and logprobs in its own way).
@@ -29,7 +36,8 @@ _NO_FUNCTIONS = "the deprecated functions API is not served: send tools and tool
 # Fields this server cannot honour are refused with a 400, never ignored (the client would take unconstrained
 # text for what it asked for). name -> (values served as if absent, besides null; why the rest are refused)
 UNSERVED_FIELDS: dict[str, tuple[tuple, str]] = {
-    "functions": (([],), _NO_FUNCTIONS), "function_call": (("none",), _NO_FUNCTIONS),
+    "functions": (([],), _NO_FUNCTIONS),
+    "function_call": (("none",), _NO_FUNCTIONS),
     "suffix": (("",), "text is not inserted before a suffix: send the prompt only"),
     "prompt_logprobs": ((), "prompt logprobs are not computed, only those of generated tokens"),
     "use_beam_search": ((False,), "beam search is not supported: ask for n samples instead"),
@@ -46,22 +54,30 @@ class APIError(Exception):
         self.message = message if cut <= 0 else message[:MAX_ERROR_CHARS] + f"... ({cut} more characters)"
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "server_error"),
-                          "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": ERROR_TYPES.get(self.status, "server_error"),
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
     return APIError(400, message, param=param, code=code)
 
 
-def from_invalid_param(exc: InvalidParam, prompt_field: str = "prompt", max_tokens_field: str = "max_tokens"
-                       ) -> APIError:
+def from_invalid_param(
+    exc: InvalidParam, prompt_field: str = "prompt", max_tokens_field: str = "max_tokens"
+) -> APIError:
     """A 400 naming the field the client sent (chat: messages, maybe max_completion_tokens)."""
     message, field = str(exc), {"prompt": prompt_field, "max_tokens": max_tokens_field}.get(exc.field, exc.field)
     if exc.field == "max_tokens":
         message = message.replace("max_tokens", max_tokens_field)
-    return bad_request(message, field, "context_length_exceeded" if isinstance(exc, ContextTooLong) else
-                       "invalid_value")
+    return bad_request(
+        message, field, "context_length_exceeded" if isinstance(exc, ContextTooLong) else "invalid_value"
+    )
 
 
 def parse_request(model: type[BaseModel], body: bytes) -> BaseModel:
@@ -89,8 +105,11 @@ class StreamOptions(_Lenient):
 
 
 # SamplingParams' fields, each None when the client is silent (so that the model's defaults can apply).
-_SamplingFields = create_model("_SamplingFields", __base__=_Lenient, **{
-    name: (hint | None, None) for name, hint in get_type_hints(SamplingParams).items() if name in SAMPLING_FIELDS})
+_SamplingFields = create_model(
+    "_SamplingFields",
+    __base__=_Lenient,
+    **{name: (hint | None, None) for name, hint in get_type_hints(SamplingParams).items() if name in SAMPLING_FIELDS},
+)
 
 
 class _SamplingRequest(_SamplingFields):
@@ -134,17 +153,22 @@ class _SamplingRequest(_SamplingFields):
     def continuous_usage(self) -> bool:
         return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
-    def truncated(self, prompts: list[str | list[int]], tokenizer: PreTrainedTokenizerBase,
-                  max_model_len: int) -> list[str | list[int]]:
+    def truncated(
+        self, prompts: list[str | list[int]], tokenizer: PreTrainedTokenizerBase, max_model_len: int
+    ) -> list[str | list[int]]:
         """vLLM's truncate_prompt_tokens: each prompt's last k tokens (left truncation; -1 means max_model_len)."""
         k = self.truncate_prompt_tokens
         if k is None:
             return prompts
         if not (k == -1 or 1 <= k <= max_model_len):
-            raise bad_request(f"truncate_prompt_tokens={k} is invalid: use 1..{max_model_len} (max_model_len), or "
-                              "-1 for max_model_len", "truncate_prompt_tokens")
-        return [(tokenizer.encode(p) if isinstance(p, str) else p)[-(max_model_len if k == -1 else k):]
-                for p in prompts]
+            raise bad_request(
+                f"truncate_prompt_tokens={k} is invalid: use 1..{max_model_len} (max_model_len), or "
+                "-1 for max_model_len",
+                "truncate_prompt_tokens",
+            )
+        return [
+            (tokenizer.encode(p) if isinstance(p, str) else p)[-(max_model_len if k == -1 else k) :] for p in prompts
+        ]
 
     def _params(self, defaults: dict, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The request's explicit fields over the model's generation defaults over SamplingParams' own."""
@@ -164,11 +188,18 @@ class _SamplingRequest(_SamplingFields):
 
     def constraint(self) -> tuple[str | None, dict | None]:
         """(the field that asked, as structured_outputs) of the one output constraint the request sends."""
-        guided = [(name, None if getattr(self, name) is None else {name[len("guided_"):]: getattr(self, name)})
-                  for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")]
-        return one_constraint([("structured_outputs", self.structured_outputs),
-                               ("response_format", response_format_spec(self.response_format)), *guided,
-                               *self._tool_constraint()])
+        guided = [
+            (name, None if getattr(self, name) is None else {name[len("guided_") :]: getattr(self, name)})
+            for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+        ]
+        return one_constraint(
+            [
+                ("structured_outputs", self.structured_outputs),
+                ("response_format", response_format_spec(self.response_format)),
+                *guided,
+                *self._tool_constraint(),
+            ]
+        )
 
     def _tool_constraint(self) -> list[tuple[str, dict | None]]:
         return []
@@ -184,8 +215,11 @@ class CompletionRequest(_SamplingRequest):
         if self.echo and self.logprobs is not None:
             raise bad_request("echo with logprobs is not supported: prompt logprobs are not computed", "echo")
         if self.best_of is not None and self.best_of > (self.n or 1):
-            raise bad_request(f"best_of={self.best_of} over n={self.n or 1} is not supported: samples are not "
-                              "ranked; ask for n samples instead", "best_of")
+            raise bad_request(
+                f"best_of={self.best_of} over n={self.n or 1} is not supported: samples are not "
+                "ranked; ask for n samples instead",
+                "best_of",
+            )
         max_tokens = self.max_tokens if self.max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS
         return self._params(defaults, max_tokens, self.logprobs)
 
@@ -275,11 +309,22 @@ class ChatCompletionRequest(_SamplingRequest):
         tools = [t.model_dump(exclude_none=True) for t in self.tools or []] or None
         if tools and OPEN not in (tokenizer.chat_template or ""):
             if self.parses_tool_calls:
-                raise bad_request("tools are served in Qwen's <tool_call> format, which this model's chat template "
-                                  "does not use (Qwen2.5 and Qwen3 do; Llama 3 does not): leave tools out", "tools")
+                raise bad_request(
+                    "tools are served in Qwen's <tool_call> format, which this model's chat template "
+                    "does not use (Qwen2.5 and Qwen3 do; Llama 3 does not): leave tools out",
+                    "tools",
+                )
             tools = None  # tool_choice "none" on a template that cannot show them: nothing to call anyway
-        return [chat_prompt(self.messages, tokenizer, self.add_generation_prompt is not False,
-                            bool(self.continue_final_message), self.chat_template_kwargs, tools)]
+        return [
+            chat_prompt(
+                self.messages,
+                tokenizer,
+                self.add_generation_prompt is not False,
+                bool(self.continue_final_message),
+                self.chat_template_kwargs,
+                tools,
+            )
+        ]
 
 
 def _parsed_arguments(call: dict) -> dict:
@@ -292,19 +337,32 @@ def _parsed_arguments(call: dict) -> dict:
     return call
 
 
-def chat_prompt(messages: list[ChatMessage], tokenizer: PreTrainedTokenizerBase, add_generation_prompt: bool = True,
-                continue_final_message: bool = False, template_kwargs: dict | None = None,
-                tools: list[dict] | None = None) -> list[int]:
+def chat_prompt(
+    messages: list[ChatMessage],
+    tokenizer: PreTrainedTokenizerBase,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    template_kwargs: dict | None = None,
+    tools: list[dict] | None = None,
+) -> list[int]:
     """Render the messages with the model's chat template (its own special tokens included)."""
     if not messages:
         raise bad_request("messages is empty: send at least one message", "messages")
     if add_generation_prompt and continue_final_message:
-        raise bad_request("continue_final_message=true needs add_generation_prompt=false: the model either goes on "
-                          "with the last message or starts a new one", "continue_final_message")
+        raise bad_request(
+            "continue_final_message=true needs add_generation_prompt=false: the model either goes on "
+            "with the last message or starts a new one",
+            "continue_final_message",
+        )
     try:
-        text = tokenizer.apply_chat_template([m.rendered() for m in messages], tools=tools, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt,
-                                             continue_final_message=continue_final_message, **(template_kwargs or {}))
+        text = tokenizer.apply_chat_template(
+            [m.rendered() for m in messages],
+            tools=tools,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            **(template_kwargs or {}),
+        )
     except Exception as exc:  # jinja raises its own types (TemplateError, and whatever the template raises)
         raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
     return tokenizer.encode(text, add_special_tokens=False)
@@ -326,6 +384,7 @@ class DetokenizeRequest(_Lenient):
 
 class Job(NamedTuple):
     """One engine request of a client's request: its prompt, ready to submit."""
+
     request_id: str
     text: str | None  # the prompt as the client wrote it (for echo); None for token ids
     token_ids: list[int]

@@ -1,4 +1,5 @@
 """OpenAI response bodies (as JSON-ready dicts) from a request's engine outputs, whole or as stream chunks."""
+
 from __future__ import annotations
 
 import time
@@ -23,8 +24,17 @@ class Renderer:
 
     object: str  # of a stream chunk
 
-    def __init__(self, response_id: str, model: str, jobs: list[Job], tokenizer, echo: bool = False,
-                 tokens_as_ids: bool = False, continuous_usage: bool = False, tool_calls: bool = False):
+    def __init__(
+        self,
+        response_id: str,
+        model: str,
+        jobs: list[Job],
+        tokenizer,
+        echo: bool = False,
+        tokens_as_ids: bool = False,
+        continuous_usage: bool = False,
+        tool_calls: bool = False,
+    ):
         self.id, self.model, self.jobs, self.tokenizer, self.echo = response_id, model, jobs, tokenizer, echo
         self.tokens_as_ids = tokens_as_ids  # vLLM's return_tokens_as_token_ids: a logprob's token is "token_id:N"
         self.continuous_usage = continuous_usage  # vLLM's continuous_usage_stats: usage in every chunk
@@ -51,6 +61,7 @@ class Renderer:
 
     def logprob_rows(self, o: CompletionOutput, start: int) -> list[tuple[Entry, list[Entry]]]:
         """(the sampled token's entry, the top-k entries) for the tokens from `start` on."""
+
         def entry(token_id: int, logprob: float) -> Entry:
             if self.tokens_as_ids:
                 return f"token_id:{token_id}", logprob, list(f"token_id:{token_id}".encode())
@@ -61,9 +72,12 @@ class Renderer:
             if isinstance(piece, str) and piece and all(c in _BYTE_OF_CHAR for c in piece):
                 return text, logprob, [_BYTE_OF_CHAR[c] for c in piece]
             return text, logprob, list(text.encode())
+
         k = self.jobs[0].params.logprobs or 0
-        return [(entry(token, lps[token]), [entry(t, lp) for t, lp in sorted(lps.items(), key=lambda kv: -kv[1])[:k]])
-                for token, lps in zip(o.token_ids[start:], o.logprobs[start:])]
+        return [
+            (entry(token, lps[token]), [entry(t, lp) for t, lp in sorted(lps.items(), key=lambda kv: -kv[1])[:k]])
+            for token, lps in zip(o.token_ids[start:], o.logprobs[start:])
+        ]
 
     def usage(self, finals: list[RequestOutput]) -> dict:
         """Prompt tokens once per prompt (not per sample); completion tokens of every sample."""
@@ -79,8 +93,14 @@ class Renderer:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def chunk(self, choices: list[dict], usage: dict | None = None, object: str | None = None) -> dict:
-        return {"id": self.id, "object": object or self.object, "created": self.created, "model": self.model,
-                "choices": choices, "usage": usage}
+        return {
+            "id": self.id,
+            "object": object or self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": usage,
+        }
 
     def opening(self) -> list[dict]:
         return []
@@ -98,14 +118,18 @@ class CompletionRenderer(Renderer):
             rows = self.logprob_rows(o, tokens)
             offsets = list(accumulate([len(entry[0]) for entry, _ in rows], initial=len(echo) + chars))[:-1]
             # reversed: of top tokens that decode to the same text, the likeliest is written last and kept
-            logprobs = {"tokens": [entry[0] for entry, _ in rows], "token_logprobs": [entry[1] for entry, _ in rows],
-                        "top_logprobs": [{t: lp for t, lp, _ in reversed(top)} for _, top in rows],
-                        "text_offset": offsets}
+            logprobs = {
+                "tokens": [entry[0] for entry, _ in rows],
+                "token_logprobs": [entry[1] for entry, _ in rows],
+                "top_logprobs": [{t: lp for t, lp, _ in reversed(top)} for _, top in rows],
+                "text_offset": offsets,
+            }
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": o.finish_reason}
 
     def chunks(self, job: int, out: RequestOutput) -> list[dict]:
-        return [self.chunk([self.choice(job, *delta)], self.usage_so_far(job, delta[1]))
-                for delta in self.deltas(job, out)]
+        return [
+            self.chunk([self.choice(job, *delta)], self.usage_so_far(job, delta[1])) for delta in self.deltas(job, out)
+        ]
 
     def response(self, finals: list[RequestOutput]) -> dict:
         choices = [self.choice(i, i * self.n + o.index, o, 0, 0) for i, out in enumerate(finals) for o in out.outputs]
@@ -118,15 +142,27 @@ class ChatRenderer(Renderer):
     def logprobs(self, o: CompletionOutput, start: int) -> dict | None:
         if o.logprobs is None:
             return None
-        return {"content": [{"token": text, "logprob": lp, "bytes": raw, "top_logprobs": [
-            {"token": t, "logprob": l, "bytes": b} for t, l, b in top]}
-            for (text, lp, raw), top in self.logprob_rows(o, start)]}
+        return {
+            "content": [
+                {
+                    "token": text,
+                    "logprob": lp,
+                    "bytes": raw,
+                    "top_logprobs": [{"token": t, "logprob": l, "bytes": b} for t, l, b in top],
+                }
+                for (text, lp, raw), top in self.logprob_rows(o, start)
+            ]
+        }
 
     def opening(self) -> list[dict]:
         """OpenAI's first chunk of each choice carries the role and no content."""
-        return [self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None}], self.usage_so_far(0, None))
-                for i in range(len(self.jobs) * self.n)]
+        return [
+            self.chunk(
+                [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}],
+                self.usage_so_far(0, None),
+            )
+            for i in range(len(self.jobs) * self.n)
+        ]
 
     def chunks(self, job: int, out: RequestOutput) -> list[dict]:
         chunks = []
@@ -142,8 +178,12 @@ class ChatRenderer(Renderer):
                     finish = "tool_calls"
                 if not (content or tool_deltas or finish or o.logprobs):
                     continue  # held back: it may begin a call
-            chunks.append(self.chunk([{"index": i, "delta": delta, "logprobs": self.logprobs(o, tokens),
-                                       "finish_reason": finish}], self.usage_so_far(job, o)))
+            chunks.append(
+                self.chunk(
+                    [{"index": i, "delta": delta, "logprobs": self.logprobs(o, tokens), "finish_reason": finish}],
+                    self.usage_so_far(job, o),
+                )
+            )
         return chunks
 
     def response(self, finals: list[RequestOutput]) -> dict:
@@ -155,6 +195,7 @@ class ChatRenderer(Renderer):
                 if calls:
                     message["tool_calls"] = calls
                     finish = "tool_calls" if finish == "stop" else finish
-            choices.append({"index": o.index, "message": message, "logprobs": self.logprobs(o, 0),
-                            "finish_reason": finish})
+            choices.append(
+                {"index": o.index, "message": message, "logprobs": self.logprobs(o, 0), "finish_reason": finish}
+            )
         return self.chunk(choices, self.usage(finals), "chat.completion")

@@ -1,4 +1,5 @@
 """AsyncLLM: the asyncio API, for the HTTP server and for embedding behind other frontends."""
+
 from __future__ import annotations
 
 import asyncio
@@ -56,8 +57,10 @@ class AsyncLLM:
         loop = asyncio.get_running_loop()
         if self._task is not None and self._loop is not loop:
             if self._loop.is_running():
-                raise RuntimeError("this AsyncLLM is in use on another event loop (another thread): call it "
-                                   "from that loop, or create one AsyncLLM per event loop")
+                raise RuntimeError(
+                    "this AsyncLLM is in use on another event loop (another thread): call it "
+                    "from that loop, or create one AsyncLLM per event loop"
+                )
             # The loop it ran on has ended (asyncio.run returned): its receive task and socket are dead.
             if not self._loop.is_closed():
                 self._task.cancel()
@@ -100,8 +103,9 @@ class AsyncLLM:
                 if not self.processor.num_pending:
                     silent_since = time.monotonic()
                 elif time.monotonic() - silent_since > REMOTE_SILENCE_S:
-                    raise EngineDeadError(f"the engine at {self.client.address} stopped answering for "
-                                          f"{REMOTE_SILENCE_S:.0f} s") from None
+                    raise EngineDeadError(
+                        f"the engine at {self.client.address} stopped answering for {REMOTE_SILENCE_S:.0f} s"
+                    ) from None
                 else:
                     self._send(GetStats())
 
@@ -136,8 +140,9 @@ class AsyncLLM:
     def is_alive(self) -> bool:
         return self.dead_reason is None
 
-    async def generate(self, prompt: Prompt, params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
         """Yield cumulative outputs until finished; leaving the loop early aborts the request."""
         self._ensure_started()
         request_id = request_id or f"req-{next(self._ids)}"
@@ -157,9 +162,17 @@ class AsyncLLM:
                 if state.output.error is not None:
                     raise (EngineRequestError if self.dead_reason is None else EngineDeadError)(state.output.error)
                 with tracer.span("frontend.stream"):  # a copy the caller may keep while the live output grows
-                    out = dataclasses.replace(state.output, outputs=[dataclasses.replace(
-                        o, token_ids=list(o.token_ids), logprobs=None if o.logprobs is None else list(o.logprobs))
-                        for o in state.output.outputs])
+                    out = dataclasses.replace(
+                        state.output,
+                        outputs=[
+                            dataclasses.replace(
+                                o,
+                                token_ids=list(o.token_ids),
+                                logprobs=None if o.logprobs is None else list(o.logprobs),
+                            )
+                            for o in state.output.outputs
+                        ],
+                    )
                 yield out
                 if out.finished:  # not state.finished: it may have finished while the caller held `out`
                     return
@@ -203,4 +216,3 @@ class AsyncLLM:
             self._task = None
         self.client.close()
         self.client = None
-

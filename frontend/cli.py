@@ -1,4 +1,5 @@
 """launch.py's command line: vLLM `serve`'s flags, plus one-prompt and headless modes."""
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,12 @@ _MODEL_FLAGS = [
     ("--quantization", str, "fp8: linear weights in float8 e4m3, a scale per output channel (FP8 checkpoints: set)"),
 ]
 # EngineConfig checks them again (tests keep the two in step).
-_CHOICES = {"--load-format": ("auto", "safetensors", "dummy"), "--dtype": ("auto", "float32", "float16", "bfloat16"),
-            "--device": ("auto", "cpu", "cuda"), "--quantization": ("fp8",)}
+_CHOICES = {
+    "--load-format": ("auto", "safetensors", "dummy"),
+    "--dtype": ("auto", "float32", "float16", "bfloat16"),
+    "--device": ("auto", "cpu", "cuda"),
+    "--quantization": ("fp8",),
+}
 _ENGINE_FLAGS = [
     ("--device", str, "auto: cuda when there is one"),
     ("--gpu-memory-utilization", float, "fraction of the GPU's memory for weights, activations and KV cache"),
@@ -55,46 +60,90 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="launch.py", description="Serve a Qwen2-family model with an OpenAI-compatible API (default), "
-                "run one prompt (--prompt), or run the engine alone (--headless).")
+    p = _Parser(
+        prog="launch.py",
+        description="Serve a Qwen2-family model with an OpenAI-compatible API (default), "
+        "run one prompt (--prompt), or run the engine alone (--headless).",
+    )
     model = p.add_argument_group("model")
     model.add_argument("--model", required=True, help="HF directory, HF hub id, or a short name such as qwen2.5-1.5b")
-    model.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                       help="names the API answers to (the first is reported); default: --model")
+    model.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="names the API answers to (the first is reported); default: --model",
+    )
     engine = p.add_argument_group("engine and KV cache")
     for group, flags in ((model, _MODEL_FLAGS), (engine, _ENGINE_FLAGS)):
         for flag, kind, help_text in flags:
             default = _DEFAULTS[flag.lstrip("-").replace("-", "_")]
             shown = "" if default is None else " (default: %(default)s)"
             choices = _CHOICES.get(flag)
-            group.add_argument(flag, type=kind, default=default, choices=choices,
-                               metavar=None if choices else _METAVARS[kind], help=help_text + shown)
-    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                        default=_DEFAULTS["enable_prefix_caching"],
-                        help="reuse the KV blocks of prompts that share a prefix (default: on)")
+            group.add_argument(
+                flag,
+                type=kind,
+                default=default,
+                choices=choices,
+                metavar=None if choices else _METAVARS[kind],
+                help=help_text + shown,
+            )
+    engine.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=_DEFAULTS["enable_prefix_caching"],
+        help="reuse the KV blocks of prompts that share a prefix (default: on)",
+    )
     engine.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (slower decode, faster start)")
     server, offline = p.add_argument_group("HTTP server"), p.add_argument_group("one prompt, no server")
     for group, flag, default, metavar, help_text in (
-            (server, "--host", _SERVER_DEFAULTS["host"], "HOST", "address to bind (0.0.0.0 exposes the server)"),
-            (server, "--port", _SERVER_DEFAULTS["port"], "N", ""),
-            (server, "--api-key", os.environ.get("VLLM_API_KEY"), "KEY", "require 'Authorization: Bearer KEY' on "
-             "every route but /health and /version ($VLLM_API_KEY by default keeps the key out of `ps`)"),
-            (server, "--shutdown-timeout", _SERVER_DEFAULTS["shutdown_timeout"], "X",
-             "on SIGTERM, seconds in-flight requests may take before they are aborted"),
-            (offline, "--prompt", None, "TEXT", "complete this text, print the completion and exit"),
-            (offline, "--max-tokens", 16, "N", "tokens to generate for --prompt"),
-            (offline, "--temperature", 0.0, "X", "sampling temperature for --prompt; 0 is greedy")):
+        (server, "--host", _SERVER_DEFAULTS["host"], "HOST", "address to bind (0.0.0.0 exposes the server)"),
+        (server, "--port", _SERVER_DEFAULTS["port"], "N", ""),
+        (
+            server,
+            "--api-key",
+            os.environ.get("VLLM_API_KEY"),
+            "KEY",
+            "require 'Authorization: Bearer KEY' on "
+            "every route but /health and /version ($VLLM_API_KEY by default keeps the key out of `ps`)",
+        ),
+        (
+            server,
+            "--shutdown-timeout",
+            _SERVER_DEFAULTS["shutdown_timeout"],
+            "X",
+            "on SIGTERM, seconds in-flight requests may take before they are aborted",
+        ),
+        (offline, "--prompt", None, "TEXT", "complete this text, print the completion and exit"),
+        (offline, "--max-tokens", 16, "N", "tokens to generate for --prompt"),
+        (offline, "--temperature", 0.0, "X", "sampling temperature for --prompt; 0 is greedy"),
+    ):
         shown = "" if default is None or flag == "--api-key" else " (default: %(default)s)"
-        group.add_argument(flag, type=type(default) if default is not None else str, default=default,
-                           metavar=metavar, help=help_text + shown)
+        group.add_argument(
+            flag,
+            type=type(default) if default is not None else str,
+            default=default,
+            metavar=metavar,
+            help=help_text + shown,
+        )
     headless = p.add_argument_group("headless engine, no HTTP")
-    headless.add_argument("--headless", action="store_true",
-                          help="run the scheduler and workers only; frontends attach with AsyncLLM.connect")
-    headless.add_argument("--engine-address", default=None, metavar="ADDR",
-                          help="ipc://PATH or tcp://HOST:PORT the engine listens on (tcp binds 127.0.0.1 "
-                               "unless a host is named; default: a fresh private ipc path)")
-    headless.add_argument("--allow-remote-shutdown", action="store_true",
-                          help="let any frontend stop the engine with Shutdown (default: only its own signal)")
+    headless.add_argument(
+        "--headless",
+        action="store_true",
+        help="run the scheduler and workers only; frontends attach with AsyncLLM.connect",
+    )
+    headless.add_argument(
+        "--engine-address",
+        default=None,
+        metavar="ADDR",
+        help="ipc://PATH or tcp://HOST:PORT the engine listens on (tcp binds 127.0.0.1 "
+        "unless a host is named; default: a fresh private ipc path)",
+    )
+    headless.add_argument(
+        "--allow-remote-shutdown",
+        action="store_true",
+        help="let any frontend stop the engine with Shutdown (default: only its own signal)",
+    )
     return p
 
 
@@ -125,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             return run_prompt(config, ns.prompt, ns.max_tokens, ns.temperature)
         if ns.headless:
             if ns.engine_address and ns.engine_address.startswith("tcp://"):
-                host, _, port = check_engine_address(ns.engine_address)[len("tcp://"):].rpartition(":")
+                host, _, port = check_engine_address(ns.engine_address)[len("tcp://") :].rpartition(":")
                 check_port_free(host, int(port), f"--engine-address {ns.engine_address}")
             return run_headless(config, ns.engine_address) or 0
         check_port_free(options.host, options.port, f"--host {options.host} --port {options.port}")
@@ -144,8 +193,9 @@ def check_port_free(host: str, port: int, flags: str) -> None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a port in TIME_WAIT is free
             sock.bind((host, port))
     except (OSError, OverflowError) as exc:
-        raise ValueError(f"cannot listen on {flags} ({exc}): stop what holds it or pick another port "
-                         "(or a host of this machine)") from None
+        raise ValueError(
+            f"cannot listen on {flags} ({exc}): stop what holds it or pick another port (or a host of this machine)"
+        ) from None
 
 
 def run_prompt(config: EngineConfig, prompt: str, max_tokens: int, temperature: float) -> int:
@@ -153,4 +203,3 @@ def run_prompt(config: EngineConfig, prompt: str, max_tokens: int, temperature: 
         out = llm.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=temperature), use_tqdm=False)
     print(out[0].outputs[0].text)
     return 0
-

@@ -1,4 +1,5 @@
 """Incremental detokenization (token ids in, new text out) and the stop strings cut from that text."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -19,12 +20,19 @@ class IncrementalDetokenizer:
     ids[prefix_offset:read_offset] is text already emitted (kept as left context), ids[read_offset:] is not; a step
     decodes only ids[prefix_offset:], the context plus the tokens held back, not the whole sequence."""
 
-    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True,
-                 spaces_between_special_tokens: bool = True) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        prompt_token_ids: list[int],
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ) -> None:
         self.tokenizer = tokenizer
         # Hugging Face's slow tokenizers honour the spaces flag; fast ones (Qwen's) ignore it, as they do in vLLM.
-        self._decode_flags = {"skip_special_tokens": skip_special_tokens,
-                              "spaces_between_special_tokens": spaces_between_special_tokens}
+        self._decode_flags = {
+            "skip_special_tokens": skip_special_tokens,
+            "spaces_between_special_tokens": spaces_between_special_tokens,
+        }
         self._ids = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])  # the context, then every output token
         self._prefix_offset, self._read_offset = 0, len(self._ids)
         self._pieces: list[str] = []
@@ -43,11 +51,11 @@ class IncrementalDetokenizer:
         return "".join(self._pieces)
 
     def _emit(self, hold_incomplete: bool) -> str:
-        prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
-        new_text = self._decode(self._ids[self._prefix_offset:])
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset :])
         if len(new_text) <= len(prefix_text) or (hold_incomplete and new_text.endswith(_INCOMPLETE)):
             return ""  # nothing new (a skipped special token), or the last character's bytes are not all here
-        delta = new_text[len(prefix_text):]
+        delta = new_text[len(prefix_text) :]
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         self._pieces.append(delta)
         return delta
@@ -89,8 +97,12 @@ class StreamDetokenizer:
         return "".join(self._pieces)
 
 
-def make_detokenizer(tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], skip_special_tokens: bool = True,
-                     spaces_between_special_tokens: bool = True) -> IncrementalDetokenizer | StreamDetokenizer:
+def make_detokenizer(
+    tokenizer: PreTrainedTokenizerBase,
+    prompt_token_ids: list[int],
+    skip_special_tokens: bool = True,
+    spaces_between_special_tokens: bool = True,
+) -> IncrementalDetokenizer | StreamDetokenizer:
     """DecodeStream (one native call per token) where it decodes as tokenizer.decode does; else the windowed decode."""
     if getattr(tokenizer, "backend_tokenizer", None) is not None and not tokenizer.clean_up_tokenization_spaces:
         return StreamDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
@@ -121,14 +133,14 @@ class StopMatcher:
         cut, hit = self._earliest_stop(text, len(self._tail)) if check else (len(text), None)
         if hit is not None:
             self._tail, self._held, self.stopped = "", 0, hit
-            return text[start:cut + len(hit) if self.keep_stop else cut], hit
+            return text[start : cut + len(hit) if self.keep_stop else cut], hit
         self._held = 0 if self.keep_stop else self._partial_stop_len(text)
-        self._tail = text[max(len(text) - self._max_prefix, 0):]
-        return text[start:len(text) - self._held], None
+        self._tail = text[max(len(text) - self._max_prefix, 0) :]
+        return text[start : len(text) - self._held], None
 
     def flush(self) -> str:
         """The held text, when the request ends without a stop string."""
-        held = self._tail[len(self._tail) - self._held:] if self._held else ""
+        held = self._tail[len(self._tail) - self._held :] if self._held else ""
         self._held = 0
         return held
 
@@ -144,7 +156,7 @@ class StopMatcher:
     def _partial_stop_len(self, text: str) -> int:
         """Length of the longest suffix of text that a stop string starts with."""
         for k in range(min(self._max_prefix, len(text)), 0, -1):
-            tail = text[len(text) - k:]
+            tail = text[len(text) - k :]
             if any(stop.startswith(tail) for stop in self.stops):
                 return k
         return 0

@@ -1,4 +1,5 @@
 """The frontend's side of the engine (started here or remote): socket, handshake, tokenizer, prompt checks."""
+
 from __future__ import annotations
 
 import glob
@@ -32,8 +33,9 @@ class EngineDeadError(RuntimeError):
 class EngineClient:
     """Starts an engine from a resolved config, or attaches to one at `address`, and waits for its Ready."""
 
-    def __init__(self, config: EngineConfig | None = None, address: str | None = None,
-                 ready_timeout: float = READY_TIMEOUT_S) -> None:
+    def __init__(
+        self, config: EngineConfig | None = None, address: str | None = None, ready_timeout: float = READY_TIMEOUT_S
+    ) -> None:
         self.procs: EngineProcesses | None = None
         self.trace_dir = config.trace_dir if config is not None else None
         self.clock: dict[str, float] = {}  # wall-clock marks of the start-up, for bench/startup
@@ -73,15 +75,19 @@ class EngineClient:
             try:
                 msg = decode(self.sock.recv())
             except ProtocolError as e:  # another protocol version, or not an engine: waiting cannot help
-                raise EngineDeadError(f"the peer at {self.address} sent a frame this frontend cannot read ({e}): "
-                                      "connect to a Pico-vLLM engine of the same protocol version") from None
+                raise EngineDeadError(
+                    f"the peer at {self.address} sent a frame this frontend cannot read ({e}): "
+                    "connect to a Pico-vLLM engine of the same protocol version"
+                ) from None
             if isinstance(msg, Ready) and msg.role == "engine":
                 return msg.info
             if isinstance(msg, EngineDead):
                 raise EngineDeadError(f"engine failed to start: {msg.reason}")
         if self.procs is None:
-            raise EngineDeadError(f"no engine answered at {self.address} within {timeout:g} s: start one with "
-                                  f"`launch.py --headless --engine-address {self.address}` or fix the address")
+            raise EngineDeadError(
+                f"no engine answered at {self.address} within {timeout:g} s: start one with "
+                f"`launch.py --headless --engine-address {self.address}` or fix the address"
+            )
         raise EngineDeadError(f"engine at {self.address} was not ready after {timeout:.0f} s")
 
     def prepare(self, prompt: Prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
@@ -94,8 +100,9 @@ class EngineClient:
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             text, ids = None, check_prompt(prompt, vocab_size)
         else:
-            raise InvalidParam("prompt", "prompt must be a str or a list of int token ids, got "
-                                         f"{type(prompt).__name__}")
+            raise InvalidParam(
+                "prompt", f"prompt must be a str or a list of int token ids, got {type(prompt).__name__}"
+            )
         params.check_vocab(vocab_size)
         check_length(len(ids), params.max_tokens, self.max_model_len)
         return text, ids
@@ -150,8 +157,11 @@ class EngineClient:
 
 def merge_traces(trace_dir: str) -> None:
     """trace.json (every process's trace, for Perfetto) and summary.txt (per stage p50/p90/p99 µs, GPU idle)."""
-    events = [e for path in sorted(glob.glob(os.path.join(trace_dir, "*-*.json")))
-              for e in json.loads(Path(path).read_text())["traceEvents"]]
+    events = [
+        e
+        for path in sorted(glob.glob(os.path.join(trace_dir, "*-*.json")))
+        for e in json.loads(Path(path).read_text())["traceEvents"]
+    ]
     Path(trace_dir, "trace.json").write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ns"}))
     spans, timed = {}, [e for e in events if e.get("ph") == "X"]  # (process, stage) -> µs; events with a duration
     for e in timed:
@@ -169,6 +179,8 @@ def merge_traces(trace_dir: str) -> None:
         gaps = np.array([max(0.0, b[1] - a[2]) for a, b in pairs])
         share = 100.0 * gaps.sum() / (gaps.sum() + sum(b[2] - b[1] for _, b in pairs))
         p50, p99 = np.percentile(gaps, [50, 99])
-        lines.append(f"gpu idle between decode steps: {share:.2f}% of decode time, gap p50 {p50:.1f} us, "
-                     f"p99 {p99:.1f} us over {len(gaps)} gaps")
+        lines.append(
+            f"gpu idle between decode steps: {share:.2f}% of decode time, gap p50 {p50:.1f} us, "
+            f"p99 {p99:.1f} us over {len(gaps)} gaps"
+        )
     Path(trace_dir, "summary.txt").write_text("\n".join(lines) + "\n")

@@ -1,5 +1,6 @@
 """Starts the scheduler and worker processes, watches them, and stops them leaving nothing behind. Each child is
 `python -m scheduler|worker` reading its arguments as msgpack on stdin: the caller's `__main__` is never re-imported."""
+
 from __future__ import annotations
 
 import contextlib

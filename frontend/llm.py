@@ -1,4 +1,5 @@
 """LLM: the synchronous, offline API; prompts go in as fast as the engine's waiting queue takes them."""
+
 from __future__ import annotations
 
 import atexit
@@ -33,12 +34,28 @@ class LLM:
     queue; step_timeout: seconds without progress before the engine counts as dead; quantization "fp8": linear weights
     in float8 e4m3, one scale per output channel (an FP8 checkpoint sets it)."""
 
-    def __init__(self, model: str, *, device: str = "auto", dtype: str = "auto", load_format: str = "auto",
-                 seed: int = 0, max_model_len: int | None = None, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 8192, block_size: int = 16, num_kv_blocks: int | None = None,
-                 gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True, tensor_parallel_size: int = 1,
-                 enforce_eager: bool = False, trace_dir: str | None = None, max_waiting_requests: int = 4096,
-                 step_timeout: float = 60.0, quantization: str | None = None) -> None:
+    def __init__(
+        self,
+        model: str,
+        *,
+        device: str = "auto",
+        dtype: str = "auto",
+        load_format: str = "auto",
+        seed: int = 0,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        enable_prefix_caching: bool = True,
+        tensor_parallel_size: int = 1,
+        enforce_eager: bool = False,
+        trace_dir: str | None = None,
+        max_waiting_requests: int = 4096,
+        step_timeout: float = 60.0,
+        quantization: str | None = None,
+    ) -> None:
         # Every parameter is an EngineConfig field of the same name (a test keeps the two in step).
         config = resolve_config(EngineConfig(**{k: v for k, v in locals().items() if k != "self"}))
         self.client = EngineClient(config)
@@ -50,11 +67,16 @@ class LLM:
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.client.tokenizer
 
-    def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | list[Prompt],
+        sampling_params: SamplingParams | list | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         """Outputs in input order. A prompt is a str or a list of token ids."""
-        single = isinstance(prompts, str) or (isinstance(prompts, list) and bool(prompts)
-                                              and all(isinstance(t, int) for t in prompts))
+        single = isinstance(prompts, str) or (
+            isinstance(prompts, list) and bool(prompts) and all(isinstance(t, int) for t in prompts)
+        )
         prompts = [prompts] if single else list(prompts)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
@@ -76,8 +98,10 @@ class LLM:
 
     def _send_while_room(self, unsent: deque, states: list[RequestState], unfinished: int) -> int:
         """Submit prompts while the engine's queue surely has room; return how many engine requests are unfinished."""
+
         def room() -> bool:
             return bool(unsent) and (not unfinished or unfinished + unsent[0][2].n <= self._max_unfinished)
+
         if room():
             with self.client.tracer.span("frontend.send"):
                 while room():
@@ -123,4 +147,3 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
-

@@ -1,19 +1,89 @@
 """Prometheus metrics under vLLM's names, types and buckets (its dashboards work); one registry per server.
 As in vLLM, each of a request's n samples is a request of its own (its prompt, latencies and finish count n times).
 Every series exists at 0 from the start, so that a rate over it reads 0, not "no data"."""
+
 from __future__ import annotations
 
 import time
 
-from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
-                               disable_created_metrics, generate_latest)
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-               40.0, 80.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-               480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 TOKEN_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))  # vLLM's 1-2-5 series
 FINISH_REASONS = ("stop", "length", "abort")
 _METRICS = {  # attribute: (type, vLLM's name, help, buckets)
@@ -27,8 +97,12 @@ _METRICS = {  # attribute: (type, vLLM's name, help, buckets)
     "itl": (Histogram, "vllm:inter_token_latency_seconds", "Time between two output tokens.", ITL_BUCKETS),
     "e2e": (Histogram, "vllm:e2e_request_latency_seconds", "Time from arrival to the last token.", E2E_BUCKETS),
     "queue": (Histogram, "vllm:request_queue_time_seconds", "Time waiting before first scheduled.", E2E_BUCKETS),
-    "prefill": (Histogram, "vllm:request_prefill_time_seconds", "Time from first scheduled to the first token.",
-                E2E_BUCKETS),
+    "prefill": (
+        Histogram,
+        "vllm:request_prefill_time_seconds",
+        "Time from first scheduled to the first token.",
+        E2E_BUCKETS,
+    ),
     "decode": (Histogram, "vllm:request_decode_time_seconds", "Time from the first token to the last.", E2E_BUCKETS),
     "request_prompt": (Histogram, "vllm:request_prompt_tokens", "Prompt tokens of a request.", TOKEN_BUCKETS),
     "request_generation": (Histogram, "vllm:request_generation_tokens", "Tokens a request generated.", TOKEN_BUCKETS),
@@ -47,8 +121,12 @@ class Metrics:
         for attr, (kind, name, doc, buckets) in _METRICS.items():  # each labelled once, with this model's name
             extra = {} if buckets is None else {"buckets": buckets}
             setattr(self, attr, kind(name, doc, ["model_name"], registry=self.registry, **extra).labels(model_name))
-        self.success = Counter("vllm:request_success", "Requests finished, by finish reason.",
-                               ["model_name", "finished_reason"], registry=self.registry)
+        self.success = Counter(
+            "vllm:request_success",
+            "Requests finished, by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
         for reason in FINISH_REASONS:
             self.success.labels(model_name, reason)
         self._preemptions_seen = 0

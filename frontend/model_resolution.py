@@ -1,4 +1,5 @@
 """An EngineConfig resolved once, here: model dir, ModelConfig, max_model_len; children resolve nothing."""
+
 from __future__ import annotations
 
 import json
@@ -9,13 +10,24 @@ from pathlib import Path
 from protocol.config import ARCHITECTURES, EngineConfig, InvalidParam, ModelConfig, check_tp_size
 
 # hidden, intermediate, layers, heads, kv heads, tied: the published Qwen2.5 and Qwen3 architectures (head_dim 128).
-_QWEN25_SIZES = {"0.5b": (896, 4864, 24, 14, 2, True), "1.5b": (1536, 8960, 28, 12, 2, True),
-                 "3b": (2048, 11008, 36, 16, 2, True), "7b": (3584, 18944, 28, 28, 4, False)}
-_QWEN3_SIZES = {"0.6b": (1024, 3072, 28, 16, 8, True), "1.7b": (2048, 6144, 28, 16, 8, True),
-                "4b": (2560, 9728, 36, 32, 8, True), "8b": (4096, 12288, 36, 32, 8, False)}
+_QWEN25_SIZES = {
+    "0.5b": (896, 4864, 24, 14, 2, True),
+    "1.5b": (1536, 8960, 28, 12, 2, True),
+    "3b": (2048, 11008, 36, 16, 2, True),
+    "7b": (3584, 18944, 28, 28, 4, False),
+}
+_QWEN3_SIZES = {
+    "0.6b": (1024, 3072, 28, 16, 8, True),
+    "1.7b": (2048, 6144, 28, 16, 8, True),
+    "4b": (2560, 9728, 36, 32, 8, True),
+    "8b": (4096, 12288, 36, 32, 8, False),
+}
 # hidden, intermediate, layers, heads, kv heads, head_dim, tied, RoPE scaling factor: Llama 3.x.
-_LLAMA_SIZES = {"3.2-1b": (2048, 8192, 16, 32, 8, 64, True, 32.0), "3.2-3b": (3072, 8192, 28, 24, 8, 128, True, 32.0),
-                "3.1-8b": (4096, 14336, 32, 32, 8, 128, False, 8.0)}
+_LLAMA_SIZES = {
+    "3.2-1b": (2048, 8192, 16, 32, 8, 64, True, 32.0),
+    "3.2-3b": (3072, 8192, 28, 24, 8, 128, True, 32.0),
+    "3.1-8b": (4096, 14336, 32, 32, 8, 128, False, 8.0),
+}
 _QWEN_EOS = ([151643], [151645, 151643])  # (base, instruct): <|endoftext|>; <|im_end|>, <|endoftext|>
 _LLAMA_EOS = ([128001], [128001, 128008, 128009])  # (base, instruct): <|end_of_text|>; and <|eom_id|>, <|eot_id|>
 _FAMILIES = {"qwen2.5-": _QWEN25_SIZES, "qwen3-": _QWEN3_SIZES, "llama-": _LLAMA_SIZES}
@@ -38,8 +50,11 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
     if config.max_model_len is None:
         config.max_model_len = limit
     elif config.max_model_len > limit:
-        raise InvalidParam("max_model_len", f"max_model_len={config.max_model_len} is over the model's "
-                                            f"max_position_embeddings={limit}: use at most {limit}")
+        raise InvalidParam(
+            "max_model_len",
+            f"max_model_len={config.max_model_len} is over the model's "
+            f"max_position_embeddings={limit}: use at most {limit}",
+        )
     return config
 
 
@@ -50,11 +65,15 @@ def _check_gpus(needed: int) -> None:
     count = torch.cuda.device_count()
     if count == 0:
         why = "this torch is a CPU build" if torch.version.cuda is None else "no GPU is visible"
-        raise InvalidParam("device", f"device='cuda' but torch sees no CUDA GPU ({why}): use device='cpu' or "
-                                     "'auto', or a machine with a GPU")
+        raise InvalidParam(
+            "device",
+            f"device='cuda' but torch sees no CUDA GPU ({why}): use device='cpu' or 'auto', or a machine with a GPU",
+        )
     if count < needed:
-        raise InvalidParam("tensor_parallel_size", f"tensor_parallel_size={needed} needs {needed} GPUs but torch "
-                                                   f"sees {count}: use at most {count}")
+        raise InvalidParam(
+            "tensor_parallel_size",
+            f"tensor_parallel_size={needed} needs {needed} GPUs but torch sees {count}: use at most {count}",
+        )
 
 
 def _check_writable_dir(path: str) -> None:
@@ -63,8 +82,9 @@ def _check_writable_dir(path: str) -> None:
         os.makedirs(path, exist_ok=True)
         tempfile.TemporaryFile(dir=path).close()
     except OSError as e:
-        raise InvalidParam("trace_dir",
-                           f"trace_dir={path!r} cannot be written ({e}): pass a writable directory") from None
+        raise InvalidParam(
+            "trace_dir", f"trace_dir={path!r} cannot be written ({e}): pass a writable directory"
+        ) from None
 
 
 def short_model(name: str) -> tuple[str, ModelConfig] | None:
@@ -72,7 +92,7 @@ def short_model(name: str) -> tuple[str, ModelConfig] | None:
     key = name.lower()
     base, key = key.endswith("-base"), key.removesuffix("-base")
     for prefix, sizes in _FAMILIES.items():
-        if key.startswith(prefix) and (size := key[len(prefix):]) in sizes:
+        if key.startswith(prefix) and (size := key[len(prefix) :]) in sizes:
             return (_llama if prefix == "llama-" else _qwen)(prefix, size, sizes[size], base)
     return None
 
@@ -85,11 +105,18 @@ def _qwen(prefix: str, size: str, shape: tuple, base: bool) -> tuple[str, ModelC
     hidden, inter, layers, heads, kv_heads, tied = shape
     qwen3 = prefix == "qwen3-"
     config = ModelConfig(
-        hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=kv_heads, head_dim=128, vocab_size=152064 if size == "7b" else 151936,
-        tie_word_embeddings=tied, eos_token_ids=list(_QWEN_EOS[not base]),
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=128,
+        vocab_size=152064 if size == "7b" else 151936,
+        tie_word_embeddings=tied,
+        eos_token_ids=list(_QWEN_EOS[not base]),
         max_position_embeddings=40960 if qwen3 and not base else 32768,
-        architecture="Qwen3ForCausalLM" if qwen3 else "Qwen2ForCausalLM")
+        architecture="Qwen3ForCausalLM" if qwen3 else "Qwen2ForCausalLM",
+    )
     if qwen3:
         return f"Qwen/Qwen3-{size.upper()}" + ("-Base" if base else ""), config
     return f"Qwen/Qwen2.5-{size.upper()}" + ("" if base else "-Instruct"), config
@@ -98,12 +125,27 @@ def _qwen(prefix: str, size: str, shape: tuple, base: bool) -> tuple[str, ModelC
 def _llama(prefix: str, size: str, shape: tuple, base: bool) -> tuple[str, ModelConfig]:
     hidden, inter, layers, heads, kv_heads, head_dim, tied, factor = shape
     config = ModelConfig(
-        hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=kv_heads, head_dim=head_dim, vocab_size=128256, rope_theta=500000.0,
-        rms_norm_eps=1e-5, max_position_embeddings=131072, tie_word_embeddings=tied,
-        eos_token_ids=list(_LLAMA_EOS[not base]), architecture="LlamaForCausalLM",
-        rope_scaling={"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 8192})
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=131072,
+        tie_word_embeddings=tied,
+        eos_token_ids=list(_LLAMA_EOS[not base]),
+        architecture="LlamaForCausalLM",
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": factor,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    )
     return f"meta-llama/Llama-{size.upper()}" + ("" if base else "-Instruct"), config
 
 
@@ -114,8 +156,11 @@ def resolve_model(name: str, load_format: str = "auto") -> tuple[ModelConfig, st
     if path.is_dir():
         return config_from_dir(path), str(path)
     if name.startswith(("/", ".", "~")):  # a path, not a repo id: the hub cannot help
-        raise InvalidParam("model", f"model={name!r} is not a directory: pass a Hugging Face-format model "
-                                    "directory, a Hugging Face repo id or a short name such as qwen2.5-1.5b")
+        raise InvalidParam(
+            "model",
+            f"model={name!r} is not a directory: pass a Hugging Face-format model "
+            "directory, a Hugging Face repo id or a short name such as qwen2.5-1.5b",
+        )
     short = short_model(name)
     repo = short[0] if short else name
     # Dummy weights never justify a download of the real ones; a short name has its config built in.
@@ -126,10 +171,12 @@ def resolve_model(name: str, load_format: str = "auto") -> tuple[ModelConfig, st
     if short and dummy:
         return short[1], None
     online = f"go online (unset HF_HUB_OFFLINE) so that {repo!r} can be downloaded; " if _hf_offline() else ""
-    raise InvalidParam("model",
+    raise InvalidParam(
+        "model",
         f"cannot resolve model {name!r}: it is not a local directory; {'; '.join(tried)}. "
         f"Ways out: pass a local path to a Hugging Face-format model directory; {online}or use load_format='dummy' "
-        f"with a short name ({', '.join(short_names())}, optionally with -base) for random weights.")
+        f"with a short name ({', '.join(short_names())}, optionally with -base) for random weights.",
+    )
 
 
 def _find_on_hub(repo: str, weights: bool, download: bool) -> tuple[str | None, list[str]]:
@@ -147,8 +194,11 @@ def _find_on_hub(repo: str, weights: bool, download: bool) -> tuple[str | None, 
             return path, tried
         except Exception as e:  # any hub failure (missing repo, network, bad id) is one attempt of the list
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            tried.append(f"{repo!r} is not in the Hugging Face cache ({constants.HF_HUB_CACHE})" if local_only
-                         else f"downloading {repo!r} from the Hugging Face hub failed ({reason})")
+            tried.append(
+                f"{repo!r} is not in the Hugging Face cache ({constants.HF_HUB_CACHE})"
+                if local_only
+                else f"downloading {repo!r} from the Hugging Face hub failed ({reason})"
+            )
     return None, tried
 
 
@@ -168,17 +218,24 @@ def config_from_dir(model_dir: str | Path) -> ModelConfig:
     hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     rope = cfg.get("rope_parameters") or {}
     return ModelConfig(
-        hidden_size=hidden, intermediate_size=cfg["intermediate_size"], num_hidden_layers=cfg["num_hidden_layers"],
-        num_attention_heads=heads, num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or hidden // heads, vocab_size=cfg["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=cfg["intermediate_size"],
+        num_hidden_layers=cfg["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or hidden // heads,
+        vocab_size=cfg["vocab_size"],
         rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 1e6),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=cfg.get("max_position_embeddings", 32768),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
-        eos_token_ids=_eos_ids(Path(model_dir), cfg), architecture=architecture,
+        eos_token_ids=_eos_ids(Path(model_dir), cfg),
+        architecture=architecture,
         rope_scaling=None if scaling is None else {k: scaling[k] for k in _LLAMA3_KEYS} | {"rope_type": "llama3"},
-        quantization="fp8" if block else None, weight_block_size=block)
+        quantization="fp8" if block else None,
+        weight_block_size=block,
+    )
 
 
 _MODEL_TYPES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
@@ -192,12 +249,15 @@ def _check_supported(cfg: dict, path: Path) -> str:
         raise ValueError(
             f"{path}: architecture {archs} (model_type={cfg.get('model_type')!r}) is not supported: Pico-vLLM "
             f"runs {', '.join(ARCHITECTURES)} (model_type {', '.join(map(repr, _MODEL_TYPES))}), e.g. Qwen2.5, "
-            "Qwen3 and Llama 3")
+            "Qwen3 and Llama 3"
+        )
     if cfg.get("use_sliding_window"):
         raise ValueError(f"{path}: use_sliding_window=true is not supported: use a model without it")
     if archs[0] != "Qwen2ForCausalLM" and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
-        raise ValueError(f"{path}: attention_bias / mlp_bias true is not supported for {archs[0]}: "
-                         "use a checkpoint without biases (as the published ones)")
+        raise ValueError(
+            f"{path}: attention_bias / mlp_bias true is not supported for {archs[0]}: "
+            "use a checkpoint without biases (as the published ones)"
+        )
     return archs[0]
 
 
@@ -208,16 +268,25 @@ def _fp8_block_size(cfg: dict, path: Path) -> list[int] | None:
         return None
     method, block = quant.get("quant_method", "unknown"), quant.get("weight_block_size")
     if method != "fp8":
-        raise ValueError(f"{path}: quant_method={method!r} is not supported: Pico-vLLM runs FP8 checkpoints "
-                         "(quant_method 'fp8', block-quantized as Qwen's) and float32/float16/bfloat16 ones (with "
-                         "quantization='fp8' to quantize them at load); use one of those")
-    good_block = (isinstance(block, list) and len(block) == 2 and block[0] >= 1 and block[1] >= 16
-                  and block[1] & (block[1] - 1) == 0)
+        raise ValueError(
+            f"{path}: quant_method={method!r} is not supported: Pico-vLLM runs FP8 checkpoints "
+            "(quant_method 'fp8', block-quantized as Qwen's) and float32/float16/bfloat16 ones (with "
+            "quantization='fp8' to quantize them at load); use one of those"
+        )
+    good_block = (
+        isinstance(block, list)
+        and len(block) == 2
+        and block[0] >= 1
+        and block[1] >= 16
+        and block[1] & (block[1] - 1) == 0
+    )
     if quant.get("fmt", "e4m3") != "e4m3" or quant.get("activation_scheme", "dynamic") != "dynamic" or not good_block:
-        raise ValueError(f"{path}: this FP8 checkpoint (fmt={quant.get('fmt')!r}, activation_scheme="
-                         f"{quant.get('activation_scheme')!r}, weight_block_size={block!r}) is not supported: "
-                         "Pico-vLLM runs e4m3 weights with dynamic activations and weight_block_size [rows, columns] "
-                         "(columns a power of two >= 16), as Qwen publishes them")
+        raise ValueError(
+            f"{path}: this FP8 checkpoint (fmt={quant.get('fmt')!r}, activation_scheme="
+            f"{quant.get('activation_scheme')!r}, weight_block_size={block!r}) is not supported: "
+            "Pico-vLLM runs e4m3 weights with dynamic activations and weight_block_size [rows, columns] "
+            "(columns a power of two >= 16), as Qwen publishes them"
+        )
     return list(block)
 
 
@@ -228,8 +297,10 @@ def _rope_scaling(cfg: dict, path: Path) -> dict | None:
     if kind == "llama3" and all(k in scaling for k in _LLAMA3_KEYS):
         return scaling
     if kind != "default":
-        raise ValueError(f"{path}: rope scaling {kind!r} is not supported: Pico-vLLM runs unscaled RoPE and "
-                         f"llama3 scaling (with {', '.join(_LLAMA3_KEYS)})")
+        raise ValueError(
+            f"{path}: rope scaling {kind!r} is not supported: Pico-vLLM runs unscaled RoPE and "
+            f"llama3 scaling (with {', '.join(_LLAMA3_KEYS)})"
+        )
     return None
 
 

@@ -1,4 +1,5 @@
 """The OpenAI and vLLM request fields that constrain the output, as one SamplingParams.structured_outputs."""
+
 from __future__ import annotations
 
 from frontend.tool_calls import tool_grammar
@@ -21,9 +22,12 @@ def response_format_spec(fmt: dict | None) -> dict | None:
     if kind == "json_schema" and isinstance(schema, dict) and isinstance(schema.get("schema"), dict):
         return {"json": schema["schema"]}
     if kind != "text":
-        raise InvalidParam("response_format", f'response_format={fmt} is invalid: use {{"type": "text"}}, '
-                           '{"type": "json_object"}, or {"type": "json_schema", "json_schema": {"name": ..., '
-                           '"schema": {...}}}')
+        raise InvalidParam(
+            "response_format",
+            f'response_format={fmt} is invalid: use {{"type": "text"}}, '
+            '{"type": "json_object"}, or {"type": "json_schema", "json_schema": {"name": ..., '
+            '"schema": {...}}}',
+        )
     return None
 
 
@@ -37,7 +41,10 @@ def tool_choice_spec(tools: list[dict], choice: str | dict | None) -> dict | Non
     named = choice if isinstance(choice, dict) and choice.get("type") == "function" else {}
     name = (named.get("function") or {}).get("name")
     if name not in names:
-        raise InvalidParam("tool_choice", f"tool_choice={choice!r} is invalid: name one of the tools {names} as "
-                           '{"type": "function", "function": {"name": ...}}, or use "auto", "none" or "required" '
-                           "(with tools)")
+        raise InvalidParam(
+            "tool_choice",
+            f"tool_choice={choice!r} is invalid: name one of the tools {names} as "
+            '{"type": "function", "function": {"name": ...}}, or use "auto", "none" or "required" '
+            "(with tools)",
+        )
     return tool_grammar(tools, [name], only_one=True)

@@ -1,4 +1,5 @@
 """RequestOutputs from the engine's TokenBatches (detokenized, stop strings cut); one engine request per sample."""
+
 from __future__ import annotations
 
 import itertools
@@ -37,6 +38,7 @@ class RequestOutput:
 @dataclass(slots=True)
 class _Sample:
     """One of a request's n samples (its own engine request)."""
+
     state: RequestState
     out: CompletionOutput
     detok: IncrementalDetokenizer | StreamDetokenizer
@@ -60,12 +62,14 @@ class OutputProcessor:
         self._requests: dict[str, RequestState] = {}
         self._ids = itertools.count()
 
-    def add(self, request_id: str, prompt: str | None, prompt_ids: list[int],
-            params: SamplingParams) -> tuple[RequestState, list[AddRequest]]:
+    def add(
+        self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams
+    ) -> tuple[RequestState, list[AddRequest]]:
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already running: use a unique id")
-        outs = [CompletionOutput(index=i, logprobs=[] if params.logprobs is not None else None)
-                for i in range(params.n)]
+        outs = [
+            CompletionOutput(index=i, logprobs=[] if params.logprobs is not None else None) for i in range(params.n)
+        ]
         state = RequestState(RequestOutput(request_id, prompt, list(prompt_ids), outs), params, [])
         msgs = []
         for out in outs:
@@ -73,10 +77,12 @@ class OutputProcessor:
             # Sample i of a seeded request uses seed + i, wrapped as the sampler wraps seeds (modulo 2**64).
             seed = None if params.seed is None else params.seed + out.index
             sub = {**params.to_dict(), "n": 1, "seed": seed - 2**64 if seed is not None and seed >= 2**64 else seed}
-            detok = make_detokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens,
-                                     params.spaces_between_special_tokens)
-            self._samples[engine_id] = _Sample(state, out, detok,
-                                               StopMatcher(params.stop, params.include_stop_str_in_output))
+            detok = make_detokenizer(
+                self.tokenizer, prompt_ids, params.skip_special_tokens, params.spaces_between_special_tokens
+            )
+            self._samples[engine_id] = _Sample(
+                state, out, detok, StopMatcher(params.stop, params.include_stop_str_in_output)
+            )
             state.engine_ids.append(engine_id)
             msgs.append(AddRequest(engine_id, i32(prompt_ids), sub))
         self._requests[request_id] = state

@@ -1,4 +1,5 @@
 """A request's jobs answered as JSON or server-sent events; a client that hangs up aborts its engine requests."""
+
 from __future__ import annotations
 
 import asyncio
@@ -52,8 +53,10 @@ async def generate(engine: AsyncLLM, jobs: list[Job], metrics: Metrics) -> Async
         except Exception as exc:  # handed to the consumer, which raises it
             queue.put_nowait((i, None, exc))
         finally:
-            timer.finish([o.finish_reason or "abort" for o in out.outputs] if out else ["abort"] * job.params.n,
-                         [o.engine_stats for o in out.outputs] if out else None)
+            timer.finish(
+                [o.finish_reason or "abort" for o in out.outputs] if out else ["abort"] * job.params.n,
+                [o.engine_stats for o in out.outputs] if out else None,
+            )
 
     tasks = [asyncio.create_task(pump(i, job)) for i, job in enumerate(jobs)]
     try:
@@ -78,6 +81,7 @@ class ClientGone(Exception):
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
     """Await `work` unless the client hangs up first; then cancel it, which aborts its engine requests."""
+
     async def client_gone() -> None:  # the body has been read: the next message is the disconnect
         while (await request.receive())["type"] != "http.disconnect":
             pass
@@ -104,6 +108,7 @@ async def _collect(merged: AsyncIterator[tuple[int, RequestOutput]]) -> dict[int
 
 class EventStream(StreamingResponse):
     """Server-sent events whose generator is closed however the response ends (hang-up, shutdown)."""
+
     media_type = "text/event-stream"
 
     async def __call__(self, scope, receive, send) -> None:
@@ -117,8 +122,12 @@ def _event(data: dict) -> str:
     return f"data: {json.dumps(data)}\n\n"
 
 
-async def _events(first: tuple[int, RequestOutput], merged: AsyncIterator[tuple[int, RequestOutput]],
-                  renderer: Renderer, include_usage: bool) -> AsyncIterator[str]:
+async def _events(
+    first: tuple[int, RequestOutput],
+    merged: AsyncIterator[tuple[int, RequestOutput]],
+    renderer: Renderer,
+    include_usage: bool,
+) -> AsyncIterator[str]:
     finals: dict[int, RequestOutput] = {}
     async with aclosing(merged):
         try:
@@ -140,15 +149,18 @@ async def _events(first: tuple[int, RequestOutput], merged: AsyncIterator[tuple[
     yield "data: [DONE]\n\n"
 
 
-async def respond(request: Request, engine: AsyncLLM, metrics: Metrics, renderer: Renderer, stream: bool,
-                  include_usage: bool) -> Response:
+async def respond(
+    request: Request, engine: AsyncLLM, metrics: Metrics, renderer: Renderer, stream: bool, include_usage: bool
+) -> Response:
     """Run the renderer's jobs on the engine; answer with one JSON body or an event stream."""
     merged = generate(engine, renderer.jobs, metrics)
     try:
         if not stream:
             finals = await until_disconnected(request, _collect(merged))
-            return Response(json.dumps(renderer.response([finals[i] for i in range(len(renderer.jobs))])),
-                            media_type="application/json")
+            return Response(
+                json.dumps(renderer.response([finals[i] for i in range(len(renderer.jobs))])),
+                media_type="application/json",
+            )
         # Wait for the first output before sending 200, so that a refusal (overload, dead engine) is a 503.
         first = await until_disconnected(request, anext(merged))
     except ClientGone:

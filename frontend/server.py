@@ -1,4 +1,5 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over one AsyncLLM, run by uvicorn on uvloop."""
+
 from __future__ import annotations
 
 import asyncio
@@ -18,8 +19,18 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from frontend.api_models import (
-    APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, Job, TokenizeRequest, bad_request,
-    chat_prompt, from_invalid_param, generation_defaults, parse_request)
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    Job,
+    TokenizeRequest,
+    bad_request,
+    chat_prompt,
+    from_invalid_param,
+    generation_defaults,
+    parse_request,
+)
 from frontend.api_render import ChatRenderer, CompletionRenderer
 from frontend.async_llm import AsyncLLM
 from frontend.engine_client import EngineClient
@@ -33,8 +44,10 @@ log = logging.getLogger("pico_vllm.server")
 MAX_BODY_BYTES = 4 << 20  # a 128k-token prompt is well under 1 MB of text; far larger bodies are abuse
 ABORT_MARGIN_S = 0.5  # on SIGTERM, requests still running this long before --shutdown-timeout are aborted
 DEAD_EXIT_DELAY_S = 2.0  # after the engine dies, /health answers 503 this long before the process exits
-GENERATION_ROUTES = {"/v1/completions": (CompletionRequest, CompletionRenderer),
-                     "/v1/chat/completions": (ChatCompletionRequest, ChatRenderer)}
+GENERATION_ROUTES = {
+    "/v1/completions": (CompletionRequest, CompletionRenderer),
+    "/v1/chat/completions": (ChatCompletionRequest, ChatRenderer),
+}
 try:
     VERSION = importlib.metadata.version("pico-vllm")
 except importlib.metadata.PackageNotFoundError:
@@ -71,12 +84,22 @@ class ServerState:
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.names:
-            raise APIError(404, f"this server serves {self.names}; model {name[:100]!r} does not exist",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"this server serves {self.names}; model {name[:100]!r} does not exist",
+                param="model",
+                code="model_not_found",
+            )
 
     def model_card(self, name: str) -> dict:
-        return {"id": name, "object": "model", "created": 0, "owned_by": "pico-vllm", "root": self.names[0],
-                "max_model_len": self.engine.max_model_len if self.engine is not None else None}
+        return {
+            "id": name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "pico-vllm",
+            "root": self.names[0],
+            "max_model_len": self.engine.max_model_len if self.engine is not None else None,
+        }
 
     async def accept(self, request: Request, model: type[BaseModel]) -> tuple:
         """The validated request (413 past MAX_BODY_BYTES, before all is buffered) and the ready engine."""
@@ -105,6 +128,7 @@ class ServerState:
 
 def build_app(state: ServerState, load_engine: Callable[[], AsyncLLM]) -> FastAPI:
     """The app; `load_engine` runs in a thread at startup so that /health can answer 503 meanwhile."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         loader = asyncio.create_task(_load_and_watch(state, load_engine))
@@ -117,8 +141,9 @@ def build_app(state: ServerState, load_engine: Callable[[], AsyncLLM]) -> FastAP
                 await asyncio.sleep(0.01)
             state.engine.shutdown()
 
-    app = FastAPI(title="Pico-vLLM", version=VERSION, lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+    app = FastAPI(
+        title="Pico-vLLM", version=VERSION, lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
     app.add_exception_handler(APIError, _error)
     app.add_exception_handler(StarletteHTTPException, _error)
     app.add_exception_handler(ClientGone, lambda request, exc: Response(status_code=499))
@@ -140,8 +165,9 @@ async def _error(request: Request, exc: Exception) -> JSONResponse:
     headers = None
     if isinstance(exc, StarletteHTTPException):  # unknown routes and wrong methods, in the same error body
         headers = exc.headers  # a 405's Allow
-        exc = APIError(exc.status_code, str(exc.detail), code={404: "not_found", 405: "method_not_allowed"}.get(
-            exc.status_code))
+        exc = APIError(
+            exc.status_code, str(exc.detail), code={404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        )
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
@@ -183,9 +209,11 @@ def _routes(state: ServerState) -> APIRouter:
         req, engine = await state.accept(request, TokenizeRequest)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("send exactly one of prompt and messages", "prompt")
-        ids = (chat_prompt(req.messages, engine.tokenizer, req.add_generation_prompt, req.continue_final_message)
-               if req.messages is not None
-               else engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+        ids = (
+            chat_prompt(req.messages, engine.tokenizer, req.add_generation_prompt, req.continue_final_message)
+            if req.messages is not None
+            else engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        )
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
 
     @router.post("/detokenize")
@@ -212,12 +240,21 @@ def _routes(state: ServerState) -> APIRouter:
                 raise req.invalid(exc) from None
         prompts = req.truncated(req.prompts(engine.tokenizer), engine.tokenizer, engine.max_model_len)
         try:
-            jobs = [Job(f"{rid}-{i}", *engine.client.prepare(prompt, params), params)
-                    for i, prompt in enumerate(prompts)]
+            jobs = [
+                Job(f"{rid}-{i}", *engine.client.prepare(prompt, params), params) for i, prompt in enumerate(prompts)
+            ]
         except InvalidParam as exc:
             raise from_invalid_param(exc, kind.prompt_field, req.max_tokens_field) from None
-        renderer = render(rid, state.names[0], jobs, engine.tokenizer, req.echo, bool(req.return_tokens_as_token_ids),
-                          req.continuous_usage, req.parses_tool_calls)
+        renderer = render(
+            rid,
+            state.names[0],
+            jobs,
+            engine.tokenizer,
+            req.echo,
+            bool(req.return_tokens_as_token_ids),
+            req.continuous_usage,
+            req.parses_tool_calls,
+        )
         return await respond(request, state.ready_engine(), state.metrics, renderer, req.stream, req.include_usage)
 
     return router
@@ -247,8 +284,16 @@ def run_server(config: EngineConfig, options: ServerOptions) -> int:
     state = ServerState(options, config.model, generation_defaults(config.model_path))
     app = build_app(state, lambda: AsyncLLM(client=EngineClient(config)))
     # uvicorn's own deadline only backs ours up: past it, it cancels requests mid-body and logs their tracebacks.
-    server = _Server(uvicorn.Config(app, host=options.host, port=options.port, loop="uvloop",
-                                    timeout_graceful_shutdown=options.shutdown_timeout + 2 * ABORT_MARGIN_S), state)
+    server = _Server(
+        uvicorn.Config(
+            app,
+            host=options.host,
+            port=options.port,
+            loop="uvloop",
+            timeout_graceful_shutdown=options.shutdown_timeout + 2 * ABORT_MARGIN_S,
+        ),
+        state,
+    )
     state.stop = lambda: setattr(server, "should_exit", True)
     try:
         server.run()

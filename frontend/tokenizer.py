@@ -1,5 +1,6 @@
 """The model's HF tokenizer and chat template; with no files, the real BPE of a short name (Qwen2.5, Qwen3,
 Llama 3) is rebuilt offline from the ranks dashscope and llama-models ship."""
+
 from __future__ import annotations
 
 import base64
@@ -23,32 +24,74 @@ if TYPE_CHECKING:
 CHAT_TEMPLATE_FILE = Path(__file__).with_name("qwen25_chat_template.jinja")  # '@SYSTEM@': the default system prompt
 
 # Qwen2's pre-tokenizer: like GPT-4's but digits split one per token.
-QWEN2_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
-                 r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+QWEN2_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 NUM_BPE_TOKENS = 151643
 # (token, special) in id order from 151643; the tool-call and FIM tokens are added but not "special" in Qwen2.5.
-QWEN25_ADDED_TOKENS = [(t, True) for t in (
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
-    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>",
-    "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")] + [(t, False) for t in (
-    "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
-    "<|repo_name|>", "<|file_sep|>")]
-QWEN3_ADDED_TOKENS = QWEN25_ADDED_TOKENS + [(t, False) for t in ("<tool_response>", "</tool_response>", "<think>",
-                                                                  "</think>")]
-LLAMA3_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
-                  r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+QWEN25_ADDED_TOKENS = [
+    (t, True)
+    for t in (
+        "<|endoftext|>",
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|object_ref_start|>",
+        "<|object_ref_end|>",
+        "<|box_start|>",
+        "<|box_end|>",
+        "<|quad_start|>",
+        "<|quad_end|>",
+        "<|vision_start|>",
+        "<|vision_end|>",
+        "<|vision_pad|>",
+        "<|image_pad|>",
+        "<|video_pad|>",
+    )
+] + [
+    (t, False)
+    for t in (
+        "<tool_call>",
+        "</tool_call>",
+        "<|fim_prefix|>",
+        "<|fim_middle|>",
+        "<|fim_suffix|>",
+        "<|fim_pad|>",
+        "<|repo_name|>",
+        "<|file_sep|>",
+    )
+]
+QWEN3_ADDED_TOKENS = QWEN25_ADDED_TOKENS + [
+    (t, False) for t in ("<tool_response>", "</tool_response>", "<think>", "</think>")
+]
+LLAMA3_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 NUM_LLAMA3_BPE_TOKENS = 128000
 # Llama 3's 256 special tokens from id 128000, as its Hugging Face repos name them.
 LLAMA3_SPECIAL_TOKENS = [
-    "<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>", "<|reserved_special_token_1|>",
-    "<|finetune_right_pad_id|>", "<|reserved_special_token_2|>", "<|start_header_id|>", "<|end_header_id|>",
-    "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"] + [f"<|reserved_special_token_{i}|>" for i in range(3, 248)]
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|reserved_special_token_0|>",
+    "<|reserved_special_token_1|>",
+    "<|finetune_right_pad_id|>",
+    "<|reserved_special_token_2|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eom_id|>",
+    "<|eot_id|>",
+    "<|python_tag|>",
+] + [f"<|reserved_special_token_{i}|>" for i in range(3, 248)]
 
 
 def qwen25_chat_template(instruct: bool = True) -> str:
     """The chat template a Qwen2.5 repo ships (Instruct or base: they differ in the default system prompt)."""
-    system = ("You are Qwen, created by Alibaba Cloud. You are a helpful assistant." if instruct
-              else "You are a helpful assistant.")
+    system = (
+        "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+        if instruct
+        else "You are a helpful assistant."
+    )
     return CHAT_TEMPLATE_FILE.read_text().replace("@SYSTEM@", system)
 
 
@@ -69,9 +112,11 @@ def load_tokenizer(model: str, model_dir: str | None) -> PreTrainedTokenizerBase
             return load_qwen3_tokenizer(not repo.endswith("-Base"))
         return load_qwen25_tokenizer(repo.endswith("-Instruct"))
     where = f"in {model_dir!r}" if model_dir is not None else "(no model directory)"
-    raise ValueError(f"no tokenizer for model {model!r}: found no tokenizer.json, vocab.json + merges.txt or "
-                     f"tokenizer.model {where}, and there is no offline fallback for it; use a model directory "
-                     f"with tokenizer files or a short name such as qwen2.5-1.5b, qwen3-1.7b or llama-3.2-1b")
+    raise ValueError(
+        f"no tokenizer for model {model!r}: found no tokenizer.json, vocab.json + merges.txt or "
+        f"tokenizer.model {where}, and there is no offline fallback for it; use a model directory "
+        f"with tokenizer files or a short name such as qwen2.5-1.5b, qwen3-1.7b or llama-3.2-1b"
+    )
 
 
 def _from_pretrained(path, **kwargs) -> PreTrainedTokenizerBase:
@@ -95,8 +140,11 @@ def _from_pretrained(path, **kwargs) -> PreTrainedTokenizerBase:
 
 def has_tokenizer_files(model_dir: str | os.PathLike) -> bool:
     d = Path(model_dir)
-    return ((d / "tokenizer.json").is_file() or (d / "tokenizer.model").is_file()
-            or ((d / "vocab.json").is_file() and (d / "merges.txt").is_file()))
+    return (
+        (d / "tokenizer.json").is_file()
+        or (d / "tokenizer.model").is_file()
+        or ((d / "vocab.json").is_file() and (d / "merges.txt").is_file())
+    )
 
 
 def load_qwen25_tokenizer(instruct: bool = True) -> PreTrainedTokenizerBase:
@@ -151,16 +199,20 @@ def _package_file(package: str, relative: str, install: str) -> Path:
     """A data file of an installed package, found without importing it (its own dependencies may be absent)."""
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError(f"building this tokenizer offline needs BPE ranks from the PyPI package {package!r}: run "
-                         f"`{install}`, or pass a model directory that has tokenizer files")
+        raise ValueError(
+            f"building this tokenizer offline needs BPE ranks from the PyPI package {package!r}: run "
+            f"`{install}`, or pass a model directory that has tokenizer files"
+        )
     return Path(list(spec.submodule_search_locations)[0]) / relative
 
 
 def read_qwen_ranks() -> dict[bytes, int]:
     """Qwen's BPE ranks from dashscope's qwen.tiktoken."""
     ranks_file = _package_file("dashscope", "resources/qwen.tiktoken", "pip install dashscope")
-    ranks = {base64.b64decode(token): int(rank)
-             for token, rank in (line.split() for line in ranks_file.read_bytes().splitlines())}
+    ranks = {
+        base64.b64decode(token): int(rank)
+        for token, rank in (line.split() for line in ranks_file.read_bytes().splitlines())
+    }
     if len(ranks) != NUM_BPE_TOKENS or sorted(ranks.values()) != list(range(NUM_BPE_TOKENS)):
         raise ValueError(f"{ranks_file} holds {len(ranks)} ranks, not Qwen's {NUM_BPE_TOKENS}: reinstall dashscope")
     return ranks
@@ -177,13 +229,13 @@ def recover_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
     for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
         if len(token) == 1:
             continue
-        parts = [token[i:i + 1] for i in range(len(token))]
+        parts = [token[i : i + 1] for i in range(len(token))]
         while len(parts) > 2:
             pair_ranks = [ranks.get(parts[i] + parts[i + 1], rank) for i in range(len(parts) - 1)]
             best = min(range(len(pair_ranks)), key=pair_ranks.__getitem__)
             if pair_ranks[best] >= rank:
                 raise ValueError(f"token {token!r} (rank {rank}) cannot be built from lower ranks")
-            parts[best:best + 2] = [parts[best] + parts[best + 1]]
+            parts[best : best + 2] = [parts[best] + parts[best + 1]]
         merges.append((parts[0], parts[1]))
     return merges
 
@@ -201,9 +253,12 @@ def build_qwen25_tokenizer(ranks: dict[bytes, int], added: list[tuple[str, bool]
     merges = [(unicode(a), unicode(b)) for a, b in recover_merges(ranks)]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     tok.add_tokens([AddedToken(t, special=s, normalized=False) for t, s in added])
@@ -218,38 +273,69 @@ def build_llama3_tokenizer() -> Tokenizer:
     one token, tiktoken's rule); encoding with special tokens puts <|begin_of_text|> first."""
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
-    tok = TikTokenConverter(str(llama3_ranks_file()), LLAMA3_PATTERN,
-                            extra_special_tokens=LLAMA3_SPECIAL_TOKENS).converted()
+    tok = TikTokenConverter(
+        str(llama3_ranks_file()), LLAMA3_PATTERN, extra_special_tokens=LLAMA3_SPECIAL_TOKENS
+    ).converted()
     bos = LLAMA3_SPECIAL_TOKENS[0]
     if tok.get_vocab_size() != NUM_LLAMA3_BPE_TOKENS + 256 or tok.token_to_id(bos) != NUM_LLAMA3_BPE_TOKENS:
         raise ValueError(f"{llama3_ranks_file()} is not Llama 3's tokenizer: `pip install llama-models` again")
-    tok.post_processor = processors.Sequence([processors.ByteLevel(trim_offsets=False), processors.TemplateProcessing(
-        single=f"{bos} $A", pair=f"{bos} $A {bos}:1 $B:1", special_tokens=[(bos, NUM_LLAMA3_BPE_TOKENS)])])
+    tok.post_processor = processors.Sequence(
+        [
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(
+                single=f"{bos} $A", pair=f"{bos} $A {bos}:1 $B:1", special_tokens=[(bos, NUM_LLAMA3_BPE_TOKENS)]
+            ),
+        ]
+    )
     return tok
 
 
 def _added_tokens_decoder(added: list[tuple[str, bool]], first_id: int) -> dict:
-    return {str(first_id + i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                                "single_word": False, "special": s} for i, (t, s) in enumerate(added)}
+    return {
+        str(first_id + i): {
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": s,
+        }
+        for i, (t, s) in enumerate(added)
+    }
 
 
 def _tokenizer_config(added: list[tuple[str, bool]] = QWEN25_ADDED_TOKENS, template: str | None = None) -> dict:
     """Qwen2.5-Instruct's (or Qwen3's) tokenizer_config.json (the fields that change behaviour)."""
-    return {"add_bos_token": False, "add_prefix_space": False,
-            "added_tokens_decoder": _added_tokens_decoder(added, NUM_BPE_TOKENS),
-            "additional_special_tokens": [t for t, s in QWEN25_ADDED_TOKENS[1:] if s], "bos_token": None,
-            "chat_template": template or qwen25_chat_template(True), "clean_up_tokenization_spaces": False,
-            "eos_token": "<|im_end|>", "errors": "replace", "model_max_length": 131072, "pad_token": "<|endoftext|>",
-            "split_special_tokens": False, "tokenizer_class": "Qwen2Tokenizer", "unk_token": None}
+    return {
+        "add_bos_token": False,
+        "add_prefix_space": False,
+        "added_tokens_decoder": _added_tokens_decoder(added, NUM_BPE_TOKENS),
+        "additional_special_tokens": [t for t, s in QWEN25_ADDED_TOKENS[1:] if s],
+        "bos_token": None,
+        "chat_template": template or qwen25_chat_template(True),
+        "clean_up_tokenization_spaces": False,
+        "eos_token": "<|im_end|>",
+        "errors": "replace",
+        "model_max_length": 131072,
+        "pad_token": "<|endoftext|>",
+        "split_special_tokens": False,
+        "tokenizer_class": "Qwen2Tokenizer",
+        "unk_token": None,
+    }
 
 
 def _llama3_tokenizer_config() -> dict:
     """Llama-3.2-Instruct's tokenizer_config.json (the fields that change behaviour)."""
     return {
-        "added_tokens_decoder": _added_tokens_decoder([(t, True) for t in LLAMA3_SPECIAL_TOKENS],
-                                                      NUM_LLAMA3_BPE_TOKENS),
-        "bos_token": "<|begin_of_text|>", "chat_template": chat_template("llama32"),
+        "added_tokens_decoder": _added_tokens_decoder(
+            [(t, True) for t in LLAMA3_SPECIAL_TOKENS], NUM_LLAMA3_BPE_TOKENS
+        ),
+        "bos_token": "<|begin_of_text|>",
+        "chat_template": chat_template("llama32"),
         # The repos say true; transformers 5 ignores it for BPE (it would strip spaces before punctuation).
-        "clean_up_tokenization_spaces": False, "eos_token": "<|eot_id|>",
-        "model_input_names": ["input_ids", "attention_mask"], "model_max_length": 131072,
-        "tokenizer_class": "PreTrainedTokenizerFast"}
+        "clean_up_tokenization_spaces": False,
+        "eos_token": "<|eot_id|>",
+        "model_input_names": ["input_ids", "attention_mask"],
+        "model_max_length": 131072,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }

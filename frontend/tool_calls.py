@@ -2,6 +2,7 @@
 
 The grammar that enforces `required` and a named tool_choice, and the parser that turns the model's text into
 OpenAI tool calls, whole or as stream deltas (a call's name first, then fragments of its arguments' own text)."""
+
 from __future__ import annotations
 
 import json
@@ -15,11 +16,22 @@ _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\
 def tool_grammar(tools: list[dict], names: list[str], only_one: bool) -> dict:
     """structured_outputs for calls of the named tools only: at least one block (exactly one if only_one)."""
     params = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
-    tags = [{"type": "tag", "begin": f'{OPEN}\n{{"name": {json.dumps(name)}, "arguments": ',
-             "content": {"type": "json_schema", "json_schema": params[name], "max_whitespace_cnt": 1},
-             "end": "}\n" + CLOSE} for name in names]
-    fmt = {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True,
-           "stop_after_first": only_one}
+    tags = [
+        {
+            "type": "tag",
+            "begin": f'{OPEN}\n{{"name": {json.dumps(name)}, "arguments": ',
+            "content": {"type": "json_schema", "json_schema": params[name], "max_whitespace_cnt": 1},
+            "end": "}\n" + CLOSE,
+        }
+        for name in names
+    ]
+    fmt = {
+        "type": "tags_with_separator",
+        "tags": tags,
+        "separator": "\n",
+        "at_least_one": True,
+        "stop_after_first": only_one,
+    }
     return {"structural_tag": json.dumps({"type": "structural_tag", "format": fmt})}
 
 
@@ -31,13 +43,13 @@ def _split(text: str, final: bool) -> tuple[list[str], list[tuple[str, bool]]]:
         content.append(text[pos:start])
         end = text.find(CLOSE, start)
         if end < 0:
-            blocks.append((text[start + len(OPEN):], False))
+            blocks.append((text[start + len(OPEN) :], False))
             return content, blocks
-        blocks.append((text[start + len(OPEN):end], True))
+        blocks.append((text[start + len(OPEN) : end], True))
         pos = end + len(CLOSE)
     tail = text[pos:]
     if not final:
-        tail = tail[:len(tail) - next((k for k in range(len(OPEN) - 1, 0, -1) if tail.endswith(OPEN[:k])), 0)]
+        tail = tail[: len(tail) - next((k for k in range(len(OPEN) - 1, 0, -1) if tail.endswith(OPEN[:k])), 0)]
     content.append(tail)
     return content, blocks
 
@@ -54,13 +66,13 @@ def _call(body: str, closed: bool) -> tuple[str | None, str, bool]:
             return None, "", False
         if not (isinstance(name, str) and isinstance(args, dict) and len(call) == 2):
             return None, "", False
-        raw = body[head.end():body.rstrip().rindex("}")].rstrip() if head else ""
+        raw = body[head.end() : body.rstrip().rindex("}")].rstrip() if head else ""
         return name, (raw if head and _same_json(raw, args) else json.dumps(args, ensure_ascii=False)), True
     if head is None:
         return None, "", True
-    rest = body[head.end():]
+    rest = body[head.end() :]
     cut = rest.rfind("}")
-    return json.loads(head.group(1)), rest[:cut if cut >= 0 else len(rest)].rstrip(), True
+    return json.loads(head.group(1)), rest[: cut if cut >= 0 else len(rest)].rstrip(), True
 
 
 def _same_json(raw: str, value: object) -> bool:
@@ -84,7 +96,7 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
             calls.append({"id": _call_id(), "type": "function", "function": {"name": name, "arguments": args}})
         else:
             pieces.append(OPEN + body + (CLOSE if closed else ""))
-        pieces.extend(content[i + 1:i + 2])
+        pieces.extend(content[i + 1 : i + 2])
     return "".join(pieces).strip() or None, calls
 
 
@@ -106,9 +118,9 @@ class ToolCallStream:
                 pieces.append(OPEN + body + CLOSE)
             elif name is not None:
                 deltas.extend(self._deltas(i, name, args))
-            pieces.extend(c for c in content[i + 1:i + 2] if c.strip())  # no lone newlines between calls
+            pieces.extend(c for c in content[i + 1 : i + 2] if c.strip())  # no lone newlines between calls
         text_out = "".join(pieces)
-        new, self.content_sent = text_out[self.content_sent:], len(text_out)
+        new, self.content_sent = text_out[self.content_sent :], len(text_out)
         return new, deltas
 
     @property
@@ -119,8 +131,14 @@ class ToolCallStream:
         deltas = []
         if block not in self.slots:
             self.slots[block] = [len(self.slots), 0]
-            deltas.append({"index": self.slots[block][0], "id": _call_id(), "type": "function",
-                           "function": {"name": name, "arguments": ""}})
+            deltas.append(
+                {
+                    "index": self.slots[block][0],
+                    "id": _call_id(),
+                    "type": "function",
+                    "function": {"name": name, "arguments": ""},
+                }
+            )
         index, sent = self.slots[block]
         if len(args) > sent:
             deltas.append({"index": index, "function": {"arguments": args[sent:]}})

@@ -1,4 +1,5 @@
 """SwiGLU activation: silu(gate) * up over the fused gate_up projection output."""
+
 from __future__ import annotations
 
 import torch
@@ -35,8 +36,9 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"silu_and_mul needs a unit stride on the last dim, got {x.stride()}; pass x.contiguous()")
     rows, inter = x.shape[0], x.shape[1] // 2
     out = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
-    _silu_and_mul_kernel[(rows, triton.cdiv(inter, _BLOCK))](x, out, x.stride(0), out.stride(0), inter, BLOCK=_BLOCK,
-                                                              PDL=pdl_enabled(x.device))
+    _silu_and_mul_kernel[(rows, triton.cdiv(inter, _BLOCK))](
+        x, out, x.stride(0), out.stride(0), inter, BLOCK=_BLOCK, PDL=pdl_enabled(x.device)
+    )
     return out
 
 

@@ -1,6 +1,7 @@
 """Arrival counters: the last program to finish its part of a result combines the parts, instead of a second
 kernel. One int32 buffer per device serves every call and replay (one stream): the last arriver resets each counter
 to zero. It grows only on an eager call; a grown-out buffer stays alive for the graphs on it."""
+
 from __future__ import annotations
 
 import torch
@@ -18,8 +19,10 @@ def arrival_counters(device: torch.device, size: int, kernel: str) -> torch.Tens
         return counters
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         have = 0 if counters is None else counters.numel()
-        raise RuntimeError(f"{kernel} needs {size} arrival counters on {device} but has {have}, and a CUDA graph "
-                           "is being captured: make the same call eagerly before capturing it")
+        raise RuntimeError(
+            f"{kernel} needs {size} arrival counters on {device} but has {have}, and a CUDA graph "
+            "is being captured: make the same call eagerly before capturing it"
+        )
     if counters is not None:
         _outgrown.append(counters)
     _arrivals[device] = torch.zeros(size, dtype=torch.int32, device=device)

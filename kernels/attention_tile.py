@@ -1,5 +1,6 @@
 """What the paged decode and prefill kernels share: a tile of K/V read through the block table, one online-softmax
 step over it, the loop of such steps over a range of the context, and their torch reference."""
+
 from __future__ import annotations
 
 import torch
@@ -7,8 +8,15 @@ import triton
 import triton.language as tl
 
 
-def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                        cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+def paged_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """Sequence b's queries q[cu[b]:cu[b+1]] are the last of its context_lens[b] cached tokens, causal, in float32;
     a sequence without context gives zeros."""
     out = torch.zeros_like(q)
@@ -16,19 +24,33 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     cu = cu_seqlens_q.tolist()
     for b, ctx in enumerate(context_lens.tolist()):
         if cu[b + 1] > cu[b] and ctx > 0:
-            blocks = block_tables[b, :-(-ctx // block_size)].long()
-            k, v = (c[blocks].transpose(1, 2).flatten(0, 1)[:ctx].float().repeat_interleave(group, 1)
-                    for c in (k_cache, v_cache))  # [ctx, Hq, D]
-            scores = torch.einsum("qhd,khd->hqk", q[cu[b]:cu[b + 1]].float(), k) * scale
+            blocks = block_tables[b, : -(-ctx // block_size)].long()
+            k, v = (
+                c[blocks].transpose(1, 2).flatten(0, 1)[:ctx].float().repeat_interleave(group, 1)
+                for c in (k_cache, v_cache)
+            )  # [ctx, Hq, D]
+            scores = torch.einsum("qhd,khd->hqk", q[cu[b] : cu[b + 1]].float(), k) * scale
             q_pos = torch.arange(ctx - (cu[b + 1] - cu[b]), ctx, device=q.device)
             scores.masked_fill_(torch.arange(ctx, device=q.device)[None, :] > q_pos[:, None], float("-inf"))
-            out[cu[b]:cu[b + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
+            out[cu[b] : cu[b + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
     return out
 
 
 @triton.jit
-def load_kv_tile(k_cache, v_cache, block_table_row, offs_n, n_mask, kv_head, stride_cb, stride_ch, stride_cs,
-                 block_size, offs_d, d_mask):
+def load_kv_tile(
+    k_cache,
+    v_cache,
+    block_table_row,
+    offs_n,
+    n_mask,
+    kv_head,
+    stride_cb,
+    stride_ch,
+    stride_cs,
+    block_size,
+    offs_d,
+    d_mask,
+):
     """K and V [BLOCK_N, D_PAD] of tokens offs_n of one KV head; masked-off tokens never read their table entry."""
     block_ids = tl.load(block_table_row + offs_n // block_size, mask=n_mask, other=0).to(tl.int64)
     rows = block_ids * stride_cb + (offs_n % block_size) * stride_cs + kv_head * stride_ch
@@ -62,14 +84,46 @@ def attend_tile(q, k, v, mask, m_i, l_i, acc, qk_scale, APPLY_MASK: tl.constexpr
 
 
 @triton.jit
-def attend_range(q, q_pos, m_i, l_i, acc, k_cache, v_cache, block_table_row, kv_head, lo, hi, stride_cb, stride_ch,
-                 stride_cs, block_size, offs_d, d_mask, qk_scale, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+def attend_range(
+    q,
+    q_pos,
+    m_i,
+    l_i,
+    acc,
+    k_cache,
+    v_cache,
+    block_table_row,
+    kv_head,
+    lo,
+    hi,
+    stride_cb,
+    stride_ch,
+    stride_cs,
+    block_size,
+    offs_d,
+    d_mask,
+    qk_scale,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+):
     """Rows of q (at positions q_pos) attend to tokens [lo, hi); CAUSAL masks keys past a row's position and hi."""
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < hi
-        k, v = load_kv_tile(k_cache, v_cache, block_table_row, offs_n, n_mask, kv_head, stride_cb, stride_ch,
-                            stride_cs, block_size, offs_d, d_mask)
+        k, v = load_kv_tile(
+            k_cache,
+            v_cache,
+            block_table_row,
+            offs_n,
+            n_mask,
+            kv_head,
+            stride_cb,
+            stride_ch,
+            stride_cs,
+            block_size,
+            offs_d,
+            d_mask,
+        )
         mask = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
         m_i, l_i, acc = attend_tile(q, k, v, mask, m_i, l_i, acc, qk_scale, CAUSAL)
     return m_i, l_i, acc

@@ -1,4 +1,5 @@
 """Paged attention for decode: one query token per row against that row's cached context."""
+
 from __future__ import annotations
 
 import math
@@ -33,16 +34,60 @@ _MANY_ROWS_LAUNCH = dict(num_warps=4, num_stages=2)
 
 
 @triton.jit
-def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, table_rows, context_lens, out_ptr, part_acc, part_max,
-                         part_sum, arrivals, k_new, v_new, positions, cos_sin, slot_mapping, q_norm_w, k_norm_w,
-                         norm_eps, qk_scale, stride_qb,
-                         stride_qh, stride_ob, stride_oh, stride_cb, stride_ch, stride_cs, stride_bt, stride_kb,
-                         stride_kh, stride_vb, stride_vh, block_size, group, num_q_heads, HEAD_DIM: tl.constexpr,
-                         D_PAD: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr,
-                         TOP_PAD: tl.constexpr, TOP_CHUNK: tl.constexpr, LEAF_PAD: tl.constexpr,
-                         LEAF_CHUNK: tl.constexpr, ONE_LEVEL: tl.constexpr, ONE_CHUNK: tl.constexpr,
-                         SPLIT_GROUP: tl.constexpr, TABLE_ROWS: tl.constexpr, COUNTERS: tl.constexpr,
-                         BLOCK_N: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, QK_NORM: tl.constexpr):
+def _decode_split_kernel(
+    q_ptr,
+    k_cache,
+    v_cache,
+    block_tables,
+    table_rows,
+    context_lens,
+    out_ptr,
+    part_acc,
+    part_max,
+    part_sum,
+    arrivals,
+    k_new,
+    v_new,
+    positions,
+    cos_sin,
+    slot_mapping,
+    q_norm_w,
+    k_norm_w,
+    norm_eps,
+    qk_scale,
+    stride_qb,
+    stride_qh,
+    stride_ob,
+    stride_oh,
+    stride_cb,
+    stride_ch,
+    stride_cs,
+    stride_bt,
+    stride_kb,
+    stride_kh,
+    stride_vb,
+    stride_vh,
+    block_size,
+    group,
+    num_q_heads,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    GROUP_P2: tl.constexpr,
+    TOP_PAD: tl.constexpr,
+    TOP_CHUNK: tl.constexpr,
+    LEAF_PAD: tl.constexpr,
+    LEAF_CHUNK: tl.constexpr,
+    ONE_LEVEL: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,
+    SPLIT_GROUP: tl.constexpr,
+    TABLE_ROWS: tl.constexpr,
+    COUNTERS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
+    EARLY: tl.constexpr,
+    QK_NORM: tl.constexpr,
+):
     # Program (row, kv head, split): the query heads sharing this KV head attend to the split's tokens, so each K/V
     # tile is read once for the group. The last of a row's used splits to arrive combines them (no second kernel:
     # at a few rows its launch costs more than its work); past ONE_LEVEL splits, as a tree of groups.
@@ -67,8 +112,20 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, table_rows, cont
         if EARLY:
             offs_n = start + tl.arange(0, BLOCK_N)
             n_mask = offs_n < end
-            k_first, v_first = load_kv_tile(k_cache, v_cache, block_table_row, offs_n, n_mask, kv_head, stride_cb,
-                                            stride_ch, stride_cs, block_size, offs_d, d_mask)
+            k_first, v_first = load_kv_tile(
+                k_cache,
+                v_cache,
+                block_table_row,
+                offs_n,
+                n_mask,
+                kv_head,
+                stride_cb,
+                stride_ch,
+                stride_cs,
+                block_size,
+                offs_d,
+                d_mask,
+            )
         cos, sin, partner = rope_factors(cos_sin, tl.load(positions + b).to(tl.int64), offs_d, d_mask, HEAD_DIM)
         slot = tl.load(slot_mapping + b).to(tl.int64)
         if PDL:
@@ -105,17 +162,59 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, table_rows, cont
         acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
         # The query is the row's last token (position ctx - 1): the mask only cuts the tile's tail past the split.
         if EARLY:
-            m_i, l_i, acc = _attend_ahead(q, k_first, v_first, n_mask, m_i, l_i, acc, k_cache, v_cache,
-                                          block_table_row, kv_head, start, end, stride_cb, stride_ch, stride_cs,
-                                          block_size, offs_d, d_mask, qk_scale, BLOCK_N)
+            m_i, l_i, acc = _attend_ahead(
+                q,
+                k_first,
+                v_first,
+                n_mask,
+                m_i,
+                l_i,
+                acc,
+                k_cache,
+                v_cache,
+                block_table_row,
+                kv_head,
+                start,
+                end,
+                stride_cb,
+                stride_ch,
+                stride_cs,
+                block_size,
+                offs_d,
+                d_mask,
+                qk_scale,
+                BLOCK_N,
+            )
         else:
-            m_i, l_i, acc = attend_range(q, tl.full([GROUP_PAD], ctx - 1, tl.int32), m_i, l_i, acc, k_cache,
-                                         v_cache, block_table_row, kv_head, start, end, stride_cb, stride_ch,
-                                         stride_cs, block_size, offs_d, d_mask, qk_scale, BLOCK_N, True)
+            m_i, l_i, acc = attend_range(
+                q,
+                tl.full([GROUP_PAD], ctx - 1, tl.int32),
+                m_i,
+                l_i,
+                acc,
+                k_cache,
+                v_cache,
+                block_table_row,
+                kv_head,
+                start,
+                end,
+                stride_cb,
+                stride_ch,
+                stride_cs,
+                block_size,
+                offs_d,
+                d_mask,
+                qk_scale,
+                BLOCK_N,
+                True,
+            )
         if used <= 1:  # the whole row in this program: no partials, no arrival; context 0 gives 0 / 1
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-            tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                     out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+            tl.store(
+                out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                out.to(out_ptr.dtype.element_ty),
+                mask=g_mask[:, None] & d_mask[None, :],
+            )
         else:
             part = (b * num_q_heads + heads).to(tl.int64) * num_splits + split  # [GROUP_PAD] rows of the partials
             tl.store(part_max + part, m_i, mask=g_mask)
@@ -129,34 +228,129 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, table_rows, cont
                 count = tl.minimum(used - first, SPLIT_GROUP)  # the last group may be short
                 on_top = last_to_arrive(counters + 1 + split // SPLIT_GROUP, count)
                 if on_top:
-                    combine_splits(out_ptr, part_acc, part_max, part_sum, b, kv_head, group, num_q_heads, first, 1,
-                                   count, num_splits, stride_ob, stride_oh, HEAD_DIM, D_PAD, GROUP_P2, LEAF_PAD,
-                                   LEAF_CHUNK, True)
+                    combine_splits(
+                        out_ptr,
+                        part_acc,
+                        part_max,
+                        part_sum,
+                        b,
+                        kv_head,
+                        group,
+                        num_q_heads,
+                        first,
+                        1,
+                        count,
+                        num_splits,
+                        stride_ob,
+                        stride_oh,
+                        HEAD_DIM,
+                        D_PAD,
+                        GROUP_P2,
+                        LEAF_PAD,
+                        LEAF_CHUNK,
+                        True,
+                    )
             if on_top:
                 if EARLY:
                     # A few rows fit the top combine's tile to what it takes (more call sites cost many rows registers).
                     if two_levels:
                         top_count = tl.cdiv(used, SPLIT_GROUP)
                         if last_to_arrive(counters, top_count):
-                            combine_splits(out_ptr, part_acc, part_max, part_sum, b, kv_head, group, num_q_heads, 0,
-                                           SPLIT_GROUP, top_count, num_splits, stride_ob, stride_oh, HEAD_DIM, D_PAD,
-                                           GROUP_P2, TOP_PAD, TOP_CHUNK, False)
+                            combine_splits(
+                                out_ptr,
+                                part_acc,
+                                part_max,
+                                part_sum,
+                                b,
+                                kv_head,
+                                group,
+                                num_q_heads,
+                                0,
+                                SPLIT_GROUP,
+                                top_count,
+                                num_splits,
+                                stride_ob,
+                                stride_oh,
+                                HEAD_DIM,
+                                D_PAD,
+                                GROUP_P2,
+                                TOP_PAD,
+                                TOP_CHUNK,
+                                False,
+                            )
                     elif last_to_arrive(counters, used):
                         if used <= SPLIT_GROUP:  # a few splits: the smaller tile loads and sums less
-                            combine_splits(out_ptr, part_acc, part_max, part_sum, b, kv_head, group, num_q_heads, 0, 1,
-                                           used, num_splits, stride_ob, stride_oh, HEAD_DIM, D_PAD, GROUP_P2, LEAF_PAD,
-                                           LEAF_CHUNK, False)
+                            combine_splits(
+                                out_ptr,
+                                part_acc,
+                                part_max,
+                                part_sum,
+                                b,
+                                kv_head,
+                                group,
+                                num_q_heads,
+                                0,
+                                1,
+                                used,
+                                num_splits,
+                                stride_ob,
+                                stride_oh,
+                                HEAD_DIM,
+                                D_PAD,
+                                GROUP_P2,
+                                LEAF_PAD,
+                                LEAF_CHUNK,
+                                False,
+                            )
                         else:
-                            combine_splits(out_ptr, part_acc, part_max, part_sum, b, kv_head, group, num_q_heads, 0, 1,
-                                           used, num_splits, stride_ob, stride_oh, HEAD_DIM, D_PAD, GROUP_P2, ONE_LEVEL,
-                                           ONE_CHUNK, False)
+                            combine_splits(
+                                out_ptr,
+                                part_acc,
+                                part_max,
+                                part_sum,
+                                b,
+                                kv_head,
+                                group,
+                                num_q_heads,
+                                0,
+                                1,
+                                used,
+                                num_splits,
+                                stride_ob,
+                                stride_oh,
+                                HEAD_DIM,
+                                D_PAD,
+                                GROUP_P2,
+                                ONE_LEVEL,
+                                ONE_CHUNK,
+                                False,
+                            )
                 else:
                     step = tl.where(two_levels, SPLIT_GROUP, 1)  # the group partials sit at slots 0, G, 2G, ...
                     top_count = tl.cdiv(used, step)
                     if last_to_arrive(counters, top_count):
-                        combine_splits(out_ptr, part_acc, part_max, part_sum, b, kv_head, group, num_q_heads, 0, step,
-                                       top_count, num_splits, stride_ob, stride_oh, HEAD_DIM, D_PAD, GROUP_P2,
-                                       TOP_PAD, TOP_CHUNK, False)
+                        combine_splits(
+                            out_ptr,
+                            part_acc,
+                            part_max,
+                            part_sum,
+                            b,
+                            kv_head,
+                            group,
+                            num_q_heads,
+                            0,
+                            step,
+                            top_count,
+                            num_splits,
+                            stride_ob,
+                            stride_oh,
+                            HEAD_DIM,
+                            D_PAD,
+                            GROUP_P2,
+                            TOP_PAD,
+                            TOP_CHUNK,
+                            False,
+                        )
 
 
 @triton.jit
@@ -174,9 +368,28 @@ def _norm_head(x, x_partner, w_ptr, offs_d, partner, d_mask, eps, HEAD_DIM: tl.c
 
 
 @triton.jit
-def combine_splits(out_ptr, part_acc, part_max, part_sum, b, kv_head, group, num_q_heads, first, step, count,
-                   num_splits, stride_ob, stride_oh, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                   GROUP_P2: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr, TO_PARTIAL: tl.constexpr):
+def combine_splits(
+    out_ptr,
+    part_acc,
+    part_max,
+    part_sum,
+    b,
+    kv_head,
+    group,
+    num_q_heads,
+    first,
+    step,
+    count,
+    num_splits,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    GROUP_P2: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
+    TO_PARTIAL: tl.constexpr,
+):
     # The count partials at slots first, first + step, ... of the KV head's query heads, by log-sum-exp in slot
     # order (a result does not depend on which program came last); normalised into out_ptr, or (TO_PARTIAL) left as
     # a partial in slot first. Loads are .cg: other SMs wrote the partials, and an L1 line here could be stale.
@@ -185,8 +398,9 @@ def combine_splits(out_ptr, part_acc, part_max, part_sum, b, kv_head, group, num
     g_mask, d_mask = offs_g < group, offs_d < HEAD_DIM
     rows = (b * num_q_heads + heads).to(tl.int64) * num_splits + first  # [GROUP_P2]: a head's slot first
     gs_mask = g_mask[:, None] & (offs_s < count)[None, :]
-    m = tl.load(part_max + rows[:, None] + offs_s[None, :] * step, mask=gs_mask, other=float("-inf"),
-                cache_modifier=".cg")
+    m = tl.load(
+        part_max + rows[:, None] + offs_s[None, :] * step, mask=gs_mask, other=float("-inf"), cache_modifier=".cg"
+    )
     m_all = tl.max(m, axis=1)
     m_all = tl.where(m_all == float("-inf"), 0.0, m_all)  # padded heads: avoid -inf - -inf
     weight = tl.where(gs_mask, tl.exp2(m - m_all[:, None]), 0.0)
@@ -197,10 +411,17 @@ def combine_splits(out_ptr, part_acc, part_max, part_sum, b, kv_head, group, num
         offs_c = s0 + tl.arange(0, CHUNK)
         gc_mask = g_mask[:, None] & (offs_c < count)[None, :]
         part = rows[:, None] + offs_c[None, :] * step
-        w = tl.where(gc_mask, tl.exp2(tl.load(part_max + part, mask=gc_mask, other=float("-inf"),
-                                              cache_modifier=".cg") - m_all[:, None]), 0.0)
-        a = tl.load(part_acc + part[:, :, None] * HEAD_DIM + offs_d[None, None, :],
-                    mask=gc_mask[:, :, None] & d_mask[None, None, :], other=0.0, cache_modifier=".cg")
+        w = tl.where(
+            gc_mask,
+            tl.exp2(tl.load(part_max + part, mask=gc_mask, other=float("-inf"), cache_modifier=".cg") - m_all[:, None]),
+            0.0,
+        )
+        a = tl.load(
+            part_acc + part[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+            mask=gc_mask[:, :, None] & d_mask[None, None, :],
+            other=0.0,
+            cache_modifier=".cg",
+        )
         acc += tl.sum(a * w[:, :, None], axis=1)
     if TO_PARTIAL:
         # Slot first is read above and overwritten here: every thread finishes its loads first.
@@ -210,21 +431,57 @@ def combine_splits(out_ptr, part_acc, part_max, part_sum, b, kv_head, group, num
         tl.store(part_acc + rows[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None] & d_mask[None, :])
     else:
         out = acc / tl.where(total > 0, total, 1.0)[:, None]
-        tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+        tl.store(
+            out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=g_mask[:, None] & d_mask[None, :],
+        )
 
 
 @triton.jit
-def _attend_ahead(q, k, v, n_mask, m_i, l_i, acc, k_cache, v_cache, block_table_row, kv_head, lo, hi, stride_cb,
-                  stride_ch, stride_cs, block_size, offs_d, d_mask, qk_scale, BLOCK_N: tl.constexpr):
+def _attend_ahead(
+    q,
+    k,
+    v,
+    n_mask,
+    m_i,
+    l_i,
+    acc,
+    k_cache,
+    v_cache,
+    block_table_row,
+    kv_head,
+    lo,
+    hi,
+    stride_cb,
+    stride_ch,
+    stride_cs,
+    block_size,
+    offs_d,
+    d_mask,
+    qk_scale,
+    BLOCK_N: tl.constexpr,
+):
     # Tokens [lo, hi), tile lo's K/V already loaded: each next tile's loads are issued before this tile's math. The
     # last tile skips the look-ahead, whose masked address math is not free (at batch 1 most splits are one tile).
     for n0 in range(lo, hi, BLOCK_N):
         offs_next = n0 + BLOCK_N + tl.arange(0, BLOCK_N)
         next_mask = offs_next < hi
         if n0 + BLOCK_N < hi:
-            k_next, v_next = load_kv_tile(k_cache, v_cache, block_table_row, offs_next, next_mask, kv_head,
-                                          stride_cb, stride_ch, stride_cs, block_size, offs_d, d_mask)
+            k_next, v_next = load_kv_tile(
+                k_cache,
+                v_cache,
+                block_table_row,
+                offs_next,
+                next_mask,
+                kv_head,
+                stride_cb,
+                stride_ch,
+                stride_cs,
+                block_size,
+                offs_d,
+                d_mask,
+            )
         else:
             k_next, v_next = k, v
         m_i, l_i, acc = attend_tile(q, k, v, n_mask[None, :], m_i, l_i, acc, qk_scale, True)
@@ -260,9 +517,16 @@ class NewTokenKV:
     norm_eps: float = 1e-6
 
 
-def rope_store_decode_attention_triton(q: torch.Tensor, new_kv: NewTokenKV, k_cache: torch.Tensor,
-                                       v_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                                       scale: float, table_rows: torch.Tensor | None = None) -> torch.Tensor:
+def rope_store_decode_attention_triton(
+    q: torch.Tensor,
+    new_kv: NewTokenKV,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    table_rows: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Split-K flash decoding in one kernel, its splits combined by the last to arrive."""
     check_cache_layout(k_cache, v_cache, q, new_kv.k, new_kv.v, new_kv.cos_sin)
     batch, num_q_heads, head_dim = q.shape
@@ -290,31 +554,85 @@ def rope_store_decode_attention_triton(q: torch.Tensor, new_kv: NewTokenKV, k_ca
     rows = context_lens if table_rows is None else table_rows  # a placeholder is never read without TABLE_ROWS
     norm_w = (new_kv.cos_sin, new_kv.cos_sin) if new_kv.q_norm is None else (new_kv.q_norm, new_kv.k_norm)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, rows, context_lens, out, part_acc, part_max, part_sum,
-        arrival_counters(q.device, batch * num_kv_heads * counters, "decode attention"), new_kv.k, new_kv.v,
-        new_kv.positions, new_kv.cos_sin, new_kv.slot_mapping, norm_w[0], norm_w[1], new_kv.norm_eps,
-        scale * math.log2(math.e), q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
-        k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), new_kv.k.stride(0), new_kv.k.stride(1),
-        new_kv.v.stride(0), new_kv.v.stride(1), block_size, group, num_q_heads, HEAD_DIM=head_dim, D_PAD=d_pad,
-        GROUP_PAD=max(16, group_p2), GROUP_P2=group_p2, TOP_PAD=top_pad, TOP_CHUNK=top_chunk, LEAF_PAD=leaf_pad,
-        LEAF_CHUNK=leaf_chunk, ONE_LEVEL=one_level, ONE_CHUNK=one_chunk, SPLIT_GROUP=_SPLIT_GROUP,
-        TABLE_ROWS=table_rows is not None, COUNTERS=counters, BLOCK_N=block_n, PDL=pdl_enabled(q.device),
-        EARLY=few_rows, QK_NORM=new_kv.q_norm is not None, **launch, **(pdl_launch(q.device) if few_rows else {}))
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        rows,
+        context_lens,
+        out,
+        part_acc,
+        part_max,
+        part_sum,
+        arrival_counters(q.device, batch * num_kv_heads * counters, "decode attention"),
+        new_kv.k,
+        new_kv.v,
+        new_kv.positions,
+        new_kv.cos_sin,
+        new_kv.slot_mapping,
+        norm_w[0],
+        norm_w[1],
+        new_kv.norm_eps,
+        scale * math.log2(math.e),
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        new_kv.k.stride(0),
+        new_kv.k.stride(1),
+        new_kv.v.stride(0),
+        new_kv.v.stride(1),
+        block_size,
+        group,
+        num_q_heads,
+        HEAD_DIM=head_dim,
+        D_PAD=d_pad,
+        GROUP_PAD=max(16, group_p2),
+        GROUP_P2=group_p2,
+        TOP_PAD=top_pad,
+        TOP_CHUNK=top_chunk,
+        LEAF_PAD=leaf_pad,
+        LEAF_CHUNK=leaf_chunk,
+        ONE_LEVEL=one_level,
+        ONE_CHUNK=one_chunk,
+        SPLIT_GROUP=_SPLIT_GROUP,
+        TABLE_ROWS=table_rows is not None,
+        COUNTERS=counters,
+        BLOCK_N=block_n,
+        PDL=pdl_enabled(q.device),
+        EARLY=few_rows,
+        QK_NORM=new_kv.q_norm is not None,
+        **launch,
+        **(pdl_launch(q.device) if few_rows else {}),
+    )
     return out
 
 
-def rope_store_decode_attention(q: torch.Tensor, new_kv: NewTokenKV, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                                table_rows: torch.Tensor | None = None) -> torch.Tensor:
+def rope_store_decode_attention(
+    q: torch.Tensor,
+    new_kv: NewTokenKV,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    table_rows: torch.Tensor | None = None,
+) -> torch.Tensor:
     """rope_store_kv of the step's q[B, Hq, D], k, v, then row b attends to its first context_lens[b] cached tokens
     (0 gives zeros), its block table block_tables[table_rows[b]] given table_rows; one kernel on CUDA."""
     if q.is_cuda:
-        return rope_store_decode_attention_triton(q, new_kv, k_cache, v_cache, block_tables, context_lens, scale,
-                                                  table_rows)
+        return rope_store_decode_attention_triton(
+            q, new_kv, k_cache, v_cache, block_tables, context_lens, scale, table_rows
+        )
     if new_kv.q_norm is not None:
         qk_rms_norm_ref(q, new_kv.k, new_kv.q_norm, new_kv.k_norm, new_kv.norm_eps)
-    q = rope_store_kv_ref(q, new_kv.k, new_kv.v, new_kv.positions, new_kv.cos_sin, k_cache, v_cache,
-                          new_kv.slot_mapping)
+    q = rope_store_kv_ref(
+        q, new_kv.k, new_kv.v, new_kv.positions, new_kv.cos_sin, k_cache, v_cache, new_kv.slot_mapping
+    )
     tables = block_tables if table_rows is None else block_tables[table_rows]
     cu_seqlens_q = torch.arange(q.shape[0] + 1, device=q.device)
     return paged_attention_ref(q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, scale)

@@ -1,5 +1,6 @@
 """Embedding of a decode step's input tokens, read through its rows (the token each row sampled last):
 out[b] = weight[tokens[rows[b]]], without a gather kernel before it."""
+
 from __future__ import annotations
 
 import torch
@@ -13,8 +14,9 @@ _BLOCK = 1024
 
 
 @triton.jit
-def _embed_rows_kernel(weight_ptr, tokens_ptr, rows_ptr, out_ptr, stride_w, stride_out, hidden,
-                       BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _embed_rows_kernel(
+    weight_ptr, tokens_ptr, rows_ptr, out_ptr, stride_w, stride_out, hidden, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
@@ -31,8 +33,8 @@ def embed_rows_triton(weight: torch.Tensor, tokens: torch.Tensor, rows: torch.Te
     hidden = weight.shape[1]
     out = torch.empty((rows.shape[0], hidden), dtype=weight.dtype, device=weight.device)
     _embed_rows_kernel[(rows.shape[0], triton.cdiv(hidden, _BLOCK))](
-        weight, tokens, rows, out, weight.stride(0), out.stride(0), hidden, BLOCK=_BLOCK,
-        PDL=pdl_enabled(weight.device))
+        weight, tokens, rows, out, weight.stride(0), out.stride(0), hidden, BLOCK=_BLOCK, PDL=pdl_enabled(weight.device)
+    )
     return out
 
 

@@ -2,6 +2,7 @@
 output channel at load (PER_CHANNEL: a row by all of K) or read from a block-quantized checkpoint (Qwen's
 [128, 128]). Few rows: the Triton GEMV reads e4m3 and scales in registers (the tile helpers below, used by
 kernels/gemv.py); many rows: `scaled_mm_linear` or a dequantized weight (kernels/linear.py picks)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,12 +24,25 @@ PER_CHANNEL = (1, 0)  # (rows, columns) of a scale's block; 0: the whole dim
 # ahead (the 6th field) and some cap registers (the 5th) for more programs per SM: a latency-bound stream needs at
 # least as many weight bytes in flight per SM as bf16's best tiles keep.
 _DOT_TILES = ((64, 128, 4, 2), (32, 256, 4, 2), (128, 128, 8, 2), (64, 256, 4, 2))
-_ONE_ROW_TILES = ((4, 2048, 4, 8, 0, 3), (2, 2048, 4, 8, 88, 3), (1, 2048, 4, 12, 56, 3), (2, 2048, 4, 8, 72, 2),
-                  (2, 2048, 4, 8, 80, 2), (4, 2048, 4, 8, 0, 2), (2, 2048, 4, 8, 0, 2), (4, 2048, 8, 0, 0, 1),
-                  (8, 2048, 8, 0, 0, 2))
+_ONE_ROW_TILES = (
+    (4, 2048, 4, 8, 0, 3),
+    (2, 2048, 4, 8, 88, 3),
+    (1, 2048, 4, 12, 56, 3),
+    (2, 2048, 4, 8, 72, 2),
+    (2, 2048, 4, 8, 80, 2),
+    (4, 2048, 4, 8, 0, 2),
+    (2, 2048, 4, 8, 0, 2),
+    (4, 2048, 8, 0, 0, 1),
+    (8, 2048, 8, 0, 0, 2),
+)
 _BLOCK_DOT_TILES = ((64, 128, 4, 2), (32, 128, 4, 2), (128, 128, 8, 2))
-_BLOCK_ONE_ROW_TILES = ((16, 128, 4, 8, 0, 2), (32, 128, 8, 0, 0, 2), (32, 128, 8, 8, 0), (64, 128, 8, 0, 0),
-                        (32, 128, 4, 8, 0, 2))
+_BLOCK_ONE_ROW_TILES = (
+    (16, 128, 4, 8, 0, 2),
+    (32, 128, 8, 0, 0, 2),
+    (32, 128, 8, 8, 0),
+    (64, 128, 8, 0, 0),
+    (32, 128, 4, 8, 0, 2),
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +63,7 @@ class Fp8Weight:
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """value * scale in float32, then in dtype: what every kernel computes, up to its sums' order."""
         rows, cols = (b or n for b, n in zip(self.block, self.shape))
-        scale = self.scale.repeat_interleave(rows, 0).repeat_interleave(cols, 1)[:self.shape[0], :self.shape[1]]
+        scale = self.scale.repeat_interleave(rows, 0).repeat_interleave(cols, 1)[: self.shape[0], : self.shape[1]]
         return (self.weight.float() * scale).to(dtype)
 
 
@@ -69,17 +83,31 @@ def quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, tor
 def scaled_mm_supported(x: torch.Tensor, w: Fp8Weight) -> bool:
     """Row-wise scaled FP8 GEMMs (torch._scaled_mm): per-channel scales, bfloat16, sm_89 or later, N and K
     multiples of 16."""
-    return (x.is_cuda and w.block == PER_CHANNEL and x.dtype == torch.bfloat16 and w.shape[0] % 16 == 0
-            and w.shape[1] % 16 == 0 and torch.cuda.get_device_capability(x.device) >= (8, 9))
+    return (
+        x.is_cuda
+        and w.block == PER_CHANNEL
+        and x.dtype == torch.bfloat16
+        and w.shape[0] % 16 == 0
+        and w.shape[1] % 16 == 0
+        and torch.cuda.get_device_capability(x.device) >= (8, 9)
+    )
 
 
-def scaled_mm_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
-                     fast_accum: bool = False) -> torch.Tensor:
+def scaled_mm_linear(
+    x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None, fast_accum: bool = False
+) -> torch.Tensor:
     """x @ w^T + bias on FP8 tensor cores, w per output channel and x per row (its amax / 448); fast_accum: cuBLAS's
     fast (less exact) FP8 sums."""
     x8, x_scale = quantize_rows(x)
-    return torch._scaled_mm(x8, w.weight.t(), scale_a=x_scale, scale_b=w.scale.view(1, -1), bias=bias,
-                            out_dtype=x.dtype, use_fast_accum=fast_accum)
+    return torch._scaled_mm(
+        x8,
+        w.weight.t(),
+        scale_a=x_scale,
+        scale_b=w.scale.view(1, -1),
+        bias=bias,
+        out_dtype=x.dtype,
+        use_fast_accum=fast_accum,
+    )
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,8 +116,18 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     out = torch.empty((m, k), dtype=FP8, device=x.device)
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     block = triton.next_power_of_2(k)  # a row in one load: a loop over K waits on memory once a chunk
-    _quantize_rows_kernel[(m,)](x, out, scale, k, x.stride(0), x.stride(1), MIN_AMAX, FP8_MAX, BLOCK=block,
-                                num_warps=min(16, max(4, block // 1024)))
+    _quantize_rows_kernel[(m,)](
+        x,
+        out,
+        scale,
+        k,
+        x.stride(0),
+        x.stride(1),
+        MIN_AMAX,
+        FP8_MAX,
+        BLOCK=block,
+        num_warps=min(16, max(4, block // 1024)),
+    )
     return out, scale
 
 
@@ -117,19 +155,35 @@ def fp8_scale_args(w: torch.Tensor | Fp8Weight, config: GemvConfig, swiglu: bool
         return (w, 0, 0), {"SCALE": 0, "SCALE_BN": 1, "SCALE_BK": 1}
     rows, cols = w.block
     if cols and cols % config.block_k or swiglu and w.shape[0] // 2 % rows:
-        raise ValueError(f"{config} does not fit FP8 scale blocks of {w.block}: a K tile must lie in one block "
-                         "(block_k dividing it) and gate | up must split between row blocks; take a config of "
-                         "candidate_configs(..., fp8_block) for these scales")
+        raise ValueError(
+            f"{config} does not fit FP8 scale blocks of {w.block}: a K tile must lie in one block "
+            "(block_k dividing it) and gate | up must split between row blocks; take a config of "
+            "candidate_configs(..., fp8_block) for these scales"
+        )
     if config.one_row and (w.weight.stride(1) != 1 or (w.shape[1] | w.weight.stride(0) | w.weight.data_ptr()) % 4):
-        raise ValueError(f"one-row GEMVs read e4m3 in int32 words: K {w.shape[1]} (stride {w.weight.stride()}) "
-                         "and the address must be multiples of 4; pass a contiguous weight or one_row=False")
-    return ((w.scale, w.scale.stride(0), w.scale.stride(1)),
-            {"SCALE": 2 if cols else 1, "SCALE_BN": rows, "SCALE_BK": cols or 1})
+        raise ValueError(
+            f"one-row GEMVs read e4m3 in int32 words: K {w.shape[1]} (stride {w.weight.stride()}) "
+            "and the address must be multiples of 4; pass a contiguous weight or one_row=False"
+        )
+    return (
+        (w.scale, w.scale.stride(0), w.scale.stride(1)),
+        {"SCALE": 2 if cols else 1, "SCALE_BN": rows, "SCALE_BK": cols or 1},
+    )
 
 
 @triton.jit
-def fp8_scales(scale_ptr, offs_n, k0, N, stride_sn, stride_sk, SWIGLU: tl.constexpr, SCALE: tl.constexpr,
-               SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr):
+def fp8_scales(
+    scale_ptr,
+    offs_n,
+    k0,
+    N,
+    stride_sn,
+    stride_sk,
+    SWIGLU: tl.constexpr,
+    SCALE: tl.constexpr,
+    SCALE_BN: tl.constexpr,
+    SCALE_BK: tl.constexpr,
+):
     # The scales of rows offs_n (and of the up rows, offs_n + N) at column k0; zeros without SCALE (unread).
     s = tl.zeros(offs_n.shape, dtype=tl.float32)
     s_up = s

@@ -2,6 +2,7 @@
 "swiglu", "norm+swiglu") where kernels/linear_plan.py timed it faster, else those ops' own kernels around the
 plain linear's pick (cuBLAS, on padded rows where faster, or the GEMV). FP8 weights (an Fp8Weight) take the same
 paths, their unfused one being FP8_GEMM's."""
+
 from __future__ import annotations
 
 import functools
@@ -11,13 +12,25 @@ import torch.nn.functional as F
 
 from kernels import linear_plan
 from kernels.fp8 import Fp8Weight, scaled_mm_linear, scaled_mm_supported
-from kernels.gemv import (GEMV_MAX_M, GemvConfig, Input, NormedInput, Weight, gemv_triton, norm_linear_ref,
-                          swiglu_linear_ref)
+from kernels.gemv import (
+    GEMV_MAX_M,
+    GemvConfig,
+    Input,
+    NormedInput,
+    Weight,
+    gemv_triton,
+    norm_linear_ref,
+    swiglu_linear_ref,
+)
 
 # The dtypes each fold's Triton path takes. The norm's tensor-core tile holds norm_w * s, not the normed s:
 # float16's range cannot hold that where the residual stream is large, bfloat16's can.
-DTYPES = {"": (torch.float16, torch.bfloat16), "norm": (torch.bfloat16,), "swiglu": (torch.float16, torch.bfloat16),
-          "norm+swiglu": (torch.bfloat16,)}
+DTYPES = {
+    "": (torch.float16, torch.bfloat16),
+    "norm": (torch.bfloat16,),
+    "swiglu": (torch.float16, torch.bfloat16),
+    "norm+swiglu": (torch.bfloat16,),
+}
 # FP8 weights past the GEMV's rows: a SCALED_MM path (FP8 tensor cores, x quantized per row, cuBLAS's fast sums or
 # not) or "dequant" (a bf16 copy, then cuBLAS); `bench.kernels --fp8` times each (per-tensor x: slower, dropped).
 SCALED_MM = {"scaled_mm": {}, "scaled_mm_fast": {"fast_accum": True}}
@@ -65,6 +78,9 @@ def _norm_unfused(x: NormedInput, w: Weight, bias: torch.Tensor | None, swiglu: 
 
 # fold -> the unfused path: the folded ops' own kernels around linear(), so "norm+swiglu" is the norm, then
 # linear(..., swiglu=True)'s own pick.
-UNFUSED = {"": dense, "swiglu": functools.partial(swiglu_linear_ref, linear=linear),
-           "norm": functools.partial(_norm_unfused, swiglu=False),
-           "norm+swiglu": functools.partial(_norm_unfused, swiglu=True)}
+UNFUSED = {
+    "": dense,
+    "swiglu": functools.partial(swiglu_linear_ref, linear=linear),
+    "norm": functools.partial(_norm_unfused, swiglu=False),
+    "norm+swiglu": functools.partial(_norm_unfused, swiglu=True),
+}

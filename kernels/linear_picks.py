@@ -1,6 +1,7 @@
 """The linear plan's picks shipped for known GPUs (linear_picks.json beside this file, written by `python -m
 bench.linear_picks` on each GPU): kernels/linear_plan.py looks a shape up here first and times it at start-up only
 when this GPU or shape is missing. PICO_VLLM_SHIPPED_PICKS=0 ignores the file (every shape is timed here)."""
+
 from __future__ import annotations
 
 import functools
@@ -29,7 +30,7 @@ def read(path: Path) -> dict:
     return data or {"format": FORMAT, "gpus": {}}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def shipped(gpu: str) -> dict[str, object]:
     """This GPU's picks by key ("gemv fold ..." a GEMV config or None, "gemm rows w ..." µs by row count)."""
     return {} if os.environ.get(ENV, "1") == "0" else read(PATH)["gpus"].get(gpu, {})

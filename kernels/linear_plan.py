@@ -3,6 +3,7 @@ unfused path; past GEMV_MAX_M rows, the row count to run cuBLAS on. Shipped for 
 else timed at a shape's first eager call (a shape first met during capture, or untimed in a compile-only run, runs
 unfused until then), in a CUDA graph over weights not in L2, and kept on disk under the cache directory, keyed by
 the GPU, torch, Triton and the kernels' source."""
+
 from __future__ import annotations
 
 import contextlib
@@ -51,8 +52,10 @@ def planned_config(fold: str, x: torch.Tensor, w: Weight, bias: torch.Tensor | N
     if key not in _CHOICES:
         if torch.cuda.is_current_stream_capturing():
             return None
-        shape = (f"fold {fold!r} rows {key[1]} w {w.shape[0]}x{w.shape[1]} {x.dtype} bias {bias is not None} "
-                 f"fp8 {_scale_block(w)}")
+        shape = (
+            f"fold {fold!r} rows {key[1]} w {w.shape[0]}x{w.shape[1]} {x.dtype} bias {bias is not None} "
+            f"fp8 {_scale_block(w)}"
+        )
         kept = _kept("gemv", shape, x.device)  # False: never timed; None: the unfused path won
         if kept is False:
             if (dry := dry_run()) is not None:  # nothing runs: the real run after times it
@@ -121,8 +124,9 @@ def fastest_rows(times: dict[int, float], m: int) -> int:
     return best if m in times and times[best] < MARGIN * times[m] else m
 
 
-def gemm_times(w: Weight, bias: torch.Tensor | None, dtype: torch.dtype,
-               gemm: Gemm = F.linear) -> dict[int, float] | None:
+def gemm_times(
+    w: Weight, bias: torch.Tensor | None, dtype: torch.dtype, gemm: Gemm = F.linear
+) -> dict[int, float] | None:
     """µs of gemm at each padded row count for this weight, shipped or timed once and kept; None while capturing
     or compiling only, untimed."""
     key = (*w.shape, dtype, bias is not None, w.device, _scale_block(w))
@@ -201,7 +205,7 @@ def _stale_when(device: torch.device) -> str:
     return f"{_gpu(device)} torch {torch.__version__} triton {triton.__version__} src {sources}"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def source_hash(path: str) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
 

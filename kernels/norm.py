@@ -1,4 +1,5 @@
 """RMSNorm, alone and fused with the residual add that precedes it in every decoder layer."""
+
 from __future__ import annotations
 
 import torch
@@ -16,8 +17,22 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, stride_x, stride_res, stride_out, stride_new_res,
-                     hidden, eps, ADD_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _rms_norm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    new_res_ptr,
+    stride_x,
+    stride_res,
+    stride_out,
+    stride_new_res,
+    hidden,
+    eps,
+    ADD_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):
     # One program per row: a whole row fits in registers, so it is read once.
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -27,7 +42,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, stride_x, stri
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if ADD_RESIDUAL:
         # The sum rounded to the input dtype before normalising, as the unfused torch code does.
-        x = (x.to(tl.float32) + tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32))
+        x = x.to(tl.float32) + tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
         x = x.to(new_res_ptr.dtype.element_ty)
         tl.store(new_res_ptr + row * stride_new_res + cols, x, mask=mask)
     xf = x.to(tl.float32)
@@ -37,9 +52,14 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, stride_x, stri
     tl.store(out_ptr + row * stride_out + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                    rows: int | None = None,
-                    residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def rms_norm_triton(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    rows: int | None = None,
+    residual_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(rms_norm(s), s) for s = x + residual (into residual_out if given), or (rms_norm(x), None) without one."""
     if x.stride(-1) != 1 or (residual is not None and residual.stride(-1) != 1):
         raise ValueError(f"rms_norm needs a unit stride on the hidden dim, got {x.stride()}; pass x.contiguous()")
@@ -50,9 +70,23 @@ def rms_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, weight: torc
         res = residual
         new_res = torch.empty((n, hidden), dtype=x.dtype, device=x.device) if residual_out is None else residual_out
     block = triton.next_power_of_2(hidden)
-    _rms_norm_kernel[(n,)](x, res, weight, out, new_res, x.stride(0), res.stride(0), out.stride(0),
-                           new_res.stride(0), hidden, eps, ADD_RESIDUAL=residual is not None, BLOCK=block,
-                           PDL=pdl_enabled(x.device), num_warps=min(16, max(1, block // 256)))
+    _rms_norm_kernel[(n,)](
+        x,
+        res,
+        weight,
+        out,
+        new_res,
+        x.stride(0),
+        res.stride(0),
+        out.stride(0),
+        new_res.stride(0),
+        hidden,
+        eps,
+        ADD_RESIDUAL=residual is not None,
+        BLOCK=block,
+        PDL=pdl_enabled(x.device),
+        num_warps=min(16, max(1, block // 256)),
+    )
     return out, (new_res if residual is not None else None)
 
 
@@ -75,8 +109,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, rows: int | None
     return _padded(rms_norm_ref(x, weight, eps), rows)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, rows: int | None = None,
-                 residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    rows: int | None = None,
+    residual_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual, rows=rows), x + residual), the latter into residual_out if given; one pass on CUDA."""
     if x.is_cuda:
         return rms_norm_triton(x, residual, weight, eps, rows, residual_out)
@@ -85,8 +125,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
 
 @triton.jit
-def _norm_heads(x_ptr, w_ptr, stride_h, heads, eps, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr,
-                D_PAD: tl.constexpr):
+def _norm_heads(
+    x_ptr, w_ptr, stride_h, heads, eps, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr, D_PAD: tl.constexpr
+):
     """RMSNorm of each of `heads` rows of HEAD_DIM at x_ptr (rows stride_h apart), in place."""
     offs_h = tl.arange(0, HEADS_PAD)[:, None]
     offs_d = tl.arange(0, D_PAD)[None, :]
@@ -100,9 +141,24 @@ def _norm_heads(x_ptr, w_ptr, stride_h, heads, eps, HEAD_DIM: tl.constexpr, HEAD
 
 
 @triton.jit
-def _qk_norm_kernel(q_ptr, k_ptr, q_w_ptr, k_w_ptr, stride_qt, stride_qh, stride_kt, stride_kh, q_heads, k_heads,
-                    eps, HEAD_DIM: tl.constexpr, Q_PAD: tl.constexpr, K_PAD: tl.constexpr, D_PAD: tl.constexpr,
-                    PDL: tl.constexpr):
+def _qk_norm_kernel(
+    q_ptr,
+    k_ptr,
+    q_w_ptr,
+    k_w_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    q_heads,
+    k_heads,
+    eps,
+    HEAD_DIM: tl.constexpr,
+    Q_PAD: tl.constexpr,
+    K_PAD: tl.constexpr,
+    D_PAD: tl.constexpr,
+    PDL: tl.constexpr,
+):
     # One program per token normalises all its q and k heads: q and k are strided views of the qkv output.
     if PDL:  # the attention after this may start its work that does not read q and k (kernels/pdl.py)
         tl.extra.cuda.gdc_launch_dependents()
@@ -111,21 +167,37 @@ def _qk_norm_kernel(q_ptr, k_ptr, q_w_ptr, k_w_ptr, stride_qt, stride_qh, stride
     _norm_heads(k_ptr + t * stride_kt, k_w_ptr, stride_kh, k_heads, eps, HEAD_DIM, K_PAD, D_PAD)
 
 
-def qk_rms_norm_ref(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                    eps: float) -> None:
+def qk_rms_norm_ref(
+    q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float
+) -> None:
     q.copy_(rms_norm_ref(q, q_weight, eps))
     k.copy_(rms_norm_ref(k, k_weight, eps))
 
 
-def qk_rms_norm_triton(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                       eps: float) -> None:
+def qk_rms_norm_triton(
+    q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float
+) -> None:
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError(f"qk_rms_norm needs a unit stride on head_dim, got {q.stride()} and {k.stride()}")
     d = q.shape[-1]
-    _qk_norm_kernel[(q.shape[0],)](q, k, q_weight, k_weight, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                                   q.shape[1], k.shape[1], eps, HEAD_DIM=d, Q_PAD=triton.next_power_of_2(q.shape[1]),
-                                   K_PAD=triton.next_power_of_2(k.shape[1]), D_PAD=triton.next_power_of_2(d),
-                                   PDL=pdl_enabled(q.device))
+    _qk_norm_kernel[(q.shape[0],)](
+        q,
+        k,
+        q_weight,
+        k_weight,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        q.shape[1],
+        k.shape[1],
+        eps,
+        HEAD_DIM=d,
+        Q_PAD=triton.next_power_of_2(q.shape[1]),
+        K_PAD=triton.next_power_of_2(k.shape[1]),
+        D_PAD=triton.next_power_of_2(d),
+        PDL=pdl_enabled(q.device),
+    )
 
 
 def qk_rms_norm(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float) -> None:

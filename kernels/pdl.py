@@ -1,6 +1,7 @@
 """Programmatic dependent launch (Hopper and later): a kernel launched with it may start once the kernel before
 calls gdc_launch_dependents(), and do the work that does not depend on it (a GEMV's first weight tile) before it
 waits (gdc_wait()). Only the kernels that wait take it. PICO_VLLM_PDL=0 turns it off."""
+
 from __future__ import annotations
 
 import functools
@@ -11,7 +12,7 @@ import torch
 ENV = "PICO_VLLM_PDL"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def pdl_enabled(device: torch.device) -> bool:
     return device.type == "cuda" and os.environ.get(ENV) != "0" and torch.cuda.get_device_capability(device)[0] >= 9
 

@@ -4,6 +4,7 @@ every kernel it launches at once and the real run after it finds them ready, wit
 compile-only call is run(warmup=True). Its front end is Python, one GIL for all threads: at the first dry run over a
 Triton cache, a forked child per kernel compiles it into the cache on a core of its own, and the thread then loads it
 from there (a warm start would only pay the forks)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -112,11 +113,15 @@ def compile_only(progress: bool = False) -> Iterator[DryRun]:
         marker = os.path.join(knobs.cache.dir, "pico-vllm-compiled")  # gone with the cache it stands in
         with _Pool(_active, fork=not os.path.exists(marker)) as pool, AsyncCompileMode(pool, ignore_errors=True):
             yield pool.dry
-            for _ in tqdm(as_completed(pool.dry.futures), total=len(pool.dry.futures), unit="kernel",
-                          desc=f"Compiling {len(pool.dry.futures)} Triton kernels", disable=not progress):
+            for _ in tqdm(
+                as_completed(pool.dry.futures),
+                total=len(pool.dry.futures),
+                unit="kernel",
+                desc=f"Compiling {len(pool.dry.futures)} Triton kernels",
+                disable=not progress,
+            ):
                 pass
         os.makedirs(knobs.cache.dir, exist_ok=True)
         open(marker, "a").close()
     finally:
         JITFunction.run, JITFunction._do_compile, _active = launch, do_compile, None
-

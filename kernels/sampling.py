@@ -4,6 +4,7 @@ draw from softmax(logits / temperature); plain argmax where temperature <= 0.
 The noise is a hash of (row seed, position of the sampled token, vocab index), so a request draws the same tokens
 alone or in any batch, and after a preemption: splitmix64 of (seed, position) is the row's key, lowbias32 of the
 key and the index each token's bits (32-bit: the per-token hash is most of the kernel's work)."""
+
 from __future__ import annotations
 
 import os
@@ -59,8 +60,9 @@ def hashed_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> 
     return uniform_from_bits((x ^ (x >> 16)) >> 9)
 
 
-def gumbel_argmax_ref(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor,
-                      positions: torch.Tensor) -> torch.Tensor:
+def gumbel_argmax_ref(
+    logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
     """Token ids [N] from logits [N, V], temps [N] float32, seeds and positions [N] int64."""
     greedy = logits.argmax(dim=-1)
     temp = temps[:, None]
@@ -95,10 +97,28 @@ def _log(x, FAST_LOG: tl.constexpr):
 
 # chunk_len varies with the batch size: specialising on it would compile a kernel mid-serving for new sizes.
 @triton.jit(do_not_specialize=["chunk_len"])
-def _gumbel_argmax_kernel(logits_ptr, stride, rows_ptr, temps_ptr, stride_temp, seeds_ptr, stride_seed, pos_ptr,
-                          best_val_ptr, best_idx_ptr, arrivals, out_ptr, last_token_ptr, vocab, chunk_len,
-                          BLOCK: tl.constexpr, MAX_CHUNKS: tl.constexpr, HAS_ROWS: tl.constexpr,
-                          STORE_LAST: tl.constexpr, FAST_LOG: tl.constexpr):
+def _gumbel_argmax_kernel(
+    logits_ptr,
+    stride,
+    rows_ptr,
+    temps_ptr,
+    stride_temp,
+    seeds_ptr,
+    stride_seed,
+    pos_ptr,
+    best_val_ptr,
+    best_idx_ptr,
+    arrivals,
+    out_ptr,
+    last_token_ptr,
+    vocab,
+    chunk_len,
+    BLOCK: tl.constexpr,
+    MAX_CHUNKS: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
+    STORE_LAST: tl.constexpr,
+    FAST_LOG: tl.constexpr,
+):
     # Program (n, chunk) scans chunk_len columns of row n; the last of row n's chunks to arrive picks its token from
     # the chunks' maxima. A column's score depends only on its (row, column): the same result for any chunking.
     n = tl.program_id(0).to(tl.int64)
@@ -142,8 +162,14 @@ def _gumbel_argmax_kernel(logits_ptr, stride, rows_ptr, temps_ptr, stride_temp, 
             tl.store(last_token_ptr + row, token)
 
 
-def gumbel_argmax_triton(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
-                         rows: torch.Tensor | None = None, last_token: torch.Tensor | None = None) -> torch.Tensor:
+def gumbel_argmax_triton(
+    logits: torch.Tensor,
+    temps: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    rows: torch.Tensor | None = None,
+    last_token: torch.Tensor | None = None,
+) -> torch.Tensor:
     if logits.stride(-1) != 1:
         raise ValueError(f"gumbel_argmax needs a unit stride on the vocab dim, got {logits.stride()}")
     n, vocab, block = *logits.shape, _BLOCK
@@ -155,15 +181,39 @@ def gumbel_argmax_triton(logits: torch.Tensor, temps: torch.Tensor, seeds: torch
     best_idx = torch.empty((n, chunks), dtype=torch.int32, device=logits.device)
     out = torch.empty(n, dtype=torch.int64, device=logits.device)
     _gumbel_argmax_kernel[(n, chunks)](
-        logits, logits.stride(0), positions if rows is None else rows, temps, temps.stride(0), seeds,
-        seeds.stride(0), positions, best_val, best_idx, arrival_counters(logits.device, n, "gumbel_argmax"), out,
-        out if last_token is None else last_token, vocab, chunk, BLOCK=block, MAX_CHUNKS=_MAX_CHUNKS,
-        HAS_ROWS=rows is not None, STORE_LAST=last_token is not None, num_warps=8, FAST_LOG=_FAST_LOG)
+        logits,
+        logits.stride(0),
+        positions if rows is None else rows,
+        temps,
+        temps.stride(0),
+        seeds,
+        seeds.stride(0),
+        positions,
+        best_val,
+        best_idx,
+        arrival_counters(logits.device, n, "gumbel_argmax"),
+        out,
+        out if last_token is None else last_token,
+        vocab,
+        chunk,
+        BLOCK=block,
+        MAX_CHUNKS=_MAX_CHUNKS,
+        HAS_ROWS=rows is not None,
+        STORE_LAST=last_token is not None,
+        num_warps=8,
+        FAST_LOG=_FAST_LOG,
+    )
     return out
 
 
-def gumbel_argmax(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
-                  rows: torch.Tensor | None = None, last_token: torch.Tensor | None = None) -> torch.Tensor:
+def gumbel_argmax(
+    logits: torch.Tensor,
+    temps: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    rows: torch.Tensor | None = None,
+    last_token: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Token ids [N]: argmax(logits[n] / temp + hashed Gumbel noise) per row n, plain argmax where temp <= 0, with
     temp and seed temps[n] and seeds[n], or temps[rows[n]] and seeds[rows[n]] given rows (the sampler's per-row
     tables). With last_token (and rows), row n's token is also stored at last_token[rows[n]]."""
@@ -193,7 +243,8 @@ def _token_bitmask_kernel(logits_ptr, stride, lanes_ptr, mask_ptr, words, vocab,
 def token_bitmask_triton(logits: torch.Tensor, lanes: torch.Tensor, bitmask: torch.Tensor) -> None:
     vocab = min(logits.shape[1], 32 * bitmask.shape[1])
     _token_bitmask_kernel[(logits.shape[0], triton.cdiv(vocab, 4096))](
-        logits, logits.stride(0), lanes, bitmask, bitmask.shape[1], vocab, BLOCK=4096, num_warps=4)
+        logits, logits.stride(0), lanes, bitmask, bitmask.shape[1], vocab, BLOCK=4096, num_warps=4
+    )
 
 
 def apply_token_bitmask_(logits: torch.Tensor, lanes: torch.Tensor, bitmask: torch.Tensor) -> None:
@@ -201,7 +252,7 @@ def apply_token_bitmask_(logits: torch.Tensor, lanes: torch.Tensor, bitmask: tor
     packing) of bitmask[lanes[i]] is 0."""
     if logits.is_cuda:
         return token_bitmask_triton(logits, lanes, bitmask)
-    rows = torch.nonzero(lanes[:logits.shape[0]] >= 0).flatten()
+    rows = torch.nonzero(lanes[: logits.shape[0]] >= 0).flatten()
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
     bits = (bitmask[lanes[rows].long()][:, :, None] >> shifts) & 1
-    logits[rows] = logits[rows].masked_fill(~bits.view(len(rows), -1)[:, :logits.shape[1]].bool(), float("-inf"))
+    logits[rows] = logits[rows].masked_fill(~bits.view(len(rows), -1)[:, : logits.shape[1]].bool(), float("-inf"))

@@ -1,4 +1,5 @@
 """Socket addresses: ipc in a fresh private directory by default, TCP on loopback only when asked."""
+
 from __future__ import annotations
 
 import contextlib
@@ -25,8 +26,12 @@ def make_addresses(tp_size: int, engine: str | None = None) -> Addresses:
     """Fresh 0700 ipc directory for the internal sockets; `engine` may be given (ipc:// or tcp://)."""
     ipc_dir = tempfile.mkdtemp(prefix="pico-vllm-")  # mode 0700
     engine = check_engine_address(engine) if engine else f"ipc://{ipc_dir}/engine"
-    return Addresses(engine=engine, results=f"ipc://{ipc_dir}/results",
-                     plans=[f"ipc://{ipc_dir}/plan{r}" for r in range(tp_size)], ipc_dir=ipc_dir)
+    return Addresses(
+        engine=engine,
+        results=f"ipc://{ipc_dir}/results",
+        plans=[f"ipc://{ipc_dir}/plan{r}" for r in range(tp_size)],
+        ipc_dir=ipc_dir,
+    )
 
 
 def check_engine_address(addr: str) -> str:
@@ -34,7 +39,7 @@ def check_engine_address(addr: str) -> str:
     if addr.startswith("ipc://") and len(addr) > len("ipc://"):
         return addr
     if addr.startswith("tcp://"):
-        host, sep, port = addr[len("tcp://"):].rpartition(":")
+        host, sep, port = addr[len("tcp://") :].rpartition(":")
         if not sep or not port.isdigit():
             raise ValueError(f"engine address {addr!r} lacks a port: use tcp://127.0.0.1:PORT")
         return f"tcp://{host if host not in ('', '*') else '127.0.0.1'}:{port}"

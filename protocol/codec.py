@@ -1,4 +1,5 @@
 """The one msgpack codec. Never pickle: a frame is data, and a malformed one is a ProtocolError."""
+
 from __future__ import annotations
 
 import dataclasses

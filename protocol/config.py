@@ -1,4 +1,5 @@
 """Engine and model configuration: the typed dataclasses every process is built from."""
+
 from __future__ import annotations
 
 import os
@@ -19,6 +20,7 @@ def cache_root() -> Path:
 @dataclass(slots=True)
 class ModelConfig:
     """The architecture of a model (what config.json says, in our names)."""
+
     hidden_size: int
     intermediate_size: int
     num_hidden_layers: int
@@ -46,6 +48,7 @@ class ModelConfig:
 @dataclass(slots=True)
 class EngineConfig:
     """Everything the engine is launched with. Field names are the CLI flags in snake_case."""
+
     model: str
     device: str = "auto"
     dtype: str = "auto"
@@ -83,8 +86,11 @@ class EngineConfig:
 
 _ENGINE_RULES = (  # field, valid, fix
     ("device", lambda v: v in ("auto", "cpu", "cuda"), "use 'auto', 'cpu' or 'cuda'"),
-    ("dtype", lambda v: v in ("auto", "float32", "float16", "bfloat16"),
-     "use 'auto', 'float32', 'float16' or 'bfloat16'"),
+    (
+        "dtype",
+        lambda v: v in ("auto", "float32", "float16", "bfloat16"),
+        "use 'auto', 'float32', 'float16' or 'bfloat16'",
+    ),
     ("load_format", lambda v: v in ("auto", "safetensors", "dummy"), "use 'auto', 'safetensors' or 'dummy'"),
     ("max_num_seqs", lambda v: 1 <= v <= 1024, "use 1..1024"),
     ("max_num_batched_tokens", lambda v: v >= 1, "use a positive number"),
@@ -96,8 +102,11 @@ _ENGINE_RULES = (  # field, valid, fix
     ("step_timeout", lambda v: v > 0, "use a positive number of seconds"),
     ("seed", lambda v: isinstance(v, int) and 0 <= v < 2**63, "use an integer in [0, 2**63)"),
     ("max_waiting_requests", lambda v: v >= 1, "use 1 or more"),
-    ("quantization", lambda v: v in (None, "fp8"), "use 'fp8' (weights quantized per output channel at load), or "
-     "leave it unset"),
+    (
+        "quantization",
+        lambda v: v in (None, "fp8"),
+        "use 'fp8' (weights quantized per output channel at load), or leave it unset",
+    ),
 )
 
 
@@ -125,18 +134,25 @@ def check_tp_size(config: ModelConfig, tp_size: int) -> None:
     if heads % tp_size:
         raise InvalidParam(name, f"{name}={tp_size} does not divide the {heads} query heads: use a divisor of {heads}")
     if config.intermediate_size % tp_size:
-        raise InvalidParam(name, f"{name}={tp_size} does not divide the intermediate size {config.intermediate_size}: "
-                                 f"use a divisor of it and of the {heads} query heads")
+        raise InvalidParam(
+            name,
+            f"{name}={tp_size} does not divide the intermediate size {config.intermediate_size}: "
+            f"use a divisor of it and of the {heads} query heads",
+        )
     # KV heads are split when there are enough, else replicated: each rank's query heads must share one.
     if kv_heads % tp_size and tp_size % kv_heads:
-        raise InvalidParam(name, f"{name}={tp_size} neither divides nor is a multiple of the {kv_heads} KV heads: use "
-                                 "a divisor or a multiple of the KV head count that divides the query heads")
+        raise InvalidParam(
+            name,
+            f"{name}={tp_size} neither divides nor is a multiple of the {kv_heads} KV heads: use "
+            "a divisor or a multiple of the KV head count that divides the query heads",
+        )
 
 
 def pack_child_args(config: EngineConfig, addresses: dict, **extra: int | bytes) -> bytes:
     """A child process's launch arguments (msgpack on its stdin): its config, the sockets, whose child it is."""
-    return msgpack.packb({"config_dict": config.to_dict(), "addresses_dict": addresses, "parent_pid": os.getpid(),
-                          **extra})
+    return msgpack.packb(
+        {"config_dict": config.to_dict(), "addresses_dict": addresses, "parent_pid": os.getpid(), **extra}
+    )
 
 
 def unpack_child_args(data: bytes) -> dict:

@@ -1,5 +1,6 @@
 """A structured_outputs spec as an xgrammar Grammar: the one build the frontend checks (a 400 naming the field) and
 the scheduler compiles against the vocabulary. xgrammar is imported on first use: it loads torch."""
+
 from __future__ import annotations
 
 import json

@@ -1,5 +1,6 @@
 """Every message that crosses a process boundary (PROTOCOL.md has their wire form). Each class's `WIRE`, built
 from its annotations, names every field's type for the codec; arrays are numpy int32, raw bytes on the wire."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
@@ -40,6 +41,7 @@ class GetStats:
 @dataclass(slots=True)
 class TokenBatch:
     """One step's new tokens for one client: token_ids[i] goes to request_ids[i] (-1: none, only a finish)."""
+
     step: int
     request_ids: list
     token_ids: np.ndarray
@@ -65,6 +67,7 @@ class EngineDead:
 @dataclass(slots=True)
 class Error:
     """A frame or message the engine refused, where no request can carry it (no request id, or a live one's)."""
+
     reason: str
     request_id: str | None = None
 
@@ -72,6 +75,7 @@ class Error:
 @dataclass(slots=True)
 class NewRow:
     """A request entering the worker's mirror at `row`: its known tokens, once."""
+
     row: int
     token_ids: np.ndarray
     num_prompt_tokens: int
@@ -83,6 +87,7 @@ class NewRow:
 @dataclass(slots=True)
 class StepPlan:
     """One step: rows[i] gets num_tokens[i] new tokens, decode rows first; none of free_rows is scheduled."""
+
     step: int
     rows: np.ndarray
     num_tokens: np.ndarray
@@ -96,6 +101,7 @@ class StepPlan:
 @dataclass(slots=True)
 class GrammarMask:
     """Step `step`'s first `rows` rows of the shared mask file are its masked rows' (protocol/shared_masks.py)."""
+
     step: int
     rows: int
 
@@ -103,6 +109,7 @@ class GrammarMask:
 @dataclass(slots=True)
 class StepResult:
     """token_ids[i] was sampled for plan.rows[i]; logprobs as PROTOCOL.md says."""
+
     step: int
     token_ids: np.ndarray
     logprobs: dict | None = None
@@ -115,10 +122,32 @@ class WorkerError:
     reason: str
 
 
-_KINDS = {"np.ndarray": I32, "int": int, "str": str, "bool": bool, "dict": dict, "list": list,  # annotation -> check
-          **{f"{t.__name__} | None": (t, type(None)) for t in (dict, list, str)}}
-MESSAGE_TYPES: dict[str, type] = {cls.__name__: cls for cls in (
-    AddRequest, Abort, Shutdown, GetStats, TokenBatch, Ready, EngineDead, Error, NewRow, StepPlan, GrammarMask,
-    StepResult, WorkerError)}
+_KINDS = {
+    "np.ndarray": I32,
+    "int": int,
+    "str": str,
+    "bool": bool,
+    "dict": dict,
+    "list": list,  # annotation -> check
+    **{f"{t.__name__} | None": (t, type(None)) for t in (dict, list, str)},
+}
+MESSAGE_TYPES: dict[str, type] = {
+    cls.__name__: cls
+    for cls in (
+        AddRequest,
+        Abort,
+        Shutdown,
+        GetStats,
+        TokenBatch,
+        Ready,
+        EngineDead,
+        Error,
+        NewRow,
+        StepPlan,
+        GrammarMask,
+        StepResult,
+        WorkerError,
+    )
+}
 for _cls in MESSAGE_TYPES.values():
     _cls.WIRE = {f.name: _KINDS[f.type] for f in fields(_cls)}

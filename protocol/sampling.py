@@ -1,4 +1,5 @@
 """SamplingParams and a request's checks against the model, run once at each entry point (frontend, socket)."""
+
 from __future__ import annotations
 
 import json
@@ -46,17 +47,29 @@ class SamplingParams:
         self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
         for name, valid, fix in _RULES:
             require(valid(getattr(self, name)), name, getattr(self, name), fix)
-        require(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
-                f"use at most max_tokens={self.max_tokens}")
+        require(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            self.min_tokens,
+            f"use at most max_tokens={self.max_tokens}",
+        )
         self.logit_bias = {int(t): float(b) for t, b in (self.logit_bias or {}).items()} or None
         self.structured_outputs = check_structured_outputs(self.structured_outputs)
-        require(self.structured_outputs is None or self.min_tokens == 0, "min_tokens", self.min_tokens,
-                "use 0 with structured_outputs: a grammar that ends would leave no token min_tokens allows")
+        require(
+            self.structured_outputs is None or self.min_tokens == 0,
+            "min_tokens",
+            self.min_tokens,
+            "use 0 with structured_outputs: a grammar that ends would leave no token min_tokens allows",
+        )
 
     def check_vocab(self, vocab_size: int) -> None:
         bad = sorted(t for t in self.logit_bias or {} if t >= vocab_size)
-        require(not bad, "logit_bias", self.logit_bias,
-                f"token id {bad[0] if bad else 0} is outside the vocabulary [0, {vocab_size}): use this model's ids")
+        require(
+            not bad,
+            "logit_bias",
+            self.logit_bias,
+            f"token id {bad[0] if bad else 0} is outside the vocabulary [0, {vocab_size}): use this model's ids",
+        )
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -84,16 +97,20 @@ def check_structured_outputs(spec: object) -> dict | None:
     """None, or {kind: its value as text, "any_whitespace": bool} with exactly one kind of CONSTRAINT_KINDS."""
     if spec is None:
         return None
-    fix = (f"send a map with exactly one of {list(CONSTRAINT_KINDS)} (json: a schema; json_object: true; regex, "
-           "grammar, structural_tag: a string; choice: a list of strings) and optionally any_whitespace: bool")
+    fix = (
+        f"send a map with exactly one of {list(CONSTRAINT_KINDS)} (json: a schema; json_object: true; regex, "
+        "grammar, structural_tag: a string; choice: a list of strings) and optionally any_whitespace: bool"
+    )
     require(isinstance(spec, dict), "structured_outputs", spec, fix)
     kinds = [k for k in CONSTRAINT_KINDS if spec.get(k) not in (None, False)]
     require(len(kinds) == 1 and set(spec) <= {*CONSTRAINT_KINDS, "any_whitespace"}, "structured_outputs", spec, fix)
     kind, value = kinds[0], spec[kinds[0]]
     if kind in ("json", "structural_tag") and isinstance(value, dict):
         value = json.dumps(value)
-    ok = {"json_object": value is True, "choice": isinstance(value, list) and value and all(
-        isinstance(c, str) and c for c in value)}.get(kind, isinstance(value, str) and value != "")
+    ok = {
+        "json_object": value is True,
+        "choice": isinstance(value, list) and value and all(isinstance(c, str) and c for c in value),
+    }.get(kind, isinstance(value, str) and value != "")
     require(ok and isinstance(spec.get("any_whitespace", False), bool), "structured_outputs", spec, fix)
     return {kind: value, "any_whitespace": spec.get("any_whitespace", False)}
 
@@ -117,21 +134,35 @@ _RULES = (  # field, valid, fix: one InvalidParam naming the field each
     ("top_p", lambda v: _is_num(v) and 0.0 < v <= 1.0, "use a value in (0, 1]"),
     ("top_k", lambda v: _is_int(v) and v >= -1, "use -1 or 0 (off) or a positive k"),
     ("min_p", lambda v: _is_num(v) and 0.0 <= v <= 1.0, "use a value in [0, 1]"),
-    ("seed", lambda v: v is None or (_is_int(v) and -2**63 <= v < 2**64), "use an integer or None"),
+    ("seed", lambda v: v is None or (_is_int(v) and -(2**63) <= v < 2**64), "use an integer or None"),
     ("max_tokens", lambda v: v is None or (_is_int(v) and v >= 1), "use at least 1 (None: what the context allows)"),
     ("min_tokens", lambda v: _is_int(v) and v >= 0, "use 0 or more"),
-    ("stop", lambda v: len(v) <= MAX_STOP_STRINGS and all(isinstance(s, str) and s for s in v),
-     f"use at most {MAX_STOP_STRINGS} non-empty strings"),
+    (
+        "stop",
+        lambda v: len(v) <= MAX_STOP_STRINGS and all(isinstance(s, str) and s for s in v),
+        f"use at most {MAX_STOP_STRINGS} non-empty strings",
+    ),
     ("stop_token_ids", lambda v: all(t >= 0 for t in v), "use non-negative token ids"),
     ("presence_penalty", lambda v: _is_num(v) and -2.0 <= v <= 2.0, "use a value in [-2, 2]"),
     ("frequency_penalty", lambda v: _is_num(v) and -2.0 <= v <= 2.0, "use a value in [-2, 2]"),
     ("repetition_penalty", lambda v: _is_num(v) and 0.0 < v <= 2.0, "use a value in (0, 2]"),
-    ("logit_bias", lambda v: v is None or (isinstance(v, dict) and len(v) <= MAX_LOGIT_BIAS and all(
-        _is_token_key(t) and _is_num(b) and -100.0 <= b <= 100.0 for t, b in v.items())),
-     f"use at most {MAX_LOGIT_BIAS} entries of a token id >= 0 (an int, or its digits as a string) and a bias in "
-     "[-100, 100]"),
-    *((name, lambda v: isinstance(v, bool), "use true or false")
-      for name in ("skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output")),
+    (
+        "logit_bias",
+        lambda v: (
+            v is None
+            or (
+                isinstance(v, dict)
+                and len(v) <= MAX_LOGIT_BIAS
+                and all(_is_token_key(t) and _is_num(b) and -100.0 <= b <= 100.0 for t, b in v.items())
+            )
+        ),
+        f"use at most {MAX_LOGIT_BIAS} entries of a token id >= 0 (an int, or its digits as a string) and a bias in "
+        "[-100, 100]",
+    ),
+    *(
+        (name, lambda v: isinstance(v, bool), "use true or false")
+        for name in ("skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output")
+    ),
     ("logprobs", lambda v: v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS), f"use 0..{MAX_LOGPROBS} or None"),
 )
 
@@ -140,24 +171,36 @@ def check_prompt(token_ids: object, vocab_size: int) -> list[int]:
     """A prompt's token ids as a list: at least one, each inside the vocabulary."""
     ids = np.asarray(token_ids)
     if ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu":
-        raise InvalidParam("prompt", f"prompt must be a non-empty list of token ids, got shape {ids.shape} of "
-                                     f"{ids.dtype}: send at least one token id")
+        raise InvalidParam(
+            "prompt",
+            f"prompt must be a non-empty list of token ids, got shape {ids.shape} of "
+            f"{ids.dtype}: send at least one token id",
+        )
     bad = ids[(ids < 0) | (ids >= vocab_size)]
     if bad.size:
-        raise InvalidParam("prompt", f"prompt token id {int(bad[0])} is outside the vocabulary [0, {vocab_size}): "
-                                     "tokenize with this model's tokenizer")
+        raise InvalidParam(
+            "prompt",
+            f"prompt token id {int(bad[0])} is outside the vocabulary [0, {vocab_size}): "
+            "tokenize with this model's tokenizer",
+        )
     return ids.tolist()
 
 
 def check_length(prompt_len: int, max_tokens: int | None, max_model_len: int) -> int:
     """The request's max_tokens (None: what the context leaves), or ContextTooLong past max_model_len."""
     if prompt_len >= max_model_len:
-        raise ContextTooLong("prompt", f"prompt has {prompt_len} tokens, at or over max_model_len={max_model_len}: "
-                                       "shorten it or raise max_model_len")
+        raise ContextTooLong(
+            "prompt",
+            f"prompt has {prompt_len} tokens, at or over max_model_len={max_model_len}: "
+            "shorten it or raise max_model_len",
+        )
     if max_tokens is None:
         return max_model_len - prompt_len
     if prompt_len + max_tokens > max_model_len:
-        raise ContextTooLong("max_tokens", f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = "
-                                           f"{prompt_len + max_tokens} is over max_model_len={max_model_len}: "
-                                           "lower max_tokens or shorten the prompt")
+        raise ContextTooLong(
+            "max_tokens",
+            f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = "
+            f"{prompt_len + max_tokens} is over max_model_len={max_model_len}: "
+            "lower max_tokens or shorten the prompt",
+        )
     return max_tokens

@@ -1,5 +1,6 @@
 """Grammar masks in shared memory: the scheduler fills a step's token bitmasks into a tmpfs file that every worker rank
 maps, so a megabyte a step (64 rows) is neither packed, sent nor copied; the GrammarMask message says they are ready."""
+
 from __future__ import annotations
 
 import mmap

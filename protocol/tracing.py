@@ -1,6 +1,7 @@
 """Step-latency tracing in every process, and the trace file each one writes (the frontend merges them).
 Spans (name, start, duration, step) are on `time.perf_counter_ns`, one monotonic clock for all processes of a
 host. When tracing is off, `span()` hands back one shared no-op object: no clock read, no allocation."""
+
 from __future__ import annotations
 
 import json
@@ -41,8 +42,19 @@ class Tracer:
         os.makedirs(self.trace_dir, exist_ok=True)
         pid = os.getpid()
         events = [{"name": "process_name", "ph": "M", "pid": pid, "args": {"name": self.process}}]
-        events += [{"name": n, "ph": "X", "ts": s / 1000, "dur": d / 1000, "pid": pid, "tid": t,
-                    "cat": self.process, "args": {"step": st}} for n, s, d, st, t in self.events]
+        events += [
+            {
+                "name": n,
+                "ph": "X",
+                "ts": s / 1000,
+                "dur": d / 1000,
+                "pid": pid,
+                "tid": t,
+                "cat": self.process,
+                "args": {"step": st},
+            }
+            for n, s, d, st, t in self.events
+        ]
         path = os.path.join(self.trace_dir, f"{self.process}-{pid}.json")
         with open(path + ".tmp", "w") as f:
             json.dump({"traceEvents": events}, f)

@@ -1,4 +1,5 @@
 """`python -m scheduler`: the scheduler process that frontend/launcher.py starts (arguments: msgpack on stdin)."""
+
 import signal
 import sys
 

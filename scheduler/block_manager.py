@@ -6,6 +6,7 @@
   it stays reusable at reference count 0 until taken for another request.
 - Only blocks below a request's `num_computed_tokens` are shared and every write goes at or past it, so no request
   writes into a block another one reads."""
+
 from __future__ import annotations
 
 import hashlib
@@ -101,7 +102,7 @@ class BlockManager:
         bs = self.block_size
         for i in range(len(req.block_hashes), num_blocks):
             parent = req.block_hashes[i - 1] if i else b""
-            req.block_hashes.append(hash_block(parent, req.token_ids[i * bs:(i + 1) * bs]))
+            req.block_hashes.append(hash_block(parent, req.token_ids[i * bs : (i + 1) * bs]))
 
     def _take_free(self) -> int:
         b, _ = self._free.popitem(last=False)

@@ -3,6 +3,7 @@ an xgrammar matcher per constrained request, and the packed token bitmask of a s
 
 xgrammar (and with it torch, on the CPU) and the model's tokenizer load at the first constrained request, in the
 compile thread: an engine that never sees one never loads them."""
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,15 @@ LOOP_ROWS = 4  # fewer rows fill in the loop: handing them to threads costs more
 class Grammars:
     """Compiles SamplingParams.structured_outputs against the model's vocabulary."""
 
-    def __init__(self, model: str, model_path: str | None, vocab_size: int, eos_token_ids: frozenset[int],
-                 masks_path: str | None = None, max_rows: int = 1) -> None:
+    def __init__(
+        self,
+        model: str,
+        model_path: str | None,
+        vocab_size: int,
+        eos_token_ids: frozenset[int],
+        masks_path: str | None = None,
+        max_rows: int = 1,
+    ) -> None:
         self._model, self._model_path = model, model_path
         self._masks_path, self._max_rows = masks_path, max_rows  # the shared mask file, made at the first fill
         self.vocab_size, self._eos = vocab_size, sorted(eos_token_ids)
@@ -89,8 +97,9 @@ class Grammars:
                 from frontend.tokenizer import load_tokenizer  # the same offline tokenizer as the frontend's
 
                 tokenizer = load_tokenizer(self._model, self._model_path)
-                info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
-                                                          stop_token_ids=self._eos)
+                info = xgr.TokenizerInfo.from_huggingface(
+                    tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._eos
+                )
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1)
                 torch.set_num_threads(1)  # its CPU ops here are small: idle OpenMP threads would spin on every core
             return self._compiler

@@ -3,6 +3,7 @@
 No CUDA here (torch loads with xgrammar, at the first grammar). A malformed frame from a frontend is answered, one
 from a worker dropped; a worker error, a stalled step or a dead parent ends the process (EngineDead to every client,
 exit code 1). Two plans in flight: plan N+1 is sent before result N is awaited."""
+
 from __future__ import annotations
 
 import contextlib
@@ -20,8 +21,22 @@ import zmq
 from protocol.addresses import Addresses, remove_ipc_dir
 from protocol.codec import MAX_FRAME_BYTES, ProtocolError, decode, encode
 from protocol.config import EngineConfig
-from protocol.messages import (READY_TIMEOUT_S, Abort, AddRequest, EngineDead, Error, GetStats, GrammarMask, Ready,
-                               Shutdown, StepPlan, StepResult, TokenBatch, WorkerError, i32)
+from protocol.messages import (
+    READY_TIMEOUT_S,
+    Abort,
+    AddRequest,
+    EngineDead,
+    Error,
+    GetStats,
+    GrammarMask,
+    Ready,
+    Shutdown,
+    StepPlan,
+    StepResult,
+    TokenBatch,
+    WorkerError,
+    i32,
+)
 from protocol.shared_masks import masks_path
 from protocol.tracing import Tracer
 from scheduler.scheduler import Scheduler
@@ -31,8 +46,10 @@ POLL_MS = 100  # the idle poll, and so how often the parent is checked
 COMPILE_POLL_MS = 2  # the idle poll while a grammar compiles: its request starts soon after
 LINGER_MS = 1000  # time for the last EngineDead / Shutdown to leave at exit
 MAX_IN_FLIGHT = 2  # the worker keeps two staging buffers: step N+1 may launch before N is collected
-SHUTDOWN_REFUSED = ("Shutdown refused: only the frontend that started this engine may stop it; stop a headless engine "
-                    "with SIGTERM, or start it with --allow-remote-shutdown")
+SHUTDOWN_REFUSED = (
+    "Shutdown refused: only the frontend that started this engine may stop it; stop a headless engine "
+    "with SIGTERM, or start it with --allow-remote-shutdown"
+)
 
 
 class _Exit(Exception):
@@ -45,8 +62,9 @@ def _on_sigterm(signum: int, frame: object) -> None:
     raise _Exit(0, "the scheduler got SIGTERM")
 
 
-def run_scheduler(config_dict: dict, addresses_dict: dict, parent_pid: int | None = None,
-                  owner: bytes | None = None) -> None:
+def run_scheduler(
+    config_dict: dict, addresses_dict: dict, parent_pid: int | None = None, owner: bytes | None = None
+) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     signal.signal(signal.SIGTERM, _on_sigterm)
     sys.exit(serve(EngineConfig.from_dict(config_dict), Addresses(**addresses_dict), parent_pid, owner))
@@ -64,7 +82,7 @@ def serve(config: EngineConfig, addresses: Addresses, parent_pid: int | None = N
         remove_ipc_dir(addresses)
         if addresses.engine.startswith("ipc://"):  # libzmq leaves a socket file where it bound
             with contextlib.suppress(OSError):
-                os.unlink(addresses.engine[len("ipc://"):])
+                os.unlink(addresses.engine[len("ipc://") :])
 
 
 class SchedulerServer:
@@ -99,11 +117,17 @@ class SchedulerServer:
         try:
             num_blocks, startup = self._wait_workers()
             self.scheduler = sched = Scheduler(self.config, num_blocks, masks_path(self.addresses.ipc_dir))
-            self.info = {"num_kv_blocks": sched.block_manager.num_blocks, "max_model_len": sched.max_model_len,
-                         "vocab_size": sched.vocab_size, "eos_token_ids": sorted(sched.eos_token_ids),
-                         "block_size": self.config.block_size, "model": self.config.model,
-                         "model_path": self.config.model_path, "model_config": asdict(self.config.model_config),
-                         "startup": startup}
+            self.info = {
+                "num_kv_blocks": sched.block_manager.num_blocks,
+                "max_model_len": sched.max_model_len,
+                "vocab_size": sched.vocab_size,
+                "eos_token_ids": sorted(sched.eos_token_ids),
+                "block_size": self.config.block_size,
+                "model": self.config.model,
+                "model_path": self.config.model_path,
+                "model_config": asdict(self.config.model_config),
+                "startup": startup,
+            }
             gc.collect()
             gc.freeze()  # start-up objects leave the collector's view: a full collection stays short
             log.info("scheduler ready: %s", {k: self.info[k] for k in ("num_kv_blocks", "max_model_len")})
@@ -208,8 +232,15 @@ class SchedulerServer:
             replies = sched.refuse(identity, msg.request_id, f"malformed frame: {msg}")
         else:
             log.warning("dropped a %s from a frontend: not a frontend message", type(msg).__name__)
-            replies = [(identity, Error(f"a {type(msg).__name__} is not a frontend message: send AddRequest, Abort, "
-                                        "GetStats or Shutdown"))]
+            replies = [
+                (
+                    identity,
+                    Error(
+                        f"a {type(msg).__name__} is not a frontend message: send AddRequest, Abort, "
+                        "GetStats or Shutdown"
+                    ),
+                )
+            ]
         for client, reply in replies:
             self._send(client, reply)
 

@@ -1,4 +1,5 @@
 """One request as the scheduler owns it: its tokens, progress, row, blocks and fate."""
+
 from __future__ import annotations
 
 import enum

@@ -2,6 +2,7 @@
 A running request holds a row, mirrored on the workers: its tokens go once (NewRow), then deltas. Computed counts
 advance when a step is planned; a result is matched to its plan by step, dropping tokens of requests finished or
 preempted since: so step N+1 can be planned before result N returns."""
+
 from __future__ import annotations
 
 import bisect
@@ -15,8 +16,7 @@ from operator import attrgetter
 import numpy as np
 
 from protocol.config import EngineConfig, InvalidParam
-from protocol.messages import (OVERLOADED, AddRequest, Error, GrammarMask, NewRow, StepPlan, StepResult, TokenBatch,
-                               i32)
+from protocol.messages import OVERLOADED, AddRequest, Error, GrammarMask, NewRow, StepPlan, StepResult, TokenBatch, i32
 from protocol.sampling import SamplingParams, check_length, check_prompt
 from scheduler.block_manager import BlockManager
 from scheduler.grammar import COMPILE_TIMEOUT_S, Grammars
@@ -28,8 +28,10 @@ _NO_REQUEST_STATS: dict = {}  # the request_stats of every batch without a first
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, masks_path: str | None = None) -> None:
         if (mc := config.model_config) is None or config.max_model_len is None:
-            raise ValueError("EngineConfig.model_config or max_model_len is None: resolve the config first "
-                             "(frontend.model_resolution.resolve_config)")
+            raise ValueError(
+                "EngineConfig.model_config or max_model_len is None: resolve the config first "
+                "(frontend.model_resolution.resolve_config)"
+            )
         self.config = config
         self.vocab_size, self.max_model_len = mc.vocab_size, config.max_model_len
         self.eos_token_ids = frozenset(mc.eos_token_ids)
@@ -44,16 +46,21 @@ class Scheduler:
         self._arrivals = itertools.count()
         self._rng = random.Random(config.seed)
         self._first_stats: dict[bytes, dict] = {}  # client -> request id -> request_stats, for this result's batch
-        self.grammars = Grammars(config.model, config.model_path, self.vocab_size, self.eos_token_ids, masks_path,
-                                 config.max_num_seqs)
+        self.grammars = Grammars(
+            config.model, config.model_path, self.vocab_size, self.eos_token_ids, masks_path, config.max_num_seqs
+        )
         self.compiling: dict[Request, Future] = {}  # -> its grammar's compile
         self._masks: dict[int, list] = {}  # step -> its masked rows' (request, num_preemptions then)
 
     def add(self, msg: AddRequest, client: bytes) -> list[tuple[bytes, TokenBatch | Error]]:
         """Queue a request; a bad one is answered at once (see refuse)."""
         if (client, msg.request_id) in self.requests:
-            return self.refuse(client, msg.request_id, f"request_id {msg.request_id!r} is already in use by a "
-                               "live request of this connection, which goes on: use a unique id")
+            return self.refuse(
+                client,
+                msg.request_id,
+                f"request_id {msg.request_id!r} is already in use by a "
+                "live request of this connection, which goes on: use a unique id",
+            )
         try:
             req = self._make_request(msg, client)
         except Exception as e:  # untrusted input, checked before any state changes: it fails alone
@@ -75,8 +82,12 @@ class Scheduler:
                 req.matcher, req.status = self.grammars.matcher(future.result()), Status.WAITING
                 self.waiting.append(req)
             elif future.done() or self.grammars.late(future):
-                reason = (str(future.exception()) if future.done() else f"structured_outputs took over "
-                          f"{COMPILE_TIMEOUT_S:.0f} s to compile: simplify the schema or grammar")
+                reason = (
+                    str(future.exception())
+                    if future.done()
+                    else f"structured_outputs took over "
+                    f"{COMPILE_TIMEOUT_S:.0f} s to compile: simplify the schema or grammar"
+                )
                 self._finish(req)
                 replies.append((req.client, self._batch([(req.request_id, -1, "error", reason, None)])))
         return replies
@@ -92,8 +103,10 @@ class Scheduler:
         step = next(iter(self._in_flight), None)
         if (rows := self._masks.pop(step, None)) is None:
             return None
-        live = [req.matcher if req.status is Status.RUNNING and req.num_preemptions == epoch else None
-                for req, epoch in rows]
+        live = [
+            req.matcher if req.status is Status.RUNNING and req.num_preemptions == epoch else None
+            for req, epoch in rows
+        ]
         self.grammars.fill(step, live)
         return GrammarMask(step, len(live))
 
@@ -125,19 +138,30 @@ class Scheduler:
 
     def stats(self) -> dict:
         bm = self.block_manager
-        return {"num_free_blocks": bm.num_free_blocks, "num_total_blocks": bm.num_blocks,
-                "num_running": len(self.running), "num_waiting": len(self.waiting),
-                "num_preemptions": self.num_preemptions, "num_cached_tokens": bm.num_cached_tokens}
+        return {
+            "num_free_blocks": bm.num_free_blocks,
+            "num_total_blocks": bm.num_blocks,
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
+            "num_preemptions": self.num_preemptions,
+            "num_cached_tokens": bm.num_cached_tokens,
+        }
 
     def _make_request(self, msg: AddRequest, client: bytes) -> Request:
         """The wire's one check of a request; its seed, stop ids and max_tokens are resolved here, for every row."""
         if (waiting := len(self.waiting) + len(self.compiling)) >= self.config.max_waiting_requests:
-            raise InvalidParam("request_id", f"{OVERLOADED}: {waiting} requests are waiting "
-                               f"(max_waiting_requests={self.config.max_waiting_requests}); retry later")
+            raise InvalidParam(
+                "request_id",
+                f"{OVERLOADED}: {waiting} requests are waiting "
+                f"(max_waiting_requests={self.config.max_waiting_requests}); retry later",
+            )
         params = SamplingParams.from_dict(msg.params)
         if params.n != 1:
-            raise InvalidParam("n", f"n={params.n} is invalid here: the engine runs one sequence per request, so "
-                                    "send n requests (with seeds seed, seed + 1, ...) and keep n at 1")
+            raise InvalidParam(
+                "n",
+                f"n={params.n} is invalid here: the engine runs one sequence per request, so "
+                "send n requests (with seeds seed, seed + 1, ...) and keep n at 1",
+            )
         params.check_vocab(self.vocab_size)
         prompt = check_prompt(msg.prompt_token_ids, self.vocab_size)
         n, bm, capacity = len(prompt), self.block_manager, self.block_manager.num_blocks * self.config.block_size
@@ -145,15 +169,27 @@ class Scheduler:
         if params.max_tokens is None:
             max_tokens = min(max_tokens, max(capacity - n, 1))
         if n + max_tokens > capacity:
-            raise InvalidParam("max_tokens", f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} "
-                               f"tokens would never fit the KV cache ({bm.num_blocks} blocks of {bm.block_size}): "
-                               "lower max_tokens or give the engine more num_kv_blocks")
+            raise InvalidParam(
+                "max_tokens",
+                f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} "
+                f"tokens would never fit the KV cache ({bm.num_blocks} blocks of {bm.block_size}): "
+                "lower max_tokens or give the engine more num_kv_blocks",
+            )
         if params.seed is None:  # every row then samples from its own generator, whatever the batch
             params.seed = self._rng.getrandbits(63)
         if not params.ignore_eos:
             params.stop_token_ids = sorted(set(params.stop_token_ids) | self.eos_token_ids)
-        return Request(msg.request_id, client, prompt, n, params, next(self._arrivals), max_tokens,
-                       frozenset(params.stop_token_ids), queued_at=time.monotonic())
+        return Request(
+            msg.request_id,
+            client,
+            prompt,
+            n,
+            params,
+            next(self._arrivals),
+            max_tokens,
+            frozenset(params.stop_token_ids),
+            queued_at=time.monotonic(),
+        )
 
     def _finish(self, req: Request) -> None:
         if req.status is Status.RUNNING:
@@ -188,9 +224,16 @@ class Scheduler:
         masked = [i for i, (req, _) in enumerate(scheduled) if req.matcher is not None and not req.is_prefill]
         if masked:
             self._masks[self.step] = [(scheduled[i][0], scheduled[i][0].num_preemptions) for i in masked]
-        plan = StepPlan(self.step, i32([req.row for req, _ in scheduled]), i32([n for _, n in scheduled]),
-                        new_rows, appends, i32(sorted(self._rows_freed)), self.config.trace_dir is not None,
-                        i32(masked))
+        plan = StepPlan(
+            self.step,
+            i32([req.row for req, _ in scheduled]),
+            i32([n for _, n in scheduled]),
+            new_rows,
+            appends,
+            i32(sorted(self._rows_freed)),
+            self.config.trace_dir is not None,
+            i32(masked),
+        )
         self._rows_freed.clear()
         return plan
 
@@ -242,12 +285,22 @@ class Scheduler:
             self._rows_freed.discard(req.row)  # the NewRow replaces the row's old mirror: no free_rows entry
             req.num_computed_tokens = self.block_manager.allocate(req)
             if req.first_stats is None:  # its first admission: what only the engine knows, sent with its first token
-                req.first_stats = {"queue_time": time.monotonic() - req.queued_at,
-                                   "num_cached_tokens": req.num_computed_tokens}
+                req.first_stats = {
+                    "queue_time": time.monotonic() - req.queued_at,
+                    "num_cached_tokens": req.num_computed_tokens,
+                }
             req.num_row_tokens, req.status = req.num_tokens, Status.RUNNING
             bisect.insort(self.running, req, key=lambda r: r.arrival)
-            new_rows.append(NewRow(req.row, i32(req.token_ids), req.num_prompt_tokens, req.num_computed_tokens,
-                                   i32(req.block_table), req.params.to_dict()))
+            new_rows.append(
+                NewRow(
+                    req.row,
+                    i32(req.token_ids),
+                    req.num_prompt_tokens,
+                    req.num_computed_tokens,
+                    i32(req.block_table),
+                    req.params.to_dict(),
+                )
+            )
             budget -= self._take_chunk(req, budget, chunks)
         return chunks, new_rows
 
@@ -263,16 +316,18 @@ class Scheduler:
         """Append the sampled tokens, check stops, free finished requests; one TokenBatch per client."""
         scheduled = self._in_flight.get(result.step)
         if scheduled is None:
-            raise ValueError(f"StepResult for step {result.step} matches no plan in flight "
-                             f"({sorted(self._in_flight)})")
+            raise ValueError(f"StepResult for step {result.step} matches no plan in flight ({sorted(self._in_flight)})")
         tokens = np.asarray(result.token_ids)
         if tokens.shape != (len(scheduled),):
-            raise ValueError(f"StepResult for step {result.step} has {tokens.shape} token ids for "
-                             f"{len(scheduled)} scheduled rows")
+            raise ValueError(
+                f"StepResult for step {result.step} has {tokens.shape} token ids for {len(scheduled)} scheduled rows"
+            )
         sampled = tokens[[samples for _, _, samples in scheduled]]
         if ((sampled < 0) | (sampled >= self.vocab_size)).any():
-            raise ValueError(f"StepResult for step {result.step} samples token ids {sampled.tolist()} outside "
-                             f"the vocabulary [0, {self.vocab_size})")
+            raise ValueError(
+                f"StepResult for step {result.step} samples token ids {sampled.tolist()} outside "
+                f"the vocabulary [0, {self.vocab_size})"
+            )
         logprobs = _split_logprobs(result.logprobs, len(scheduled))
         del self._in_flight[result.step]
         updates: dict[bytes, list[tuple]] = {}
@@ -281,8 +336,13 @@ class Scheduler:
                 continue  # a chunk, or finished, aborted or preempted since this step was planned
             req.token_ids.append(token := int(tokens[i]))
             generated = req.num_tokens - req.num_prompt_tokens
-            reason = ("stop" if generated >= req.params.min_tokens and token in req.stop_ids
-                      else "length" if generated >= req.max_tokens or req.num_tokens >= self.max_model_len else None)
+            reason = (
+                "stop"
+                if generated >= req.params.min_tokens and token in req.stop_ids
+                else "length"
+                if generated >= req.max_tokens or req.num_tokens >= self.max_model_len
+                else None
+            )
             matcher = req.matcher
             if reason is None and matcher is not None and (not matcher.accept_token(token) or matcher.is_terminated()):
                 reason = "stop"  # the grammar is complete (its stop token came despite ignore_eos) or broken
@@ -292,18 +352,25 @@ class Scheduler:
             updates.setdefault(req.client, []).append((req.request_id, token, reason, None, lp))
             if generated == 1:
                 self._first_stats.setdefault(req.client, {})[req.request_id] = req.first_stats
-        return [(c, self._batch(u, result.step, self._first_stats.pop(c, _NO_REQUEST_STATS)))
-                for c, u in updates.items()]
+        return [
+            (c, self._batch(u, result.step, self._first_stats.pop(c, _NO_REQUEST_STATS))) for c, u in updates.items()
+        ]
 
-    def _batch(self, updates: list[tuple], step: int | None = None,
-               request_stats: dict = _NO_REQUEST_STATS) -> TokenBatch:
+    def _batch(
+        self, updates: list[tuple], step: int | None = None, request_stats: dict = _NO_REQUEST_STATS
+    ) -> TokenBatch:
         """One client's (request id, token or -1, finish, error, logprobs) updates, from `step` (default: the last)."""
         ids, tokens, finishes, errors, logprobs = zip(*updates)
-        return TokenBatch(self.step if step is None else step, list(ids), i32(tokens),
-                          {r: f for r, f in zip(ids, finishes) if f is not None},
-                          {r: e for r, e in zip(ids, errors) if e is not None},
-                          list(logprobs) if any(lp is not None for lp in logprobs) else None, self.stats(),
-                          request_stats)
+        return TokenBatch(
+            self.step if step is None else step,
+            list(ids),
+            i32(tokens),
+            {r: f for r, f in zip(ids, finishes) if f is not None},
+            {r: e for r, e in zip(ids, errors) if e is not None},
+            list(logprobs) if any(lp is not None for lp in logprobs) else None,
+            self.stats(),
+            request_stats,
+        )
 
 
 def _split_logprobs(lp: dict | None, n: int):
@@ -313,11 +380,18 @@ def _split_logprobs(lp: dict | None, n: int):
     k = lp.get("k")
     if not isinstance(k, int) or isinstance(k, bool) or k < 0:
         raise ValueError(f"StepResult.logprobs['k'] must be an int >= 0, got {k!r}")
-    sampled, top_ids, top_lps = (np.frombuffer(v, dtype) if isinstance(v := lp.get(name), bytes)  # ValueError
-                                 else np.asarray([] if v is None else v, dtype).reshape(-1)  # unless whole
-                                 for name, dtype in (("sampled", "<f4"), ("top_ids", "<i4"), ("top_logprobs", "<f4")))
+    sampled, top_ids, top_lps = (
+        np.frombuffer(v, dtype)
+        if isinstance(v := lp.get(name), bytes)  # ValueError
+        else np.asarray([] if v is None else v, dtype).reshape(-1)  # unless whole
+        for name, dtype in (("sampled", "<f4"), ("top_ids", "<i4"), ("top_logprobs", "<f4"))
+    )
     if sampled.shape != (n,) or top_ids.shape != (n * k,) or top_lps.shape != (n * k,):
-        raise ValueError(f"StepResult.logprobs does not fit {n} rows of k={k}: "
-                         f"{sampled.shape}, {top_ids.shape}, {top_lps.shape}")
-    return lambda i, want: [float(sampled[i]), top_ids[i * k:i * k + min(want, k)].tolist(),
-                            top_lps[i * k:i * k + min(want, k)].tolist()]
+        raise ValueError(
+            f"StepResult.logprobs does not fit {n} rows of k={k}: {sampled.shape}, {top_ids.shape}, {top_lps.shape}"
+        )
+    return lambda i, want: [
+        float(sampled[i]),
+        top_ids[i * k : i * k + min(want, k)].tolist(),
+        top_lps[i * k : i * k + min(want, k)].tolist(),
+    ]

@@ -1,5 +1,6 @@
 """Tiny random checkpoints of each family we run (Qwen2, Qwen3, Llama 3), written the way Hugging Face writes
 real ones (tests only)."""
+
 from __future__ import annotations
 
 import json
@@ -7,19 +8,34 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import (LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM,
-                          Qwen3Config, Qwen3ForCausalLM)
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
     "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-FAMILIES = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM),
-            "llama": (LlamaConfig, LlamaForCausalLM)}
+FAMILIES = {
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "llama": (LlamaConfig, LlamaForCausalLM),
+}
 # Llama 3.1's scaling, its original context cut to 64 so that positions of a test reach every RoPE band.
-LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                  "original_max_position_embeddings": 64}
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 _CORPUS = [
     "Hello world! The quick brown fox jumps over the lazy dog.",
     "Pico-vLLM serves language models fast. def main(): return 42",
@@ -33,8 +49,9 @@ def make_tokenizer(out_dir: Path, vocab_size: int = 384) -> PreTrainedTokenizerF
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(_CORPUS * 4, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     fast.chat_template = CHATML_TEMPLATE
@@ -42,10 +59,22 @@ def make_tokenizer(out_dir: Path, vocab_size: int = 384) -> PreTrainedTokenizerF
     return fast
 
 
-def make_checkpoint(out_dir: str | Path, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
-                    num_kv_heads: int = 2, head_dim: int = 16, intermediate_size: int = 128,
-                    vocab_size: int = 512, tie: bool = True, sharded: bool = False, seed: int = 0,
-                    max_position_embeddings: int = 4096, family: str = "qwen2") -> Path:
+def make_checkpoint(
+    out_dir: str | Path,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    intermediate_size: int = 128,
+    vocab_size: int = 512,
+    tie: bool = True,
+    sharded: bool = False,
+    seed: int = 0,
+    max_position_embeddings: int = 4096,
+    family: str = "qwen2",
+) -> Path:
     """Write a random float32 model of the family (qwen2, qwen3, llama: with LLAMA3_SCALING) with its tokenizer;
     return the directory."""
     out = Path(out_dir)
@@ -54,12 +83,21 @@ def make_checkpoint(out_dir: str | Path, *, hidden_size: int = 64, num_layers: i
     config_cls, model_cls = FAMILIES[family]
     scaling = {"rope_scaling": dict(LLAMA3_SCALING)} if family == "llama" else {}
     config = config_cls(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-        head_dim=head_dim, max_position_embeddings=max_position_embeddings, rope_theta=10000.0,
-        rms_norm_eps=1e-6, tie_word_embeddings=tie, torch_dtype="float32",
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_position_embeddings,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tie,
+        torch_dtype="float32",
         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-        bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"), **scaling,
+        bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        **scaling,
     )
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32)
@@ -91,10 +129,10 @@ def quantize_fp8_reference(w: torch.Tensor, rows: int, cols: int) -> tuple[torch
     scales = torch.empty(-(-n // rows), -(-k // cols))
     for i in range(0, n, rows):
         for j in range(0, k, cols):
-            block = w[i:i + rows, j:j + cols].float()
+            block = w[i : i + rows, j : j + cols].float()
             scale = block.abs().max().clamp(min=1e-12) / 448.0
-            values[i:i + rows, j:j + cols] = (block / scale).to(torch.float8_e4m3fn)
-            deq[i:i + rows, j:j + cols] = values[i:i + rows, j:j + cols].float() * scale
+            values[i : i + rows, j : j + cols] = (block / scale).to(torch.float8_e4m3fn)
+            deq[i : i + rows, j : j + cols] = values[i : i + rows, j : j + cols].float() * scale
             scales[i // rows, j // cols] = scale
     return values, scales, deq
 
@@ -124,7 +162,11 @@ def fp8_checkpoints(src: Path, out_dir: Path, block: list[int] | None = None) ->
     if not block:
         return twin, None
     config = read_config(fp8)
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                     "weight_block_size": block}
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": block,
+    }
     (fp8 / "config.json").write_text(json.dumps(config))
     return twin, fp8

@@ -3,6 +3,7 @@
 Shared by the end-to-end server tests and the reliability tests, which need several servers with
 different flags.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,8 +27,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def poll_health(url: str, proc: subprocess.Popen, log: Path, done: Callable[[int], bool],
-                timeout: float = 240.0) -> list[int]:
+def poll_health(
+    url: str, proc: subprocess.Popen, log: Path, done: Callable[[int], bool], timeout: float = 240.0
+) -> list[int]:
     """Poll /health until done(status); return every status seen (503 while the engine loads)."""
     deadline, seen = time.monotonic() + timeout, []
     while time.monotonic() < deadline:
@@ -76,8 +78,13 @@ def launch(args: list[str], log: Path, env: dict[str, str] | None = None) -> Ser
     """Start `python launch.py ARGS --port P` (output to `log`); it is not ready yet."""
     port = free_port()
     with open(log, "w") as log_file:
-        proc = subprocess.Popen([sys.executable, "launch.py", *args, "--port", str(port)], cwd=REPO,
-                                stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        proc = subprocess.Popen(
+            [sys.executable, "launch.py", *args, "--port", str(port)],
+            cwd=REPO,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+        )
     return ServerProcess(f"http://127.0.0.1:{port}", port, proc, log)
 
 

@@ -1,4 +1,5 @@
 """The OpenAI API's request handling and output rules, without a server: what vLLM's users rely on."""
+
 from __future__ import annotations
 
 import json
@@ -6,8 +7,7 @@ import json
 import pytest
 
 from frontend.api_models import APIError, ChatCompletionRequest, CompletionRequest, parse_request
-from frontend.output_processor import OutputProcessor
-from frontend.output_processor import CompletionOutput
+from frontend.output_processor import CompletionOutput, OutputProcessor
 from protocol.messages import TokenBatch, i32
 from protocol.sampling import SamplingParams
 
@@ -19,16 +19,18 @@ class ByteTokenizer:
     PIECES = {0: b"<s>", 1: b"ab", 2: b"c\xf0\x9f", 3: b"\xa6\x80", 4: b"<|end|>", 5: b" x"}
     SPECIAL = {0, 4}
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = False, spaces_between_special_tokens: bool = True,
-               **kw) -> str:
+    def decode(
+        self, ids: list[int], skip_special_tokens: bool = False, spaces_between_special_tokens: bool = True, **kw
+    ) -> str:
         pieces = [self.PIECES[i] for i in ids if not (skip_special_tokens and i in self.SPECIAL)]
         if spaces_between_special_tokens and not skip_special_tokens:
             pieces = [b" " + p + b" " if p in (self.PIECES[0], self.PIECES[4]) else p for p in pieces]
         return b"".join(pieces).decode("utf-8", errors="replace")
 
 
-def generate(params: SamplingParams, steps: list[tuple[int, str | None]],
-             texts: list[str] | None = None) -> CompletionOutput:
+def generate(
+    params: SamplingParams, steps: list[tuple[int, str | None]], texts: list[str] | None = None
+) -> CompletionOutput:
     """Feed one sample's engine tokens (and finish reasons) through the OutputProcessor; its output. `texts`
     gets the text after each step (what a stream has sent by then)."""
     processor = OutputProcessor(ByteTokenizer())
@@ -41,8 +43,11 @@ def generate(params: SamplingParams, steps: list[tuple[int, str | None]],
 
 
 def test_chat_content_parts_are_joined_with_newlines_like_vllm():
-    req = parse_request(ChatCompletionRequest, b'{"messages": [{"role": "user", "content": '
-                                               b'[{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]}]}')
+    req = parse_request(
+        ChatCompletionRequest,
+        b'{"messages": [{"role": "user", "content": '
+        b'[{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]}]}',
+    )
     assert req.messages[0].text() == "one\ntwo"
 
 
@@ -80,20 +85,35 @@ def test_a_field_we_cannot_honour_is_a_400_naming_it_not_ignored(model, field, v
 
 
 def test_values_that_change_nothing_are_served():
-    parse_request(ChatCompletionRequest, _body(ChatCompletionRequest, response_format={"type": "text"}, tools=[],
-                                               tool_choice="none", functions=None, user="u", guided_json=None))
+    parse_request(
+        ChatCompletionRequest,
+        _body(
+            ChatCompletionRequest,
+            response_format={"type": "text"},
+            tools=[],
+            tool_choice="none",
+            functions=None,
+            user="u",
+            guided_json=None,
+        ),
+    )
     parse_request(CompletionRequest, _body(CompletionRequest, suffix="", user="u", use_beam_search=False))
 
 
 # ---- vLLM's output extensions of SamplingParams: skip_special_tokens, spaces_between_special_tokens,
 # include_stop_str_in_output ----------------------------------------------------------------------------
 
+
 def test_special_tokens_text_is_skipped_by_default_and_kept_when_asked():
     steps = [(1, None), (4, None), (5, "length")]
     assert generate(SamplingParams(max_tokens=3), steps).text == "ab x"
     assert generate(SamplingParams(max_tokens=3, skip_special_tokens=False), steps).text == "ab <|end|>  x"
-    assert generate(SamplingParams(max_tokens=3, skip_special_tokens=False, spaces_between_special_tokens=False),
-                    steps).text == "ab<|end|> x"
+    assert (
+        generate(
+            SamplingParams(max_tokens=3, skip_special_tokens=False, spaces_between_special_tokens=False), steps
+        ).text
+        == "ab<|end|> x"
+    )
 
 
 def test_stop_string_is_cut_off_by_default_and_kept_with_include_stop_str_in_output():
@@ -121,15 +141,26 @@ def test_stop_token_text_is_left_out_unless_include_stop_str_in_output_like_vllm
 def test_output_flags_are_validated_sent_on_the_wire_and_taken_from_api_requests():
     with pytest.raises(ValueError, match="skip_special_tokens"):
         SamplingParams(skip_special_tokens="no")
-    params = SamplingParams(skip_special_tokens=False, spaces_between_special_tokens=False,
-                            include_stop_str_in_output=True)
+    params = SamplingParams(
+        skip_special_tokens=False, spaces_between_special_tokens=False, include_stop_str_in_output=True
+    )
     assert SamplingParams.from_dict(params.to_dict()) == params
     for model in (CompletionRequest, ChatCompletionRequest):
-        req = parse_request(model, _body(model, skip_special_tokens=False, spaces_between_special_tokens=False,
-                                         include_stop_str_in_output=True))
+        req = parse_request(
+            model,
+            _body(
+                model, skip_special_tokens=False, spaces_between_special_tokens=False, include_stop_str_in_output=True
+            ),
+        )
         got = req.sampling_params({})
         assert (got.skip_special_tokens, got.spaces_between_special_tokens, got.include_stop_str_in_output) == (
-            False, False, True)
+            False,
+            False,
+            True,
+        )
         silent = parse_request(model, _body(model)).sampling_params({})
-        assert (silent.skip_special_tokens, silent.spaces_between_special_tokens,
-                silent.include_stop_str_in_output) == (True, True, False)
+        assert (
+            silent.skip_special_tokens,
+            silent.spaces_between_special_tokens,
+            silent.include_stop_str_in_output,
+        ) == (True, True, False)

@@ -1,4 +1,5 @@
 """The benchmarks run end to end on a tiny checkpoint (CPU) and record what a result must hold."""
+
 from __future__ import annotations
 
 import json
@@ -42,8 +43,9 @@ def run_bench(module: str, ckpt: Path, out: Path, *flags: str, engine: bool = Tr
 
 def test_latency_records_decode_speed_ttft_and_hf_ratio(tiny_ckpt, tmp_path):
     # 96 tokens: the decode time (t_N - t_1) must outweigh the timing noise of a busy 2-core machine
-    result = run_bench("latency", tiny_ckpt, tmp_path, "--prompt-lens", "8", "16", "--max-tokens", "96",
-                       "--baseline", "hf")
+    result = run_bench(
+        "latency", tiny_ckpt, tmp_path, "--prompt-lens", "8", "16", "--max-tokens", "96", "--baseline", "hf"
+    )
     rows = result["numbers"]["rows"]
     assert [row["prompt_len"] for row in rows] == [8, 16]
     for row in rows:
@@ -55,9 +57,31 @@ def test_latency_records_decode_speed_ttft_and_hf_ratio(tiny_ckpt, tmp_path):
 def test_ab_runs_each_tree_in_turn_and_records_every_run_and_each_trees_medians(tiny_ckpt, tmp_path):
     # Two trees (this one twice; b's results named by the commit after its colon), two rounds: b, a, b, a. The
     # A/B's own file is named by the first tree's commit.
-    cmd = [sys.executable, "-m", "bench.ab", "--tree", f"b={REPO}:{'0' * 40}", "--tree", f"a={REPO}", "--rounds", "2",
-           "--out", str(tmp_path), "latency", "--", "--model", str(tiny_ckpt), "--device", "cpu", "--prompt-lens", "8",
-           "--max-tokens", "16", "--repeats", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.ab",
+        "--tree",
+        f"b={REPO}:{'0' * 40}",
+        "--tree",
+        f"a={REPO}",
+        "--rounds",
+        "2",
+        "--out",
+        str(tmp_path),
+        "latency",
+        "--",
+        "--model",
+        str(tiny_ckpt),
+        "--device",
+        "cpu",
+        "--prompt-lens",
+        "8",
+        "--max-tokens",
+        "16",
+        "--repeats",
+        "1",
+    ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (path,) = tmp_path.glob(f"*-{'0' * 12}-ab-latency.json")
@@ -70,14 +94,17 @@ def test_ab_runs_each_tree_in_turn_and_records_every_run_and_each_trees_medians(
         assert row["prompt_len"] == 8 and row["ms_per_step"] == statistics.median(steps)
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--tree", "a=.", "latency"], "give two or more"),
-    (["--tree", "a=.", "--tree", "a=.", "latency"], "each name once"),
-    (["--tree", "a", "--tree", "b=.", "latency"], "use NAME=DIR or NAME=DIR:COMMIT"),
-    (["--tree", "a=.", "--tree", "b=/nonexistent", "latency"], "/nonexistent holds no bench/"),
-    (["--tree", "a=.", "--tree", "b=.", "--rounds", "0", "latency"], "--rounds 0: use at least 1"),
-    (["--tree", "a=.", "--tree", "b=.", "latency", "--", "--out", "x"], "--out after '--'"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--tree", "a=.", "latency"], "give two or more"),
+        (["--tree", "a=.", "--tree", "a=.", "latency"], "each name once"),
+        (["--tree", "a", "--tree", "b=.", "latency"], "use NAME=DIR or NAME=DIR:COMMIT"),
+        (["--tree", "a=.", "--tree", "b=/nonexistent", "latency"], "/nonexistent holds no bench/"),
+        (["--tree", "a=.", "--tree", "b=.", "--rounds", "0", "latency"], "--rounds 0: use at least 1"),
+        (["--tree", "a=.", "--tree", "b=.", "latency", "--", "--out", "x"], "--out after '--'"),
+    ],
+)
 def test_ab_refuses_bad_trees_and_options(argv, message, capsys, monkeypatch):
     from bench.ab import parse_args
 
@@ -88,8 +115,23 @@ def test_ab_refuses_bad_trees_and_options(argv, message, capsys, monkeypatch):
 
 
 def test_throughput_records_output_tokens_per_second_beside_hf(tiny_ckpt, tmp_path):
-    result = run_bench("throughput", tiny_ckpt, tmp_path, "--num-seqs", "8", "--min-len", "4",
-                       "--max-input-len", "16", "--max-output-len", "8", "--baseline", "hf", "--hf-batch", "4")
+    result = run_bench(
+        "throughput",
+        tiny_ckpt,
+        tmp_path,
+        "--num-seqs",
+        "8",
+        "--min-len",
+        "4",
+        "--max-input-len",
+        "16",
+        "--max-output-len",
+        "8",
+        "--baseline",
+        "hf",
+        "--hf-batch",
+        "4",
+    )
     ours, hf = result["numbers"]["rows"]
     assert 8 * 4 <= result["numbers"]["output_tokens"] <= 8 * 8
     assert ours["output_tok_s"] > 0 and ours["wall_s"] > 0 and ours["vs_hf"] > 0
@@ -97,19 +139,46 @@ def test_throughput_records_output_tokens_per_second_beside_hf(tiny_ckpt, tmp_pa
 
 
 def test_profile_lists_the_kernels_of_decode_steps_per_batch_and_of_a_prefill_step(tiny_ckpt, tmp_path):
-    result = run_bench("profile", tiny_ckpt, tmp_path, "--batches", "1", "3", "--temperatures", "0", "0.7",
-                       "--context", "20", "--steps", "2", "--warmup", "1", "--top", "8")
+    result = run_bench(
+        "profile",
+        tiny_ckpt,
+        tmp_path,
+        "--batches",
+        "1",
+        "3",
+        "--temperatures",
+        "0",
+        "0.7",
+        "--context",
+        "20",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--top",
+        "8",
+    )
     numbers = result["numbers"]
-    assert [(d["batch"], d["temperature"], d["mode"]) for d in numbers["decode"]] == [(1, 0.0, "eager"),
-                                                                                      (3, 0.7, "eager")]
+    assert [(d["batch"], d["temperature"], d["mode"]) for d in numbers["decode"]] == [
+        (1, 0.0, "eager"),
+        (3, 0.7, "eager"),
+    ]
     for table in [d["kernels"] for d in numbers["decode"]] + [numbers["prefill"]["kernels"]]:
         # 8 rows and the rest: on a busy 2-core machine the matmuls ranked anywhere in the first ~6 by CPU time
         assert len(table) == 9 and table[-1]["kernel"].endswith("others)")
         assert abs(sum(row["share"] for row in table) - 1) < 1e-6
         assert any("mm" in row["kernel"] for row in table)  # the linears are there
     assert numbers["prefill"]["tokens"] == 3 * 20  # three whole prompts: as many rows as the engine has
-    assert set(numbers["startup"]) == {"weights_s", "kernels_compiled", "compile_s", "kv_cache_s", "graph_capture_s",
-                                       "prefill_capture_s", "graph_warmup_s", "recapture_s"}
+    assert set(numbers["startup"]) == {
+        "weights_s",
+        "kernels_compiled",
+        "compile_s",
+        "kv_cache_s",
+        "graph_capture_s",
+        "prefill_capture_s",
+        "graph_warmup_s",
+        "recapture_s",
+    }
     assert numbers["startup"]["recapture_s"] is None  # no graphs on the CPU
 
 
@@ -122,6 +191,7 @@ def test_critical_path_gives_each_kernel_its_end_less_the_one_befores_and_names_
             kernels += [("G", t, t + 3), ("D", t + 3, t + 8), ("G", t + 6, t + 10)]
             t += 10
         return kernels
+
     rows = {r["kernel"]: r for r in critical_path(step(0) + step(100), steps=2, layers=2)}
     assert set(rows) == {"embed", "G #1", "G #2", "D"}
     assert rows["G #2"]["share_us_per_step"] == 2 * 2 and rows["G #2"]["us_per_step"] == 2 * 4
@@ -137,6 +207,7 @@ def test_critical_path_charges_the_wait_after_an_input_copy_to_the_host_not_the_
     # copy 1 + host 50 + 2 + 3 (the second kernel's 1 µs gap after the first stays its own: a dependency).
     def step(t0: float) -> list[tuple[str, float, float]]:
         return [("Memcpy HtoD (Pinned -> Device)", t0, t0 + 1), ("embed", t0 + 51, t0 + 53), ("G", t0 + 54, t0 + 56)]
+
     rows = {r["kernel"]: r for r in critical_path(step(0) + step(100), steps=2, layers=1)}
     assert rows[HOST_GAP]["share_us_per_step"] == 50 and rows[HOST_GAP]["calls_per_step"] == 1
     assert rows["embed"]["share_us_per_step"] == 2 and rows["G"]["share_us_per_step"] == 3
@@ -145,8 +216,10 @@ def test_critical_path_charges_the_wait_after_an_input_copy_to_the_host_not_the_
 
 def test_startup_places_the_workers_marks_on_the_launchs_timeline(tiny_ckpt, tmp_path):
     numbers = run_bench("startup", tiny_ckpt, tmp_path)["numbers"]
-    marks = [numbers[f"{m}_at_s"] for m in ("worker_entered", "torch_imported", "device_selected", "worker_ready",
-                                             "engine_ready")]
+    marks = [
+        numbers[f"{m}_at_s"]
+        for m in ("worker_entered", "torch_imported", "device_selected", "worker_ready", "engine_ready")
+    ]
     assert 0 < marks[0] and marks == sorted(marks)
     assert 0 < numbers["tokenizer_loaded_at_s"] <= marks[-1]
     assert marks[-1] <= numbers["import_s"] + numbers["engine_ready_s"] <= numbers["launch_to_first_token_s"]
@@ -165,15 +238,31 @@ def test_startup_cold_launches_twice_in_fresh_processes_and_records_both(tiny_ck
 
 def test_frontend_records_the_host_cost_per_token_of_both_detokenizers(tiny_ckpt, tmp_path):
     rows = run_bench("frontend", tiny_ckpt, tmp_path, "--rows", "4", "--steps", "8", engine=False)["numbers"]["rows"]
-    assert [r["detokenizer"] for r in rows] == ["IncrementalDetokenizer (windowed decode)",
-                                                "make_detokenizer -> StreamDetokenizer"]
+    assert [r["detokenizer"] for r in rows] == [
+        "IncrementalDetokenizer (windowed decode)",
+        "make_detokenizer -> StreamDetokenizer",
+    ]
     assert all(r["us_per_token"] > 0 for r in rows)
 
 
 def test_serving_records_each_levels_speed_latencies_and_the_cpu_of_each_process(tiny_ckpt, tmp_path):
     # One stream per client process: level 2 runs two clients, whose results and CPU add up.
-    result = run_bench("serving", tiny_ckpt, tmp_path, "--concurrency", "1", "2", "--prompt-len", "8",
-                       "--output-len", "4", "--rounds", "2", "--client-streams", "1")
+    result = run_bench(
+        "serving",
+        tiny_ckpt,
+        tmp_path,
+        "--concurrency",
+        "1",
+        "2",
+        "--prompt-len",
+        "8",
+        "--output-len",
+        "4",
+        "--rounds",
+        "2",
+        "--client-streams",
+        "1",
+    )
     rows = result["numbers"]["rows"]
     assert [(r["concurrency"], r["requests"], r["client_procs"]) for r in rows] == [(1, 2, 1), (2, 4, 2)]
     for row in rows:
@@ -222,13 +311,18 @@ def test_bench_commit_names_the_results_where_set_and_git_head_otherwise(monkeyp
     monkeypatch.setenv("BENCH_COMMIT", "0123abc")
     assert common.git_commit() == "0123abc"
     monkeypatch.delenv("BENCH_COMMIT")
-    assert common.git_commit().split("-")[0] == subprocess.run(
-        ["git", "rev-parse", "HEAD"], cwd=common.REPO_DIR, capture_output=True, text=True, check=True).stdout.strip()
+    assert (
+        common.git_commit().split("-")[0]
+        == subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=common.REPO_DIR, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    )
 
 
 def run_kernels(*flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "bench.kernels", *flags], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "bench.kernels", *flags], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_kernel_bench_refuses_bad_cases_and_says_it_needs_a_gpu(tmp_path):
@@ -247,13 +341,21 @@ def test_kernel_bench_times_every_linear_and_each_attention_case(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     (path,) = tmp_path.glob("*-kernels.json")
     numbers = json.loads(path.read_text())["numbers"]
-    folds = {"qkv": ("-", "norm"), "o_proj": ("-",), "gate_up": ("-", "swiglu", "norm+swiglu"), "down": ("-",),
-             "lm_head": ("-",)}
+    folds = {
+        "qkv": ("-", "norm"),
+        "o_proj": ("-",),
+        "gate_up": ("-", "swiglu", "norm+swiglu"),
+        "down": ("-",),
+        "lm_head": ("-",),
+    }
     assert [(r["linear"], r["fold"], r["rows"]) for r in numbers["linears"]] == [
-        (name, fold, m) for name, names in folds.items() for fold in names for m in (1, 2)]
+        (name, fold, m) for name, names in folds.items() for fold in names for m in (1, 2)
+    ]
     assert all(r["unfused_us"] > 0 and r["chosen_us"] > 0 for r in numbers["linears"])
-    assert [(r["batch"], r["context"], r["max_model_len"]) for r in numbers["attention"]] == [(2, 40, 256),
-                                                                                           (1, 100, 4096)]
+    assert [(r["batch"], r["context"], r["max_model_len"]) for r in numbers["attention"]] == [
+        (2, 40, 256),
+        (1, 100, 4096),
+    ]
     assert all(r["us"] > 0 for r in numbers["attention"])
 
 
@@ -264,8 +366,10 @@ def test_gpu_tests_records_modules_that_failed_or_skipped_at_collection(tmp_path
     skip = "import pytest\n\npytest.skip('no second GPU', allow_module_level=True)\n"
     (tmp_path / "test_skipped.py").write_text(skip)
     plugin = _Outcomes()
-    code = pytest.main(["-q", "-p", "no:cacheprovider", "--continue-on-collection-errors", "--rootdir", str(tmp_path),
-                        str(tmp_path)], plugins=[plugin])
+    code = pytest.main(
+        ["-q", "-p", "no:cacheprovider", "--continue-on-collection-errors", "--rootdir", str(tmp_path), str(tmp_path)],
+        plugins=[plugin],
+    )
     assert code != 0 and plugin.outcomes == {"test_fine.py::test_one": "passed", "test_skipped.py": "skipped"}
-    (module, error), = plugin.collect_errors.items()
+    ((module, error),) = plugin.collect_errors.items()
     assert module.endswith("test_broken.py") and "not_a_package_here" in error

@@ -1,4 +1,5 @@
 """BlockManager: free list, reference counts, chained-hash prefix cache, eviction. No leaks."""
+
 from __future__ import annotations
 
 import hashlib

@@ -1,4 +1,5 @@
 """launch.py's command line: vLLM's flag names, EngineConfig's defaults, clear errors, mode dispatch."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -17,12 +18,37 @@ from frontend.server import ServerOptions
 from protocol.config import EngineConfig
 
 REPO = Path(__file__).resolve().parent.parent
-VLLM_SERVE_FLAGS = ["--served-model-name", "--max-model-len", "--gpu-memory-utilization", "--max-num-seqs",
-                    "--max-num-batched-tokens", "--block-size", "--enforce-eager", "--load-format", "--dtype",
-                    "--seed", "--enable-prefix-caching", "--no-enable-prefix-caching", "--tensor-parallel-size",
-                    "--api-key", "--trace-dir", "--host", "--port"]
-OUR_FLAGS = ["--device", "--num-kv-blocks", "--max-waiting-requests", "--step-timeout", "--shutdown-timeout",
-             "--prompt", "--max-tokens", "--temperature", "--headless", "--engine-address"]
+VLLM_SERVE_FLAGS = [
+    "--served-model-name",
+    "--max-model-len",
+    "--gpu-memory-utilization",
+    "--max-num-seqs",
+    "--max-num-batched-tokens",
+    "--block-size",
+    "--enforce-eager",
+    "--load-format",
+    "--dtype",
+    "--seed",
+    "--enable-prefix-caching",
+    "--no-enable-prefix-caching",
+    "--tensor-parallel-size",
+    "--api-key",
+    "--trace-dir",
+    "--host",
+    "--port",
+]
+OUR_FLAGS = [
+    "--device",
+    "--num-kv-blocks",
+    "--max-waiting-requests",
+    "--step-timeout",
+    "--shutdown-timeout",
+    "--prompt",
+    "--max-tokens",
+    "--temperature",
+    "--headless",
+    "--engine-address",
+]
 
 
 def test_defaults_are_engine_config_and_server_options_defaults(monkeypatch):
@@ -34,20 +60,75 @@ def test_defaults_are_engine_config_and_server_options_defaults(monkeypatch):
 
 
 def test_every_flag_sets_its_field():
-    config, options = cli.parse_args([
-        "--model", "qwen2.5-0.5b", "--served-model-name", "a", "b", "--max-model-len", "2048",
-        "--gpu-memory-utilization", "0.5", "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
-        "--block-size", "32", "--enforce-eager", "--load-format", "dummy", "--dtype", "float16", "--seed", "7",
-        "--no-enable-prefix-caching", "--tensor-parallel-size", "2", "--api-key", "k", "--trace-dir", "/tmp/t",
-        "--device", "cpu", "--num-kv-blocks", "64", "--max-waiting-requests", "10", "--step-timeout", "3.5",
-        "--host", "0.0.0.0", "--port", "9001", "--shutdown-timeout", "2"])
+    config, options = cli.parse_args(
+        [
+            "--model",
+            "qwen2.5-0.5b",
+            "--served-model-name",
+            "a",
+            "b",
+            "--max-model-len",
+            "2048",
+            "--gpu-memory-utilization",
+            "0.5",
+            "--max-num-seqs",
+            "8",
+            "--max-num-batched-tokens",
+            "512",
+            "--block-size",
+            "32",
+            "--enforce-eager",
+            "--load-format",
+            "dummy",
+            "--dtype",
+            "float16",
+            "--seed",
+            "7",
+            "--no-enable-prefix-caching",
+            "--tensor-parallel-size",
+            "2",
+            "--api-key",
+            "k",
+            "--trace-dir",
+            "/tmp/t",
+            "--device",
+            "cpu",
+            "--num-kv-blocks",
+            "64",
+            "--max-waiting-requests",
+            "10",
+            "--step-timeout",
+            "3.5",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "9001",
+            "--shutdown-timeout",
+            "2",
+        ]
+    )
     assert config == EngineConfig(
-        model="qwen2.5-0.5b", max_model_len=2048, gpu_memory_utilization=0.5, max_num_seqs=8,
-        max_num_batched_tokens=512, block_size=32, enforce_eager=True, load_format="dummy", dtype="float16",
-        seed=7, enable_prefix_caching=False, tensor_parallel_size=2, trace_dir="/tmp/t", device="cpu",
-        num_kv_blocks=64, max_waiting_requests=10, step_timeout=3.5)
-    assert options == ServerOptions(host="0.0.0.0", port=9001, served_model_name=["a", "b"], api_key="k",
-                                    shutdown_timeout=2.0)
+        model="qwen2.5-0.5b",
+        max_model_len=2048,
+        gpu_memory_utilization=0.5,
+        max_num_seqs=8,
+        max_num_batched_tokens=512,
+        block_size=32,
+        enforce_eager=True,
+        load_format="dummy",
+        dtype="float16",
+        seed=7,
+        enable_prefix_caching=False,
+        tensor_parallel_size=2,
+        trace_dir="/tmp/t",
+        device="cpu",
+        num_kv_blocks=64,
+        max_waiting_requests=10,
+        step_timeout=3.5,
+    )
+    assert options == ServerOptions(
+        host="0.0.0.0", port=9001, served_model_name=["a", "b"], api_key="k", shutdown_timeout=2.0
+    )
 
 
 def test_every_engine_config_field_has_a_flag():
@@ -62,15 +143,18 @@ def test_api_key_defaults_to_the_environment(monkeypatch):
     assert cli.parse_args(["--model", "m", "--api-key", "flag"])[1].api_key == "flag"
 
 
-@pytest.mark.parametrize("argv, named", [
-    (["--block-size", "7"], "block_size=7"),
-    (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
-    (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization=1.5"),
-    (["--max-num-seqs", "0"], "max_num_seqs=0"),
-    (["--port", "eighty"], "--port"),
-    (["--shutdown-timeout", "-1"], "shutdown_timeout=-1.0"),
-    (["--seed", "-1"], "seed=-1"),
-])
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["--block-size", "7"], "block_size=7"),
+        (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+        (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization=1.5"),
+        (["--max-num-seqs", "0"], "max_num_seqs=0"),
+        (["--port", "eighty"], "--port"),
+        (["--shutdown-timeout", "-1"], "shutdown_timeout=-1.0"),
+        (["--seed", "-1"], "seed=-1"),
+    ],
+)
 def test_bad_value_exits_with_usage_naming_the_flag(argv, named, capsys):
     with pytest.raises(SystemExit) as exc:
         cli.parse_args(["--model", "m", *argv])
@@ -83,7 +167,9 @@ def test_a_usage_error_comes_before_the_usage_block(capsys):
     with pytest.raises(SystemExit):
         cli.parse_args(["--model", "m", "--dtype", "fp8"])
     first, *rest = capsys.readouterr().err.splitlines()
-    assert first.startswith("launch.py: error: argument --dtype: invalid choice: 'fp8'") and "usage: launch.py" in rest[1]
+    assert (
+        first.startswith("launch.py: error: argument --dtype: invalid choice: 'fp8'") and "usage: launch.py" in rest[1]
+    )
 
 
 def test_help_lists_the_choices_and_engine_config_takes_each():
@@ -97,28 +183,38 @@ def test_help_lists_the_choices_and_engine_config_takes_each():
 
 def test_llm_keywords_are_engine_config_fields_with_their_defaults_and_types():
     from frontend import LLM
+
     params = dict(inspect.signature(LLM).parameters)
     assert params.pop("model").default is inspect.Parameter.empty
     # allow_remote_shutdown is a headless engine's: the engine LLM starts is private to it
     unset = ("model", "model_path", "model_config", "allow_remote_shutdown")
     settable = [f for f in fields(EngineConfig) if f.name not in unset]
-    assert [(p.name, p.default, p.annotation, p.kind) for p in params.values()] == \
-        [(f.name, f.default, f.type, inspect.Parameter.KEYWORD_ONLY) for f in settable]
+    assert [(p.name, p.default, p.annotation, p.kind) for p in params.values()] == [
+        (f.name, f.default, f.type, inspect.Parameter.KEYWORD_ONLY) for f in settable
+    ]
     assert all(f.name in LLM.__doc__ for f in settable)
 
 
 def _one_line_failure(argv: list[str], env: dict[str, str] | None = None) -> str:
     """Run launch.py as a user would; its stderr must be one error line, no traceback; that line."""
-    out = subprocess.run([sys.executable, "launch.py", *argv], cwd=REPO, capture_output=True, text=True, timeout=120,
-                         env={**os.environ, **(env or {})})
+    out = subprocess.run(
+        [sys.executable, "launch.py", *argv],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
     assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("launch.py: error: "), out.stderr[-3000:]
     return lines[0]
 
 
-@pytest.mark.skipif(bool(importlib.util.find_spec("torch")) and __import__("torch").cuda.device_count() > 0,
-                    reason="this machine has a CUDA GPU")
+@pytest.mark.skipif(
+    bool(importlib.util.find_spec("torch")) and __import__("torch").cuda.device_count() > 0,
+    reason="this machine has a CUDA GPU",
+)
 def test_device_cuda_without_a_gpu_is_one_line_before_any_process_starts(tiny_ckpt):
     line = _one_line_failure(["--model", str(tiny_ckpt), "--device", "cuda", "--prompt", "hi"])
     assert "device='cuda' but torch sees no CUDA GPU" in line and "device='cpu'" in line
@@ -137,6 +233,7 @@ def test_the_hf_hub_offline_hint_is_given_only_when_it_is_set(monkeypatch):
 
     def offline(*args, **kwargs):
         raise OSError("no network")
+
     monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     with pytest.raises(ValueError) as exc:
@@ -150,10 +247,13 @@ def test_the_hf_hub_offline_hint_is_given_only_when_it_is_set(monkeypatch):
 
 def test_llm_errors_name_the_python_argument_not_the_flag(tiny_ckpt, monkeypatch):
     from frontend import LLM
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    for kwargs, named in [({"model": "no-such-org/no-such-model"}, "load_format='dummy'"),
-                          ({"model": str(tiny_ckpt), "max_model_len": 99999}, "max_model_len=99999"),
-                          ({"model": str(tiny_ckpt), "block_size": 7}, "block_size=7")]:
+    for kwargs, named in [
+        ({"model": "no-such-org/no-such-model"}, "load_format='dummy'"),
+        ({"model": str(tiny_ckpt), "max_model_len": 99999}, "max_model_len=99999"),
+        ({"model": str(tiny_ckpt), "block_size": 7}, "block_size=7"),
+    ]:
         with pytest.raises(ValueError) as exc:
             LLM(**kwargs)
         assert named in str(exc.value) and "--" not in str(exc.value)
@@ -166,19 +266,28 @@ def test_model_is_required(capsys):
 
 
 def test_help_groups_and_explains_every_flag():
-    out = subprocess.run([sys.executable, "launch.py", "--help"], cwd=REPO, capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run([sys.executable, "launch.py", "--help"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    for group in ("model:", "engine and KV cache:", "HTTP server:", "one prompt, no server:",
-                  "headless engine, no HTTP:"):
+    for group in (
+        "model:",
+        "engine and KV cache:",
+        "HTTP server:",
+        "one prompt, no server:",
+        "headless engine, no HTTP:",
+    ):
         assert group in out.stdout
     for flag in VLLM_SERVE_FLAGS + OUR_FLAGS:
         assert flag in out.stdout, flag
 
 
-@pytest.mark.parametrize("argv, mode", [
-    ([], "server"), (["--prompt", "hi", "--max-tokens", "3"], "prompt"),
-    (["--headless", "--engine-address", "tcp://:5555"], "headless")])
+@pytest.mark.parametrize(
+    "argv, mode",
+    [
+        ([], "server"),
+        (["--prompt", "hi", "--max-tokens", "3"], "prompt"),
+        (["--headless", "--engine-address", "tcp://:5555"], "headless"),
+    ],
+)
 def test_main_dispatches_to_one_mode(argv, mode, monkeypatch):
     calls = []
     monkeypatch.setattr(cli, "run_server", lambda config, options: calls.append(("server", options)) or 0)
@@ -204,14 +313,25 @@ def test_an_unwritable_trace_dir_exits_2_before_starting(tiny_ckpt, tmp_path, ca
     """It used to run the whole prompt and then die in a traceback when the trace was written."""
     (tmp_path / "a-file").write_text("")
     with pytest.raises(SystemExit) as exc:
-        cli.main(["--model", str(tiny_ckpt), "--device", "cpu", "--trace-dir", str(tmp_path / "a-file" / "t"),
-                  "--prompt", "hi"])
+        cli.main(
+            [
+                "--model",
+                str(tiny_ckpt),
+                "--device",
+                "cpu",
+                "--trace-dir",
+                str(tmp_path / "a-file" / "t"),
+                "--prompt",
+                "hi",
+            ]
+        )
     assert exc.value.code == 2
     assert "trace_dir=" in capsys.readouterr().err
 
 
 def test_a_port_in_use_exits_2_before_the_engine_starts(monkeypatch, capsys):
     import frontend.server
+
     monkeypatch.setattr(frontend.server, "run_server", lambda *a: pytest.fail("the engine was started"))
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -227,6 +347,7 @@ def test_a_port_in_use_exits_2_before_the_engine_starts(monkeypatch, capsys):
 def test_a_headless_tcp_engine_address_in_use_exits_2_before_the_engine_starts(monkeypatch, capsys):
     """The scheduler used to die of a ZMQError traceback in its own process, and launch.py exited 1."""
     import frontend.launcher
+
     monkeypatch.setattr(frontend.launcher, "run_headless", lambda *a: pytest.fail("the engine was started"))
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

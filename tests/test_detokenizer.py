@@ -1,13 +1,13 @@
 """Incremental detokenizers and stop strings: streamed text equals the whole decode; stop strings never leak.
 
 Both detokenizers (the windowed decode and tokenizers' DecodeStream) run every detokenizer test."""
+
 from __future__ import annotations
 
 import pytest
 from transformers import AutoTokenizer
 
 from frontend.detokenizer import IncrementalDetokenizer, StopMatcher, StreamDetokenizer, make_detokenizer
-from test_tokenizer import qwen_cache_root, qwen_tokenizer  # noqa: F401  (shared session fixtures)
 
 
 @pytest.fixture(params=[IncrementalDetokenizer, StreamDetokenizer])
@@ -16,17 +16,22 @@ def detokenizer(request):
     return request.param
 
 
-def stream(tokenizer, prompt_ids: list[int], ids: list[int], chunk: int = 1, cls=IncrementalDetokenizer,
-           **kw) -> list[str]:
+def stream(
+    tokenizer, prompt_ids: list[int], ids: list[int], chunk: int = 1, cls=IncrementalDetokenizer, **kw
+) -> list[str]:
     detok = cls(tokenizer, prompt_ids, **kw)
-    deltas = [detok.step(ids[i:i + chunk]) for i in range(0, len(ids), chunk)]
+    deltas = [detok.step(ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
     deltas.append(detok.flush())
     assert detok.text == "".join(deltas)
     return deltas
 
 
-TEXTS = ["I love 🦀 and 👍🏽!", "你好，世界！今天天气很好。", "Straße 日本語 한국어 😀😀😀 end",
-         "def f(x):\n    return x ** 2  # 平方\n"]
+TEXTS = [
+    "I love 🦀 and 👍🏽!",
+    "你好，世界！今天天气很好。",
+    "Straße 日本語 한국어 😀😀😀 end",
+    "def f(x):\n    return x ** 2  # 平方\n",
+]
 
 
 @pytest.mark.parametrize("chunk", [1, 2, 3])
@@ -50,7 +55,7 @@ def test_incomplete_character_at_the_end_comes_out_on_flush(qwen_tokenizer, deto
     ids = qwen_tokenizer.encode("ok 🦀")[:-1]
     detok = detokenizer(qwen_tokenizer, [])
     assert "".join(detok.step([i]) for i in ids) == "ok"
-    assert detok.flush() == qwen_tokenizer.decode(ids)[len("ok"):]
+    assert detok.flush() == qwen_tokenizer.decode(ids)[len("ok") :]
     assert detok.text == qwen_tokenizer.decode(ids)
 
 
@@ -150,7 +155,11 @@ def test_a_stop_completed_while_unchecked_does_not_match_later_like_vllm():
 def test_kept_stop_string_ends_the_text_and_nothing_is_held_back():
     matcher = StopMatcher(["STOP", "S!"], keep_stop=True)
     assert [matcher.feed(d) for d in ["Hello S", "T", "O", "P and more"]] == [
-        ("Hello S", None), ("T", None), ("O", None), ("P", "STOP")]
+        ("Hello S", None),
+        ("T", None),
+        ("O", None),
+        ("P", "STOP"),
+    ]
     assert StopMatcher(["lo w", "world"], keep_stop=True).feed("Hello world!") == ("Hello w", "lo w")
 
 

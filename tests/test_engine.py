@@ -1,4 +1,5 @@
 """The whole engine in real processes: frontend, scheduler and worker, against Hugging Face's greedy output."""
+
 from __future__ import annotations
 
 import asyncio
@@ -29,9 +30,15 @@ def _hf_greedy(ckpt, prompts: list[list[int]], max_new: int) -> list[list[int]]:
     with torch.no_grad():
         for p in prompts:
             ids = torch.tensor([p])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new,
-                                 min_new_tokens=max_new, pad_token_id=0)
-            outs.append(out[0, len(p):].tolist())
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=max_new,
+                min_new_tokens=max_new,
+                pad_token_id=0,
+            )
+            outs.append(out[0, len(p) :].tolist())
     return outs
 
 
@@ -121,8 +128,15 @@ def test_min_tokens_bans_stop_ids_like_hugging_face_min_new_tokens(tiny_ckpt, pr
     stop = hf_tokens[i][1]  # greedy would emit it second: min_tokens=4 must steer around it
     model = AutoModelForCausalLM.from_pretrained(tiny_ckpt, torch_dtype=torch.float32).eval()
     ids = torch.tensor([prompts[i]])
-    expected = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_NEW,
-                              min_new_tokens=4, eos_token_id=stop, pad_token_id=0)[0, ids.shape[1]:].tolist()
+    expected = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=MAX_NEW,
+        min_new_tokens=4,
+        eos_token_id=stop,
+        pad_token_id=0,
+    )[0, ids.shape[1] :].tolist()
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=4, stop_token_ids=[stop])
     with LLM(str(tiny_ckpt), device="cpu") as llm:
         got = llm.generate([prompts[i]], params, use_tqdm=False)[0].outputs[0].token_ids
@@ -143,14 +157,17 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch(tiny_ckpt, prompts):
 
 def test_n_samples_and_stop_strings_in_text(tiny_ckpt):
     with LLM(str(tiny_ckpt), device="cpu") as llm:
-        full = llm.generate("Hello world", SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
-                            use_tqdm=False)[0].outputs[0]
+        full = llm.generate(
+            "Hello world", SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False
+        )[0].outputs[0]
         stop = full.text[3:6]
-        cut = llm.generate("Hello world", SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=[stop]),
-                           use_tqdm=False)[0].outputs[0]
-        assert cut.text == full.text[:full.text.index(stop)] and cut.finish_reason == "stop"
-        many = llm.generate("Hello", SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True),
-                            use_tqdm=False)[0]
+        cut = llm.generate(
+            "Hello world", SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=[stop]), use_tqdm=False
+        )[0].outputs[0]
+        assert cut.text == full.text[: full.text.index(stop)] and cut.finish_reason == "stop"
+        many = llm.generate(
+            "Hello", SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True), use_tqdm=False
+        )[0]
         assert [o.index for o in many.outputs] == [0, 1, 2]
         assert all(len(o.token_ids) == 8 and o.finish_reason == "length" for o in many.outputs)
         _assert_all_blocks_free(llm)
@@ -202,8 +219,7 @@ def test_killed_worker_fails_pending_requests_within_5_s(tiny_ckpt):
     killer = _kill_later(worker.pid, 1.0)
     start = time.monotonic()
     with pytest.raises(EngineDeadError, match="worker0"):
-        llm.generate([[5, 6]] * 4, SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True),
-                     use_tqdm=False)
+        llm.generate([[5, 6]] * 4, SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True), use_tqdm=False)
     assert time.monotonic() - start < 6.0
     killer.join()
     llm.shutdown()
@@ -252,8 +268,9 @@ def test_readme_snippet_runs_without_a_main_guard(tiny_ckpt, tmp_path, how):
     env = {**os.environ, "PYTHONPATH": root}
     argv = {"script": [str(script)], "stdin": ["-"], "-c": ["-c", code]}[how]
     with open(script) as stdin:
-        done = subprocess.run([sys.executable, *argv], stdin=stdin, cwd=tmp_path, env=env, capture_output=True,
-                              text=True, timeout=120)
+        done = subprocess.run(
+            [sys.executable, *argv], stdin=stdin, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+        )
     assert done.returncode == 0, done.stderr[-3000:]
     with LLM(str(tiny_ckpt), device="cpu", num_kv_blocks=64) as llm:
         want = llm.generate(["Hello, my name is"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)

@@ -1,5 +1,6 @@
 """What Qwen3 and Llama 3 add to Qwen2's decoder, each against Hugging Face: the per-head q/k RMSNorm (its Triton
 kernel under TRITON_INTERPRET on CPU), the llama3-scaled RoPE table, and the registry of architectures."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,20 +11,34 @@ from kernels.norm import qk_rms_norm_ref, qk_rms_norm_triton
 from protocol.config import ARCHITECTURES
 from worker.models import MODELS, model_class
 
-LLAMA32_SCALING = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                   "original_max_position_embeddings": 8192}
+LLAMA32_SCALING = {
+    "rope_type": "llama3",
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
-@pytest.mark.parametrize("head_dim,theta,scaling,max_pos", [
-    (64, 500000.0, LLAMA32_SCALING, 131072),  # Llama 3.2 1B's published values
-    (24, 10000.0, {**LLAMA32_SCALING, "factor": 8.0, "original_max_position_embeddings": 64}, 256),
-])
+@pytest.mark.parametrize(
+    "head_dim,theta,scaling,max_pos",
+    [
+        (64, 500000.0, LLAMA32_SCALING, 131072),  # Llama 3.2 1B's published values
+        (24, 10000.0, {**LLAMA32_SCALING, "factor": 8.0, "original_max_position_embeddings": 64}, 256),
+    ],
+)
 def test_llama3_scaled_cos_sin_equals_hugging_face_rotary_embedding(head_dim, theta, scaling, max_pos):
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    cfg = LlamaConfig(hidden_size=4 * head_dim, num_attention_heads=4, head_dim=head_dim, rope_theta=theta,
-                      rope_scaling=dict(scaling), max_position_embeddings=max_pos)
+    cfg = LlamaConfig(
+        hidden_size=4 * head_dim,
+        num_attention_heads=4,
+        head_dim=head_dim,
+        rope_theta=theta,
+        rope_scaling=dict(scaling),
+        max_position_embeddings=max_pos,
+    )
     pos = torch.tensor([0, 1, 7, 63, 100, max_pos // 2, max_pos - 1])
     cos, sin = LlamaRotaryEmbedding(cfg)(torch.zeros(1, dtype=torch.float32), pos[None])
     table = make_cos_sin(max_pos, head_dim, theta, "cpu", scaling)[pos]
@@ -69,8 +84,8 @@ def test_every_resolvable_architecture_has_a_model_class_and_others_are_refused(
 
 
 def test_only_qwen2_has_a_qkv_bias_and_only_qwen3_has_q_k_norms(tmp_path):
-    from test_model import build_model
     from checkpoints import make_checkpoint
+    from test_model import build_model
 
     for family, bias, norms in (("qwen2", True, False), ("qwen3", False, True), ("llama", False, False)):
         model = build_model(make_checkpoint(tmp_path / family, family=family, head_dim=32))
@@ -89,4 +104,3 @@ def test_qk_rms_norm_on_cuda_in_bf16_matches_reference():
     qk_rms_norm_ref(eq, ek, qw, kw, 1e-6)
     qk_rms_norm_triton(q, k, qw, kw, 1e-6)
     torch.testing.assert_close(qkv, expected, atol=2e-2, rtol=2e-2)
-

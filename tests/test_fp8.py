@@ -1,27 +1,31 @@
 """FP8 weights (--quantization fp8, and FP8 checkpoints in Qwen's format): the quantization, the Triton GEMV on e4m3
 weights (every kernel path and fold, CPU: Triton's interpreter) and whole models equal to Hugging Face run on the
 same weights quantized and multiplied back."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
 import torch
-
 from checkpoints import fp8_checkpoints, make_checkpoint, quantize_fp8_reference
+from test_gemv import FOLD_CONFIGS, FOLD_IDS
+from test_model import PagedRun, build_model, dummy_bf16_cuda_model, hf_logits, hf_model, tokens_for
+
 from frontend.model_resolution import resolve_model
 from kernels import gemv
 from kernels.fp8 import FP8, PER_CHANNEL, Fp8Weight, quantize, quantize_rows
 from kernels.gemv import GemvConfig, NormedInput
 from kernels.linear import run_path
-from test_gemv import FOLD_CONFIGS, FOLD_IDS
-from test_model import PagedRun, build_model, dummy_bf16_cuda_model, hf_logits, hf_model, tokens_for
 from worker.loader import init_dummy_weights, load_weights
 from worker.models import model_class
 
 TINY_BLOCK = [16, 32]  # Qwen's is [128, 128]; a tiny model's shards and q/k/v offsets are multiples of 16
-FAMILIES = {"qwen2-tied": dict(family="qwen2"), "qwen3-untied": dict(family="qwen3", tie=False, head_dim=32),
-            "llama-sharded": dict(family="llama", sharded=True)}
+FAMILIES = {
+    "qwen2-tied": dict(family="qwen2"),
+    "qwen3-untied": dict(family="qwen3", tie=False, head_dim=32),
+    "llama-sharded": dict(family="llama", sharded=True),
+}
 
 
 @pytest.mark.parametrize("shape,block", [((45, 100), PER_CHANNEL), ((45, 100), (16, 32)), ((128, 256), (128, 128))])
@@ -58,7 +62,7 @@ def test_fp8_gemv_equals_the_linear_on_its_dequantized_weight(config, block, fol
     if block[1] % config.block_k or (fold.endswith("swiglu") and config.split_k > 1):
         pytest.skip("a K tile across scale blocks, or SwiGLU over split K: refused (below)")
     n, k = 80, 100  # gate | up of 40 rows each; neither a multiple of the tiles, K not of the 32-column blocks
-    weight = Fp8Weight(*quantize(torch.randn(n, k) / k ** 0.5, block), block)
+    weight = Fp8Weight(*quantize(torch.randn(n, k) / k**0.5, block), block)
     bias = None if fold.endswith("swiglu") else torch.randn(n) / 4
     for m in [1] if config.one_row else [1, 3]:
         torch.manual_seed(m)
@@ -78,8 +82,9 @@ def test_fp8_one_row_gemv_walking_tiles_ahead_equals_the_dequantized_weight(bloc
     weight = Fp8Weight(*quantize(torch.randn(80, 100) * torch.rand(80, 1) / 10, PER_CHANNEL), PER_CHANNEL)
     for fold in ("norm", "norm+swiglu"):
         x = _fold_input(fold, 1, 100)
-        torch.testing.assert_close(run_path(fold, x, weight, None, config), run_path(fold, x, weight, None, None),
-                                   atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            run_path(fold, x, weight, None, config), run_path(fold, x, weight, None, None), atol=1e-4, rtol=1e-4
+        )
     with pytest.raises(ValueError, match=r"K 98 \(stride \(100, 1\)\) and the address must be multiples of 4"):
         run_path("", torch.randn(1, 98), Fp8Weight(weight.weight[:, :98], weight.scale, PER_CHANNEL), None, config)
 
@@ -134,12 +139,16 @@ def test_block_scales_across_a_tensor_parallel_shard_are_a_clear_error(tmp_path)
         build_model(fp8, tp_rank=1, tp_size=2)
 
 
-@pytest.mark.parametrize("edit,match", [
-    (dict(quant_method="gptq"), "quant_method='gptq' is not supported"),
-    (dict(fmt="e5m2"), "fmt='e5m2'.*is not supported"),
-    (dict(activation_scheme="static"), "activation_scheme='static'.*dynamic activations"),
-    (dict(weight_block_size=None), "weight_block_size=None.*weight_block_size \\[rows, columns\\]"),
-    (dict(weight_block_size=[128, 100]), "weight_block_size=\\[128, 100\\].*power of two")])
+@pytest.mark.parametrize(
+    "edit,match",
+    [
+        (dict(quant_method="gptq"), "quant_method='gptq' is not supported"),
+        (dict(fmt="e5m2"), "fmt='e5m2'.*is not supported"),
+        (dict(activation_scheme="static"), "activation_scheme='static'.*dynamic activations"),
+        (dict(weight_block_size=None), "weight_block_size=None.*weight_block_size \\[rows, columns\\]"),
+        (dict(weight_block_size=[128, 100]), "weight_block_size=\\[128, 100\\].*power of two"),
+    ],
+)
 def test_an_fp8_checkpoint_of_another_scheme_is_refused_by_name(tiny_ckpt, tmp_path, edit, match):
     _, fp8 = fp8_checkpoints(tiny_ckpt, tmp_path, TINY_BLOCK)
     config = json.loads((fp8 / "config.json").read_text())
@@ -150,8 +159,9 @@ def test_an_fp8_checkpoint_of_another_scheme_is_refused_by_name(tiny_ckpt, tmp_p
 
 
 def test_llm_quantization_fp8_greedy_equals_hf_on_the_quantized_twin(tiny_ckpt, tmp_path):
-    from frontend import LLM, SamplingParams
     from test_engine import _hf_greedy, _prompts
+
+    from frontend import LLM, SamplingParams
 
     twin, _ = fp8_checkpoints(tiny_ckpt, tmp_path)
     prompts = _prompts(512)[:4]
@@ -167,8 +177,10 @@ def test_dummy_fp8_weights_are_the_model_dtype_draw_quantized(tiny_ckpt):
     config.quantization = "fp8"
     fp8 = model_class(config.architecture)(config)
     init_dummy_weights(fp8, seed=3)
-    for ours, theirs in ((fp8.model.layers[1].mlp.down_proj, plain.model.layers[1].mlp.down_proj),
-                         (fp8.model.layers[0].self_attn.qkv_proj, plain.model.layers[0].self_attn.qkv_proj)):
+    for ours, theirs in (
+        (fp8.model.layers[1].mlp.down_proj, plain.model.layers[1].mlp.down_proj),
+        (fp8.model.layers[0].self_attn.qkv_proj, plain.model.layers[0].self_attn.qkv_proj),
+    ):
         values, scales = quantize(theirs.weight, PER_CHANNEL)
         assert torch.equal(ours.weight.float(), values.float()) and torch.equal(ours.weight_scale, scales)
     assert torch.equal(fp8.lm_head.weight, plain.lm_head.weight)
@@ -176,22 +188,25 @@ def test_dummy_fp8_weights_are_the_model_dtype_draw_quantized(tiny_ckpt):
 
 # -- GPU (bench/gpu_tests.py) -----------------------------------------------------------------------------------
 
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("block", [PER_CHANNEL, (128, 128)], ids=["per-channel", "blocks-128"])
 @pytest.mark.parametrize("rows", [1, 4, 16, 64, 256])
 def test_fp8_linears_on_cuda_match_the_dequantized_weight_at_qwen_shapes(block, rows, monkeypatch):
+    from test_gemv import QWEN_1_5B
+
     from kernels import linear
     from kernels.gemv import candidate_configs, num_sms
-    from test_gemv import QWEN_1_5B
 
     for name, (n, k, has_bias) in QWEN_1_5B.items():
         if name == "lm_head":
             continue
-        weight = Fp8Weight(*quantize(torch.randn(n, k, device="cuda") / k ** 0.5, block), block)
+        weight = Fp8Weight(*quantize(torch.randn(n, k, device="cuda") / k**0.5, block), block)
         bias = torch.randn(n, device="cuda", dtype=torch.bfloat16) if has_bias else None
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-        ref = torch.nn.functional.linear(x.float(), weight.dequantize(torch.float32),
-                                         bias.float() if has_bias else None)
+        ref = torch.nn.functional.linear(
+            x.float(), weight.dequantize(torch.float32), bias.float() if has_bias else None
+        )
         configs = candidate_configs(n, k, num_sms(x.device), rows, fp8_block=block) if rows <= 16 else []
         outs = {str(c): run_path("", x, weight, bias, c) for c in configs}  # the GEMV reading e4m3
         for path in [*linear.SCALED_MM, "dequant"]:
@@ -221,7 +236,9 @@ def test_fp8_and_bf16_logits_of_dummy_weights_agree_on_cuda(name, capsys):
     cosine = torch.nn.functional.cosine_similarity(bf16, fp8, dim=-1)
     top1 = (bf16.argmax(-1) == fp8.argmax(-1)).float().mean().item()
     with capsys.disabled():
-        print(f"\n{name} FP8 vs bf16 logits over {len(bf16)} positions: cosine mean {cosine.mean():.4f} min "
-              f"{cosine.min():.4f}, top-1 agreement {top1:.3f}")
+        print(
+            f"\n{name} FP8 vs bf16 logits over {len(bf16)} positions: cosine mean {cosine.mean():.4f} min "
+            f"{cosine.min():.4f}, top-1 agreement {top1:.3f}"
+        )
     # Random weights' logits have close runners-up, so FP8's noise flips some top-1s; a wrong scale flips all.
     assert cosine.min() > 0.9 and top1 > 0.25, f"cosine min {cosine.min():.4f}, top-1 {top1:.3f}"

@@ -1,5 +1,6 @@
 """The split-K GEMV and the ops folded into it (norm, SwiGLU) against the unfused torch references (CPU: Triton's
 interpreter); on the GPU, every candidate at Qwen2.5-1.5B's decode shapes in bfloat16, and graph replay."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,19 +14,38 @@ from kernels.linear import UNFUSED
 TOL = dict(atol=1e-4, rtol=1e-4)
 SMALL_CONFIGS = [GemvConfig(16, 16, split_k=3), GemvConfig(32, 16)]  # split-K with a short last split; direct
 # Qwen2.5-1.5B at TP=1: (N, K, bias) of qkv, o_proj, gate_up, down and the tied lm_head.
-QWEN_1_5B = {"qkv": (2048, 1536, True), "o_proj": (1536, 1536, False), "gate_up": (17920, 1536, False),
-             "down": (1536, 8960, False), "lm_head": (151936, 1536, False)}
+QWEN_1_5B = {
+    "qkv": (2048, 1536, True),
+    "o_proj": (1536, 1536, False),
+    "gate_up": (17920, 1536, False),
+    "down": (1536, 8960, False),
+    "lm_head": (151936, 1536, False),
+}
 
 
-def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, w: torch.Tensor,
-              bias: torch.Tensor | None, config: GemvConfig, swiglu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def norm_gemv(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_w: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: GemvConfig,
+    swiglu: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(the GEMV's output with the norm of x + residual folded in, the new residual it wrote)."""
     normed, new_residual = NormedInput.of(x, residual, norm_w, 1e-6)
     return gemv_triton(normed, w, bias, config, swiglu), new_residual
 
 
-def norm_ref(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, w: torch.Tensor,
-             bias: torch.Tensor | None = None, linear=F.linear, rows: int | None = None) -> tuple[torch.Tensor, ...]:
+def norm_ref(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_w: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    linear=F.linear,
+    rows: int | None = None,
+) -> tuple[torch.Tensor, ...]:
     """norm_gemv's unfused reference: (output, new residual)."""
     normed, new_residual = NormedInput.of(x, residual, norm_w, 1e-6)
     return norm_linear_ref(normed, w, bias, linear, rows), new_residual
@@ -33,7 +53,7 @@ def norm_ref(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tenso
 
 def strided_rows(m: int, k: int, device: str = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """x[m, k] as a strided view (row stride 2k + 13, column stride 2): a non-contiguous slice, even of one row."""
-    x = torch.randn(m, 2 * k + 13, device=device, dtype=dtype)[:, 5:5 + 2 * k:2]
+    x = torch.randn(m, 2 * k + 13, device=device, dtype=dtype)[:, 5 : 5 + 2 * k : 2]
     assert not x.is_contiguous()
     return x
 
@@ -52,14 +72,18 @@ def test_gemv_triton_matches_linear_for_one_to_eight_rows(config, with_bias):
 
 
 # Every kernel path a fold takes: the dot kernel split and whole, the one-row kernel over K tiles and whole-K.
-FOLD_CONFIGS = [GemvConfig(16, 16, split_k=3), GemvConfig(32, 32), GemvConfig(8, 32, one_row=True),
-                GemvConfig(8, 128, one_row=True)]
+FOLD_CONFIGS = [
+    GemvConfig(16, 16, split_k=3),
+    GemvConfig(32, 32),
+    GemvConfig(8, 32, one_row=True),
+    GemvConfig(8, 128, one_row=True),
+]
 FOLD_IDS = ["split-k", "direct", "one-row", "one-row-whole-k"]
 
 
 def fold_weights(n: int, k: int, dtype: torch.dtype = torch.float32):
     """Weights and a norm weight far from 1, so that a missing or misplaced rstd or norm weight shows."""
-    w = (torch.randn(n, k) / k ** 0.5).to(dtype)
+    w = (torch.randn(n, k) / k**0.5).to(dtype)
     return w, (torch.randn(n) / 4).to(dtype), (1 + torch.rand(k)).to(dtype)
 
 
@@ -145,8 +169,7 @@ def test_swiglu_gemv_refuses_split_k_and_an_odd_weight():
 def test_gemv_triton_takes_more_rows_than_one_tile():
     w, bias = torch.randn(70, 300), torch.randn(70)
     x = strided_rows(gemv.BLOCK_M + 3, 300)
-    torch.testing.assert_close(gemv_triton(x, w, bias, candidate_configs(70, 300, 132)[0]), F.linear(x, w, bias),
-                               **TOL)
+    torch.testing.assert_close(gemv_triton(x, w, bias, candidate_configs(70, 300, 132)[0]), F.linear(x, w, bias), **TOL)
 
 
 @pytest.mark.parametrize("shape", QWEN_1_5B.values(), ids=QWEN_1_5B.keys())
@@ -161,9 +184,10 @@ def test_candidates_give_every_sm_two_programs_and_no_empty_split(shape):
 
 # ---- GPU (the LEAD runs these: python -m pytest -q -s -m gpu tests/test_gemv.py) ----------------------
 
+
 def _weights(name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     n, k, has_bias = QWEN_1_5B[name]
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
     return w, (torch.randn(n, device="cuda", dtype=torch.bfloat16) if has_bias else None)
 
 
@@ -210,8 +234,11 @@ def test_every_fused_candidate_matches_the_unfused_float32_path_at_qwen_shapes_i
     for m in (1, 4, 16):
         inputs = fold_inputs(fold, m, w.shape[1])
         x = as_input(inputs)
-        ref = UNFUSED[fold](as_input(tuple(t.float() if torch.is_tensor(t) else t for t in inputs)), w.float(),
-                            None if bias is None else bias.float())
+        ref = UNFUSED[fold](
+            as_input(tuple(t.float() if torch.is_tensor(t) else t for t in inputs)),
+            w.float(),
+            None if bias is None else bias.float(),
+        )
         for cfg in candidate_configs(*w.shape, gemv.num_sms(w.device), rows=m, swiglu=fold.endswith("swiglu")):
             if fold.startswith("norm"):
                 x.residual_out.zero_()

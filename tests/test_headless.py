@@ -1,4 +1,5 @@
 """A headless engine served to other frontends: a raw zmq + msgpack client written from PROTOCOL.md alone."""
+
 from __future__ import annotations
 
 import asyncio
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 import zmq
 
-from frontend import AsyncLLM, LLM, SamplingParams
+from frontend import LLM, AsyncLLM, SamplingParams
 from frontend.engine_client import EngineDeadError
 
 PROMPT = [11, 22, 33, 44, 55]
@@ -22,8 +23,19 @@ PROMPT = [11, 22, 33, 44, 55]
 @pytest.fixture(scope="module")
 def headless(tiny_ckpt, tmp_path_factory):
     address = f"ipc://{tmp_path_factory.mktemp('sock')}/engine"
-    proc = subprocess.Popen([sys.executable, "launch.py", "--model", str(tiny_ckpt), "--device", "cpu",
-                             "--headless", "--engine-address", address])
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "launch.py",
+            "--model",
+            str(tiny_ckpt),
+            "--device",
+            "cpu",
+            "--headless",
+            "--engine-address",
+            address,
+        ]
+    )
     yield address
     proc.terminate()
     assert proc.wait(timeout=20) == 0
@@ -46,10 +58,17 @@ def _raw_request(address: str, prompt: list[int], max_tokens: int, garbage_first
             continue
         msg = msgpack.unpackb(sock.recv())
         if msg["type"] == "Ready" and not sent:
-            sock.send(msgpack.packb({
-                "type": "AddRequest", "v": 1, "request_id": "raw-1",
-                "prompt_token_ids": np.asarray(prompt, dtype="<i4").tobytes(),
-                "params": {"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True}}))
+            sock.send(
+                msgpack.packb(
+                    {
+                        "type": "AddRequest",
+                        "v": 1,
+                        "request_id": "raw-1",
+                        "prompt_token_ids": np.asarray(prompt, dtype="<i4").tobytes(),
+                        "params": {"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True},
+                    }
+                )
+            )
             sent = True
         elif msg["type"] == "TokenBatch" and "raw-1" in msg["request_ids"]:
             i = msg["request_ids"].index("raw-1")
@@ -66,8 +85,11 @@ def _raw_request(address: str, prompt: list[int], max_tokens: int, garbage_first
 def test_raw_protocol_client_gets_llm_generate_tokens(tiny_ckpt, headless):
     tokens = _raw_request(headless, PROMPT, 8)
     with LLM(str(tiny_ckpt), device="cpu") as llm:
-        expected = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-                                use_tqdm=False)[0].outputs[0].token_ids
+        expected = (
+            llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
+            .outputs[0]
+            .token_ids
+        )
     assert tokens == expected
 
 
@@ -91,8 +113,20 @@ def test_async_llm_connects_to_a_headless_engine(headless):
 
 def test_connected_frontend_fails_its_requests_when_the_remote_engine_is_killed(tiny_ckpt, tmp_path):
     address = f"ipc://{tmp_path}/engine"
-    proc = subprocess.Popen([sys.executable, "launch.py", "--model", str(tiny_ckpt), "--device", "cpu",
-                             "--headless", "--engine-address", address], start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "launch.py",
+            "--model",
+            str(tiny_ckpt),
+            "--device",
+            "cpu",
+            "--headless",
+            "--engine-address",
+            address,
+        ],
+        start_new_session=True,
+    )
     try:
         engine = AsyncLLM.connect(address)
 

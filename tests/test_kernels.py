@@ -1,5 +1,6 @@
 """Every Triton kernel (under TRITON_INTERPRET=1 on CPU) against its torch reference, and the references
 against independent dense computations (Hugging Face RoPE, SDPA causal attention)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -30,8 +31,9 @@ def qkv_views(num_tokens: int, hq: int, hkv: int, d: int) -> tuple[torch.Tensor,
     return q.view(num_tokens, hq, d), k.view(num_tokens, hkv, d), v.view(num_tokens, hkv, d)
 
 
-def decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-               ctx: torch.Tensor, scale: float) -> torch.Tensor:
+def decode_ref(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, ctx: torch.Tensor, scale: float
+) -> torch.Tensor:
     """Decode attention's reference: the attention reference at one query a row."""
     cu = torch.arange(q.shape[0] + 1, device=q.device)
     return paged_attention_ref(q, k_cache, v_cache, tables, cu, ctx, scale)
@@ -42,14 +44,27 @@ def no_new_kv(q: torch.Tensor, k_cache: torch.Tensor) -> NewTokenKV:
     slot -1 (not stored)."""
     rows, dev = q.shape[0], q.device
     kv = torch.zeros(rows, k_cache.shape[1], q.shape[2], dtype=q.dtype, device=dev)
-    return NewTokenKV(kv, kv, torch.zeros(rows, dtype=torch.int64, device=dev), make_cos_sin(1, q.shape[2], 1e4, dev),
-                      torch.full((rows,), -1, device=dev))
+    return NewTokenKV(
+        kv,
+        kv,
+        torch.zeros(rows, dtype=torch.int64, device=dev),
+        make_cos_sin(1, q.shape[2], 1e4, dev),
+        torch.full((rows,), -1, device=dev),
+    )
 
 
-def decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-                  ctx: torch.Tensor, scale: float, table_rows: torch.Tensor | None = None) -> torch.Tensor:
-    return rope_store_decode_attention_triton(q, no_new_kv(q, k_cache), k_cache, v_cache, tables, ctx, scale,
-                                              table_rows)
+def decode_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    ctx: torch.Tensor,
+    scale: float,
+    table_rows: torch.Tensor | None = None,
+) -> torch.Tensor:
+    return rope_store_decode_attention_triton(
+        q, no_new_kv(q, k_cache), k_cache, v_cache, tables, ctx, scale, table_rows
+    )
 
 
 def paged_cache(lens: list[int], hkv: int, d: int, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -60,7 +75,7 @@ def paged_cache(lens: list[int], hkv: int, d: int, width: int) -> tuple[torch.Te
     tables = torch.full((len(lens), width), -1, dtype=torch.int32)
     start = 0
     for b, n in enumerate(needed):
-        tables[b, :n] = ids[start:start + n].int()
+        tables[b, :n] = ids[start : start + n].int()
         start += n
     k_cache = torch.randn(num_blocks, hkv, BLOCK, d)
     return k_cache, torch.randn_like(k_cache), tables
@@ -106,8 +121,10 @@ def test_silu_and_mul_triton_matches_reference():
 def test_make_cos_sin_and_rope_match_hugging_face_qwen2():
     from transformers import Qwen2Config
     from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding, apply_rotary_pos_emb
-    cfg = Qwen2Config(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, rope_theta=1e6,
-                      max_position_embeddings=64)
+
+    cfg = Qwen2Config(
+        hidden_size=128, num_attention_heads=2, num_key_value_heads=1, rope_theta=1e6, max_position_embeddings=64
+    )
     q, k, v = qkv_views(6, 2, 1, 64)
     pos = torch.tensor([0, 1, 5, 17, 40, 63])
     cos, sin = Qwen2RotaryEmbedding(cfg)(v, pos[None])
@@ -153,7 +170,7 @@ def test_decode_reads_each_rows_block_table_through_table_rows(lens, hkv):
     k_cache, v_cache, tables = paged_cache(lens, hkv, 32, width=6)
     q = qkv_views(len(lens), 2 * hkv, hkv, 32)[0]
     ctx = torch.tensor(lens, dtype=torch.int32)
-    rows = torch.randperm(len(lens) + 3)[:len(lens)]  # the runner's mirror rows: any order, some unused
+    rows = torch.randperm(len(lens) + 3)[: len(lens)]  # the runner's mirror rows: any order, some unused
     whole = torch.full((len(lens) + 3, tables.shape[1]), -1, dtype=torch.int32)
     whole[rows] = tables
     want = decode_triton(q, k_cache, v_cache, tables, ctx, 0.125)
@@ -173,8 +190,9 @@ def test_decode_triton_with_default_partition_matches_reference():
     k_cache, v_cache, tables = paged_cache([5, 47], 2, 64, width=4)
     q = torch.randn(2, 4, 64)
     ctx = torch.tensor([5, 47], dtype=torch.int32)
-    torch.testing.assert_close(decode_triton(q, k_cache, v_cache, tables, ctx, 0.1),
-                               decode_ref(q, k_cache, v_cache, tables, ctx, 0.1), **TOL)
+    torch.testing.assert_close(
+        decode_triton(q, k_cache, v_cache, tables, ctx, 0.1), decode_ref(q, k_cache, v_cache, tables, ctx, 0.1), **TOL
+    )
 
 
 def prefill_batch(lens: list[int], qlens: list[int], hq: int, d: int) -> tuple[torch.Tensor, ...]:
@@ -212,12 +230,13 @@ def test_prefill_triton_skips_padded_work_items_and_sequences():
     q, cu, ctx = prefill_batch(lens, qlens, 4, 64)
     work = np.full((2, max_prefill_work(32, 4, 2)), -1, np.int32)
     items = prefill_work(qlens, 2)
-    work[:, :items.shape[1]] = items
+    work[:, : items.shape[1]] = items
     out = paged_prefill_attention_triton(q, k_cache, v_cache, tables, cu, ctx, 0.125, torch.from_numpy(work))
     torch.testing.assert_close(out, paged_attention_ref(q, k_cache, v_cache, tables, cu, ctx, 0.125), **TOL)
     with pytest.raises(ValueError, match=r"contiguous \[2, W\] int32 items, got torch.int64 \(2, 3\)"):
-        paged_prefill_attention_triton(q, k_cache, v_cache, tables, cu, ctx, 0.125,
-                                       torch.zeros(2, 3, dtype=torch.int64))
+        paged_prefill_attention_triton(
+            q, k_cache, v_cache, tables, cu, ctx, 0.125, torch.zeros(2, 3, dtype=torch.int64)
+        )
 
 
 def test_prefill_reference_of_whole_prompts_is_causal_attention():
@@ -228,9 +247,9 @@ def test_prefill_reference_of_whole_prompts_is_causal_attention():
     for b, n in enumerate(lens):
         k = k_cache[tables[b, :2].long()].permute(1, 0, 2, 3).reshape(2, -1, 16)[:, :n].repeat_interleave(2, 0)
         v = v_cache[tables[b, :2].long()].permute(1, 0, 2, 3).reshape(2, -1, 16)[:, :n].repeat_interleave(2, 0)
-        qb = q[cu[b]:cu[b + 1]].transpose(0, 1)
+        qb = q[cu[b] : cu[b + 1]].transpose(0, 1)
         dense = F.scaled_dot_product_attention(qb, k, v, is_causal=True, scale=0.25).transpose(0, 1)
-        torch.testing.assert_close(out[cu[b]:cu[b + 1]], dense, **TOL)
+        torch.testing.assert_close(out[cu[b] : cu[b + 1]], dense, **TOL)
 
 
 def sampling_rows(rows: int, vocab: int) -> tuple[torch.Tensor, ...]:
@@ -243,8 +262,11 @@ def sampling_rows(rows: int, vocab: int) -> tuple[torch.Tensor, ...]:
     return logits, temps, seeds, torch.arange(rows, dtype=torch.int64) * 1000 + 3
 
 
-@pytest.mark.parametrize("vocab,block", [(1000, 512), (1000, 128), (1000, 32), (4099, 128), (300, 16)],
-                         ids=["1-chunk", "2-chunks", "8-chunks", "9-chunks", "5-chunks"])
+@pytest.mark.parametrize(
+    "vocab,block",
+    [(1000, 512), (1000, 128), (1000, 32), (4099, 128), (300, 16)],
+    ids=["1-chunk", "2-chunks", "8-chunks", "9-chunks", "5-chunks"],
+)
 def test_gumbel_argmax_triton_matches_reference_for_any_chunking(vocab, block, monkeypatch):
     monkeypatch.setattr(sampling, "_BLOCK", block)
     logits, temps, seeds, positions = sampling_rows(6, vocab)
@@ -277,7 +299,9 @@ def test_gumbel_argmax_reference_draws_depend_on_seed_and_position_only():
     logits, temps, seeds, positions = sampling_rows(6, 500)
     batch = gumbel_argmax_ref(logits, temps, seeds, positions)
     for i in range(6):
-        assert gumbel_argmax_ref(logits[i:i + 1], temps[i:i + 1], seeds[i:i + 1], positions[i:i + 1]) == batch[i]
+        assert (
+            gumbel_argmax_ref(logits[i : i + 1], temps[i : i + 1], seeds[i : i + 1], positions[i : i + 1]) == batch[i]
+        )
     moved = gumbel_argmax_ref(logits, temps, seeds, positions + 1)
     assert not torch.equal(moved[[1, 2, 4, 5]], batch[[1, 2, 4, 5]])
 
@@ -291,7 +315,7 @@ def test_public_names_run_the_reference_on_cpu():
 def test_token_bitmask_triton_bans_exactly_the_zero_bits_of_each_masked_row():
     vocab, words = 100, 4  # 128 bits for 100 ids: the padding bits never reach past the vocab
     logits = torch.randn(5, vocab)
-    bitmask = torch.randint(-2**31, 2**31 - 1, (2, words), dtype=torch.int32)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (2, words), dtype=torch.int32)
     lanes = torch.tensor([1, -1, -1, 0, -1], dtype=torch.int32)  # rows 0 and 3 take mask rows 1 and 0
     out = logits.clone()
     token_bitmask_triton(out, lanes, bitmask)

@@ -3,6 +3,7 @@ references and the references against dense math: every allowed block size, GQA 
 split-K partition and key-tile boundaries, chunks starting mid-block, cache offsets past 2**31 elements,
 and the GEMV's own split-K configs at ragged shapes. The interpreter's tl.dot reads bfloat16 as raw integer
 bits, so the Triton attention and GEMV kernels are checked here in float32 and float16 only."""
+
 from __future__ import annotations
 
 import os
@@ -27,8 +28,9 @@ BLOCK_SIZES = (8, 16, 32, 64, 128)  # every block_size EngineConfig allows
 SWEEP = [(8, 7, 128), (16, 3, 64), (32, 5, 128), (64, 6, 64), (128, 1, 128), (16, 2, 128), (32, 4, 64)]
 
 
-def paged_cache(lens: list[int], hkv: int, d: int, block_size: int,
-                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def paged_cache(
+    lens: list[int], hkv: int, d: int, block_size: int, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Random caches; each sequence gets shuffled blocks, its table padded with -1 one block past its need."""
     needed = [-(-n // block_size) for n in lens]
     num_blocks = sum(needed) + 2
@@ -36,7 +38,7 @@ def paged_cache(lens: list[int], hkv: int, d: int, block_size: int,
     tables = torch.full((len(lens), max(needed) + 1), -1, dtype=torch.int32)
     start = 0
     for b, n in enumerate(needed):
-        tables[b, :n] = ids[start:start + n].int()
+        tables[b, :n] = ids[start : start + n].int()
         start += n
     k_cache = torch.randn(num_blocks, hkv, block_size, d, dtype=dtype)
     return k_cache, torch.randn_like(k_cache), tables
@@ -44,7 +46,7 @@ def paged_cache(lens: list[int], hkv: int, d: int, block_size: int,
 
 def flat_kv(cache: torch.Tensor, table: torch.Tensor, n: int) -> torch.Tensor:
     """The first n tokens of one sequence as a dense [n, Hkv, D], read through its block table."""
-    blocks = table[:-(-n // cache.shape[2])].long()
+    blocks = table[: -(-n // cache.shape[2])].long()
     return cache[blocks].transpose(1, 2).reshape(-1, cache.shape[1], cache.shape[3])[:n]
 
 
@@ -68,26 +70,29 @@ def run_decode(lens: list[int], group: int, hkv: int, d: int, block_size: int, c
     k_cache, v_cache, tables = paged_cache(lens, hkv, d, block_size)
     q = torch.randn(len(lens), group * hkv, d)
     ctx = torch.tensor(lens, dtype=torch.int32)
-    outs = [decode_triton(q, k_cache, v_cache, tables, ctx, d ** -0.5) for _ in range(calls)]
-    ref = decode_ref(q, k_cache, v_cache, tables, ctx, d ** -0.5)
+    outs = [decode_triton(q, k_cache, v_cache, tables, ctx, d**-0.5) for _ in range(calls)]
+    ref = decode_ref(q, k_cache, v_cache, tables, ctx, d**-0.5)
     for out in outs:
         torch.testing.assert_close(out, ref, **TOL)
         assert all(out[b].abs().max() == 0 for b, n in enumerate(lens) if n == 0)
     return outs
 
 
-@pytest.mark.parametrize("lens,group,hkv,d,block_size,partition,split_group,qk_norm", [
-    ([0, 1, 63, 64, 65, 130], 7, 1, 64, 16, 64, None, False),  # one split, split boundaries, three splits; padding
-    ([5, 0, 200, 17], 3, 2, 128, 64, None, None, False),  # the default grid, two KV heads
-    ([33, 1, 96], 2, 2, 32, 8, 16, None, False),  # many short splits: the token's split is the last of six
-    ([33, 1, 96, 0], 2, 2, 32, 8, 16, 2, False),  # groups of two: the token's split ends the third (96) or is alone
-    ([0, 1, 63, 64, 65, 130, 7, 9, 20], 7, 1, 64, 16, 64, None, False),  # nine rows: the many-rows launch
-    ([5, 0, 200, 17], 3, 2, 128, 64, None, None, True),  # Qwen3's q/k norm before RoPE, a few rows
-    ([0, 1, 63, 64, 65, 130, 7, 9, 20], 2, 2, 32, 16, 64, None, True),  # and many rows
-])
-def test_decode_rotates_and_stores_the_steps_own_kv_as_rope_store_kv_then_attention(monkeypatch, lens, group, hkv,
-                                                                                    d, block_size, partition,
-                                                                                    split_group, qk_norm):
+@pytest.mark.parametrize(
+    "lens,group,hkv,d,block_size,partition,split_group,qk_norm",
+    [
+        ([0, 1, 63, 64, 65, 130], 7, 1, 64, 16, 64, None, False),  # one split, split boundaries, three splits; padding
+        ([5, 0, 200, 17], 3, 2, 128, 64, None, None, False),  # the default grid, two KV heads
+        ([33, 1, 96], 2, 2, 32, 8, 16, None, False),  # many short splits: the token's split is the last of six
+        ([33, 1, 96, 0], 2, 2, 32, 8, 16, 2, False),  # groups of two: the token's split ends the third (96) or is alone
+        ([0, 1, 63, 64, 65, 130, 7, 9, 20], 7, 1, 64, 16, 64, None, False),  # nine rows: the many-rows launch
+        ([5, 0, 200, 17], 3, 2, 128, 64, None, None, True),  # Qwen3's q/k norm before RoPE, a few rows
+        ([0, 1, 63, 64, 65, 130, 7, 9, 20], 2, 2, 32, 16, 64, None, True),  # and many rows
+    ],
+)
+def test_decode_rotates_and_stores_the_steps_own_kv_as_rope_store_kv_then_attention(
+    monkeypatch, lens, group, hkv, d, block_size, partition, split_group, qk_norm
+):
     split_every(monkeypatch, partition)
     if split_group:  # a tree past split_group splits, at a few rows too
         monkeypatch.setattr(decode_attention, "_SPLIT_GROUP", split_group)
@@ -95,22 +100,28 @@ def test_decode_rotates_and_stores_the_steps_own_kv_as_rope_store_kv_then_attent
     k_cache, v_cache, tables = paged_cache(lens, hkv, d, block_size)
     batch, hq = len(lens), group * hkv
     qkv = torch.randn(batch, (hq + 2 * hkv) * d + 3)  # q, k, v are strided views of one row, as in the model
-    q, k, v = (qkv[:, a * d:b * d].unflatten(1, (-1, d)) for a, b in ((0, hq), (hq, hq + hkv),
-                                                                       (hq + hkv, hq + 2 * hkv)))
+    q, k, v = (
+        qkv[:, a * d : b * d].unflatten(1, (-1, d)) for a, b in ((0, hq), (hq, hq + hkv), (hq + hkv, hq + 2 * hkv))
+    )
     ctx = torch.tensor(lens, dtype=torch.int32)
     positions = (ctx - 1).clamp(min=0).long()
-    slots = torch.tensor([int(tables[b, (n - 1) // block_size]) * block_size + (n - 1) % block_size if n else -1
-                          for b, n in enumerate(lens)])
+    slots = torch.tensor(
+        [
+            int(tables[b, (n - 1) // block_size]) * block_size + (n - 1) % block_size if n else -1
+            for b, n in enumerate(lens)
+        ]
+    )
     cos_sin = make_cos_sin(max(lens) + 1, d, 1e6, "cpu")
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     norm = (torch.rand(d) + 0.5, torch.rand(d) + 0.5, 1e-6) if qk_norm else ()
     q_in, k_in = q.clone(), k.clone()
     if qk_norm:
         qk_rms_norm_ref(q_in, k_in, *norm)
-    want = decode_ref(rope_store_kv_ref(q_in, k_in, v, positions, cos_sin, k_ref, v_ref, slots), k_ref, v_ref, tables,
-                      ctx, d ** -0.5)
+    want = decode_ref(
+        rope_store_kv_ref(q_in, k_in, v, positions, cos_sin, k_ref, v_ref, slots), k_ref, v_ref, tables, ctx, d**-0.5
+    )
     new_kv = NewTokenKV(k, v, positions, cos_sin, slots, *norm)
-    got = rope_store_decode_attention_triton(q, new_kv, k_cache, v_cache, tables, ctx, d ** -0.5)
+    got = rope_store_decode_attention_triton(q, new_kv, k_cache, v_cache, tables, ctx, d**-0.5)
     torch.testing.assert_close(got, want, **TOL)
     torch.testing.assert_close(k_cache, k_ref, **TOL)
     assert torch.equal(v_cache, v_ref)
@@ -126,13 +137,17 @@ def test_kernels_storing_the_steps_kv_refuse_what_they_cannot_address():
         rope_store_decode_attention_triton(q, new_kv, k_cache, v_cache, tables, ctx, 1.0)
     k = torch.randn(1, 1, 32)
     half_table = make_cos_sin(4, 32, 1e6, "cpu").half()  # the kernels read the table as float32
-    for call in (lambda: rope_store_decode_attention_triton(q, NewTokenKV(k, k, ctx.long() - 1, half_table,
-                                                                          torch.tensor([2])), k_cache, v_cache,
-                                                            tables, ctx, 1.0),
-                 lambda: rope_store_kv_triton(q, k, k, ctx.long() - 1, half_table, k_cache, v_cache,
-                                              torch.tensor([2]))):
-        with pytest.raises(ValueError, match=r"float32 \[max_pos, 32\] table, got head_dims 32, 32 and cos_sin "
-                                             r"torch.float16"):
+    for call in (
+        lambda: rope_store_decode_attention_triton(
+            q, NewTokenKV(k, k, ctx.long() - 1, half_table, torch.tensor([2])), k_cache, v_cache, tables, ctx, 1.0
+        ),
+        lambda: rope_store_kv_triton(q, k, k, ctx.long() - 1, half_table, k_cache, v_cache, torch.tensor([2])),
+    ):
+        with pytest.raises(
+            ValueError,
+            match=r"float32 \[max_pos, 32\] table, got head_dims 32, 32 and cos_sin "
+            r"torch.float16",
+        ):
             call()
 
 
@@ -240,15 +255,16 @@ def test_decode_of_only_empty_rows_gives_zeros():
     assert decode_ref(q, k_cache, v_cache, tables, ctx, 0.125).abs().max() == 0
 
 
-def run_prefill(lens: list[int], qlens: list[int], group: int, hkv: int, d: int, block_size: int,
-                dtype: torch.dtype = torch.float32) -> None:
+def run_prefill(
+    lens: list[int], qlens: list[int], group: int, hkv: int, d: int, block_size: int, dtype: torch.dtype = torch.float32
+) -> None:
     k_cache, v_cache, tables = paged_cache(lens, hkv, d, block_size, dtype)
     q = torch.randn(sum(qlens), group * hkv, d, dtype=dtype)
     cu = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
     ctx = torch.tensor(lens, dtype=torch.int32)
     work = torch.from_numpy(prefill_work(qlens, group))
-    out = paged_prefill_attention_triton(q, k_cache, v_cache, tables, cu, ctx, d ** -0.5, work)
-    ref = paged_attention_ref(q, k_cache, v_cache, tables, cu, ctx, d ** -0.5)
+    out = paged_prefill_attention_triton(q, k_cache, v_cache, tables, cu, ctx, d**-0.5, work)
+    ref = paged_attention_ref(q, k_cache, v_cache, tables, cu, ctx, d**-0.5)
     tol = TOL if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(out, ref, **tol)
 
@@ -276,14 +292,15 @@ def test_references_equal_dense_causal_attention_with_cached_prefixes(dtype):
     q = torch.randn(sum(qlens), group, d, dtype=dtype)
     cu = torch.tensor([0, 5, 6, 136], dtype=torch.int32)
     ctx = torch.tensor(lens, dtype=torch.int32)
-    prefill = paged_attention_ref(q, k_cache, v_cache, tables, cu, ctx, d ** -0.5)
-    decode = decode_ref(q[cu[1:] - 1], k_cache, v_cache, tables, ctx, d ** -0.5)
+    prefill = paged_attention_ref(q, k_cache, v_cache, tables, cu, ctx, d**-0.5)
+    decode = decode_ref(q[cu[1:] - 1], k_cache, v_cache, tables, ctx, d**-0.5)
     assert prefill.dtype == decode.dtype == dtype
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
     for b, n in enumerate(lens):
-        dense = dense_attention(q[cu[b]:cu[b + 1]], flat_kv(k_cache, tables[b], n), flat_kv(v_cache, tables[b], n),
-                                d ** -0.5)
-        torch.testing.assert_close(prefill[cu[b]:cu[b + 1]].float(), dense, atol=tol, rtol=tol)
+        dense = dense_attention(
+            q[cu[b] : cu[b + 1]], flat_kv(k_cache, tables[b], n), flat_kv(v_cache, tables[b], n), d**-0.5
+        )
+        torch.testing.assert_close(prefill[cu[b] : cu[b + 1]].float(), dense, atol=tol, rtol=tol)
         torch.testing.assert_close(decode[b].float(), dense[-1], atol=tol, rtol=tol)
 
 
@@ -307,8 +324,10 @@ def test_rope_store_kv_for_every_block_size_with_seven_query_heads_per_kv_head(b
 def test_rope_reference_matches_hugging_face_at_qwen_head_dim_and_long_positions():
     from transformers import Qwen2Config
     from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding, apply_rotary_pos_emb
-    cfg = Qwen2Config(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, rope_theta=1e6,
-                      max_position_embeddings=32768)
+
+    cfg = Qwen2Config(
+        hidden_size=256, num_attention_heads=2, num_key_value_heads=1, rope_theta=1e6, max_position_embeddings=32768
+    )
     q, k = torch.randn(5, 2, 128), torch.randn(5, 1, 128)
     pos = torch.tensor([0, 1, 4097, 20000, 32767])
     cos, sin = Qwen2RotaryEmbedding(cfg)(q, pos[None])
@@ -331,8 +350,9 @@ def test_kernels_address_cache_blocks_past_two_to_the_31_elements():
     hkv, bs, d, hq, tokens = 2, 16, 64, 4, 20
     stride_cb = 2**30 + 2 * hkv * bs * d
     storage = torch.empty(2 * stride_cb + 2 * hkv * bs * d, dtype=torch.float16)
-    k_cache, v_cache = (storage[off:].as_strided((3, hkv, bs, d), (stride_cb, bs * d, d, 1))
-                        for off in (0, hkv * bs * d))
+    k_cache, v_cache = (
+        storage[off:].as_strided((3, hkv, bs, d), (stride_cb, bs * d, d, 1)) for off in (0, hkv * bs * d)
+    )
     for cache in (k_cache, v_cache):
         cache[[0, 2]] = 0
     ref_k, ref_v = torch.zeros(2, 3, hkv, bs, d, dtype=torch.float16)
@@ -344,14 +364,18 @@ def test_kernels_address_cache_blocks_past_two_to_the_31_elements():
     assert torch.equal(k_cache[[0, 2]], ref_k[[0, 2]]) and torch.equal(v_cache[[0, 2]], ref_v[[0, 2]])
     tables, ctx = torch.tensor([[2, 0, -1]], dtype=torch.int32), torch.tensor([tokens], dtype=torch.int32)
     half_tol = dict(atol=2e-3, rtol=2e-3)
-    torch.testing.assert_close(decode_triton(q_rot[-1:], k_cache, v_cache, tables, ctx, 0.125),
-                               decode_ref(q_rot[-1:], ref_k, ref_v, tables, ctx, 0.125), **half_tol)
+    torch.testing.assert_close(
+        decode_triton(q_rot[-1:], k_cache, v_cache, tables, ctx, 0.125),
+        decode_ref(q_rot[-1:], ref_k, ref_v, tables, ctx, 0.125),
+        **half_tol,
+    )
     cu = torch.tensor([0, 7], dtype=torch.int32)
     work = torch.from_numpy(prefill_work([7], hq // hkv))
-    torch.testing.assert_close(paged_prefill_attention_triton(q_rot[-7:], k_cache, v_cache, tables, cu, ctx, 0.125,
-                                                              work),
-                               paged_attention_ref(q_rot[-7:], ref_k, ref_v, tables, cu, ctx, 0.125),
-                               **half_tol)
+    torch.testing.assert_close(
+        paged_prefill_attention_triton(q_rot[-7:], k_cache, v_cache, tables, cu, ctx, 0.125, work),
+        paged_attention_ref(q_rot[-7:], ref_k, ref_v, tables, cu, ctx, 0.125),
+        **half_tol,
+    )
 
 
 def test_gemv_candidate_configs_match_linear_for_1_to_16_rows_at_ragged_shapes():
@@ -384,7 +408,7 @@ def test_one_row_gemv_matches_linear_at_ragged_shapes_and_refuses_more_rows_or_s
 
 
 def test_silu_and_mul_on_a_strided_row_view():
-    x = torch.randn(4, 2 * 1030 + 9)[:, :2 * 1030]
+    x = torch.randn(4, 2 * 1030 + 9)[:, : 2 * 1030]
     torch.testing.assert_close(silu_and_mul_triton(x), silu_and_mul_ref(x), **TOL)
 
 
@@ -396,15 +420,15 @@ def test_float32_attention_on_the_gpu_is_not_rounded_to_tf32():
     k_cache, v_cache, tables = (t.cuda() for t in paged_cache(lens, 1, d, 16))
     ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")
     q = 3 * torch.randn(len(lens), group, d, device="cuda")
-    out = decode_triton(q, k_cache, v_cache, tables, ctx, d ** -0.5)
-    torch.testing.assert_close(out, decode_ref(q, k_cache, v_cache, tables, ctx, d ** -0.5),
-                               atol=1e-5, rtol=1e-5)
+    out = decode_triton(q, k_cache, v_cache, tables, ctx, d**-0.5)
+    torch.testing.assert_close(out, decode_ref(q, k_cache, v_cache, tables, ctx, d**-0.5), atol=1e-5, rtol=1e-5)
     cu = torch.tensor([0, 1, 78], dtype=torch.int32, device="cuda")
     qp = 3 * torch.randn(78, group, d, device="cuda")
     work = torch.from_numpy(prefill_work([1, 77], group)).cuda()
-    out = paged_prefill_attention_triton(qp, k_cache, v_cache, tables, cu, ctx, d ** -0.5, work)
-    torch.testing.assert_close(out, paged_attention_ref(qp, k_cache, v_cache, tables, cu, ctx, d ** -0.5),
-                               atol=1e-5, rtol=1e-5)
+    out = paged_prefill_attention_triton(qp, k_cache, v_cache, tables, cu, ctx, d**-0.5, work)
+    torch.testing.assert_close(
+        out, paged_attention_ref(qp, k_cache, v_cache, tables, cu, ctx, d**-0.5), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_attention_refuses_a_query_without_a_unit_stride_on_head_dim():
@@ -415,5 +439,6 @@ def test_attention_refuses_a_query_without_a_unit_stride_on_head_dim():
     with pytest.raises(ValueError, match=r"q needs a unit stride on head_dim, got strides \(64, 32, 2\)"):
         decode_triton(q, k_cache, v_cache, tables, ctx, 0.25)
     with pytest.raises(ValueError, match="q needs a unit stride on head_dim"):
-        paged_prefill_attention_triton(q, k_cache, v_cache, tables, cu, ctx, 0.25,
-                                       torch.from_numpy(prefill_work([1], 2)))
+        paged_prefill_attention_triton(
+            q, k_cache, v_cache, tables, cu, ctx, 0.25, torch.from_numpy(prefill_work([1], 2))
+        )

@@ -1,4 +1,5 @@
 """Triton kernels on the GPU in bfloat16 at Qwen2.5-1.5B shapes, against the float32 torch references."""
+
 from __future__ import annotations
 
 import pytest
@@ -46,7 +47,7 @@ def paged_cache(lens: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor
     tables = torch.zeros((len(lens), width), dtype=torch.int32, device="cuda")
     start = 0
     for b, n in enumerate(needed):
-        tables[b, :n] = ids[start:start + n]
+        tables[b, :n] = ids[start : start + n]
         start += n
     k_cache = torch.randn(num_blocks, HKV, BLOCK, D, device="cuda", dtype=BF16)
     return k_cache, torch.randn_like(k_cache), tables
@@ -120,8 +121,8 @@ def test_decode_attention_bf16_long_contexts():
     k_cache, v_cache, tables = paged_cache(lens, width=32768 // BLOCK)
     q = qkv_views(len(lens))[0]
     ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    out = decode_triton(q, k_cache, v_cache, tables, ctx, D ** -0.5)
-    ref = decode_ref(*fp32(q, k_cache, v_cache), tables, ctx, D ** -0.5)
+    out = decode_triton(q, k_cache, v_cache, tables, ctx, D**-0.5)
+    ref = decode_ref(*fp32(q, k_cache, v_cache), tables, ctx, D**-0.5)
     assert_close_rel(out, ref)
     assert out[1].abs().max() == 0
 
@@ -132,14 +133,16 @@ def test_decode_attention_rotating_and_storing_the_steps_kv_bf16(lens):
     q, k, v = qkv_views(len(lens))
     ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")
     positions = (ctx - 1).clamp(min=0).long()
-    slots = torch.tensor([int(tables[b, (n - 1) // BLOCK]) * BLOCK + (n - 1) % BLOCK if n else -1
-                          for b, n in enumerate(lens)], device="cuda")
+    slots = torch.tensor(
+        [int(tables[b, (n - 1) // BLOCK]) * BLOCK + (n - 1) % BLOCK if n else -1 for b, n in enumerate(lens)],
+        device="cuda",
+    )
     cos_sin = make_cos_sin(32768, D, 1e6, "cuda")
     k_ref, v_ref = fp32(k_cache, v_cache)
     q_ref = rope_store_kv_ref(*fp32(q, k, v), positions, cos_sin, k_ref, v_ref, slots)
     new_kv = decode_attention.NewTokenKV(k, v, positions, cos_sin, slots)
-    out = rope_store_decode_attention(q, new_kv, k_cache, v_cache, tables, ctx, D ** -0.5)
-    assert_close_rel(out, decode_ref(q_ref, k_ref, v_ref, tables, ctx, D ** -0.5))
+    out = rope_store_decode_attention(q, new_kv, k_cache, v_cache, tables, ctx, D**-0.5)
+    assert_close_rel(out, decode_ref(q_ref, k_ref, v_ref, tables, ctx, D**-0.5))
     assert_close_rel(k_cache, k_ref) and torch.equal(v_cache.float(), v_ref)
 
 
@@ -183,8 +186,8 @@ def test_prefill_attention_bf16_with_cached_prefixes():
     q = qkv_views(sum(qlens))[0]
     cu = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    out = paged_prefill_attention(q, k_cache, v_cache, tables, cu, ctx, D ** -0.5, work_on_gpu(qlens, HQ // HKV))
-    ref = paged_attention_ref(*fp32(q, k_cache, v_cache), tables, cu, ctx, D ** -0.5)
+    out = paged_prefill_attention(q, k_cache, v_cache, tables, cu, ctx, D**-0.5, work_on_gpu(qlens, HQ // HKV))
+    ref = paged_attention_ref(*fp32(q, k_cache, v_cache), tables, cu, ctx, D**-0.5)
     assert_close_rel(out, ref)
 
 
@@ -196,27 +199,38 @@ def test_attention_bf16_at_other_block_sizes_and_qwen_7b_heads(block, hq, hkv):
     ids = torch.randperm(sum(blocks_of), device="cuda").int()
     tables = torch.zeros(len(lens), max(blocks_of), dtype=torch.int32, device="cuda")
     for b, start in enumerate(torch.tensor([0, *blocks_of]).cumsum(0)[:-1].tolist()):
-        tables[b, :blocks_of[b]] = ids[start:start + blocks_of[b]]
+        tables[b, : blocks_of[b]] = ids[start : start + blocks_of[b]]
     k_cache, v_cache = (torch.randn(sum(blocks_of), hkv, block, D, device="cuda", dtype=BF16) for _ in range(2))
     ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")
     q = torch.randn(len(lens), hq, D, device="cuda", dtype=BF16)
-    assert_close_rel(decode_triton(q, k_cache, v_cache, tables, ctx, D ** -0.5),
-                     decode_ref(*fp32(q, k_cache, v_cache), tables, ctx, D ** -0.5))
+    assert_close_rel(
+        decode_triton(q, k_cache, v_cache, tables, ctx, D**-0.5),
+        decode_ref(*fp32(q, k_cache, v_cache), tables, ctx, D**-0.5),
+    )
     qp = torch.randn(sum(qlens), hq, D, device="cuda", dtype=BF16)
     cu = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    assert_close_rel(paged_prefill_attention(qp, k_cache, v_cache, tables, cu, ctx, D ** -0.5,
-                                             work_on_gpu(qlens, hq // hkv)),
-                     paged_attention_ref(*fp32(qp, k_cache, v_cache), tables, cu, ctx, D ** -0.5))
+    assert_close_rel(
+        paged_prefill_attention(qp, k_cache, v_cache, tables, cu, ctx, D**-0.5, work_on_gpu(qlens, hq // hkv)),
+        paged_attention_ref(*fp32(qp, k_cache, v_cache), tables, cu, ctx, D**-0.5),
+    )
 
 
 def test_kernels_address_a_cache_larger_than_int32_offsets():
-    num_blocks = 2 ** 31 // (HKV * BLOCK * D) + 8  # element offsets of the last blocks exceed 2^31
+    num_blocks = 2**31 // (HKV * BLOCK * D) + 8  # element offsets of the last blocks exceed 2^31
     k_cache, v_cache = (torch.zeros(num_blocks, HKV, BLOCK, D, device="cuda", dtype=BF16) for _ in range(2))
     q, k, v = qkv_views(BLOCK)
     last = num_blocks - 1
     zeros = torch.zeros(BLOCK, dtype=torch.int64, device="cuda")  # position 0: RoPE leaves k as it is
-    rope_store_kv(q, k, v, zeros, make_cos_sin(1, D, 1e6, "cuda"), k_cache, v_cache,
-                  torch.arange(BLOCK, device="cuda") + last * BLOCK)
+    rope_store_kv(
+        q,
+        k,
+        v,
+        zeros,
+        make_cos_sin(1, D, 1e6, "cuda"),
+        k_cache,
+        v_cache,
+        torch.arange(BLOCK, device="cuda") + last * BLOCK,
+    )
     assert torch.equal(k_cache[last], k.transpose(0, 1)) and torch.equal(v_cache[last], v.transpose(0, 1))
     q = torch.randn(1, HQ, D, device="cuda", dtype=BF16)
     tables = torch.tensor([[last]], dtype=torch.int32, device="cuda")

@@ -1,4 +1,5 @@
 """KV cache sizing: blocks from the card's memory after the peak step, or from the workload on the CPU."""
+
 from __future__ import annotations
 
 import pytest
@@ -38,8 +39,12 @@ def test_a_kept_peak_is_read_instead_of_running_the_step_and_its_key_follows_con
     assert steps == ["peak"]
     assert kv_cache.profile_num_kv_blocks(0.9, GIB, lambda: steps.append("peak")) == 33  # nothing kept: measured
     assert key == kv_cache.peak_key(EngineConfig("qwen2.5-1.5b"), "NVIDIA H200", 0)
-    others = {kv_cache.peak_key(EngineConfig("qwen2.5-1.5b", max_num_batched_tokens=4096), "NVIDIA H200", 0),
-              kv_cache.peak_key(config, "NVIDIA H100 80GB HBM3", 0), kv_cache.peak_key(config, "NVIDIA H200", 1), key}
+    others = {
+        kv_cache.peak_key(EngineConfig("qwen2.5-1.5b", max_num_batched_tokens=4096), "NVIDIA H200", 0),
+        kv_cache.peak_key(config, "NVIDIA H100 80GB HBM3", 0),
+        kv_cache.peak_key(config, "NVIDIA H200", 1),
+        key,
+    }
     assert len(others) == 4
 
 

@@ -1,6 +1,7 @@
 """Which path a linear runs (kernels/linear.py, planned by kernels/linear_plan.py): the unfused references off the
 GPU, the capture rule, the unfused side timed with its folded ops' kernels, the winner run; on the GPU, the chosen
 path's speed."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -47,19 +48,7 @@ def test_off_the_gpu_every_op_is_its_unfused_torch_reference_without_a_choice(mo
     assert torch.equal(out, silu_and_mul_ref(F.linear(normed, w))) and torch.equal(new_residual, ref_residual)
 
 
-@pytest.fixture
-def fresh_choices(monkeypatch, tmp_path):
-    """No pick in memory, an empty disk cache under tmp_path, nothing read from it yet, no capture."""
-    monkeypatch.setattr(plan, "_CHOICES", {})
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setenv("PICO_VLLM_CACHE", str(tmp_path))
-    plan._kept_choices.cache_clear()
-    yield tmp_path
-    plan._kept_choices.cache_clear()
-
-
-def test_a_shape_first_met_during_capture_runs_unfused_and_is_chosen_at_the_next_eager_call(monkeypatch,
-                                                                                            fresh_choices):
+def test_a_shape_first_met_during_capture_runs_unfused_and_is_chosen_at_the_next_eager_call(monkeypatch, fresh_choices):
     capturing, timed = [True], []
     picked = GemvConfig(64, 128)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
@@ -78,11 +67,15 @@ def test_a_shape_first_met_during_capture_runs_unfused_and_is_chosen_at_the_next
     assert timed == [("", 3), ("norm", 4)]  # a fold is a shape of its own
 
 
-def test_choices_are_kept_on_disk_for_the_next_process_until_the_kernel_source_changes(monkeypatch,
-                                                                                        fresh_choices):
+def test_choices_are_kept_on_disk_for_the_next_process_until_the_kernel_source_changes(monkeypatch, fresh_choices):
     timed = []
-    monkeypatch.setattr(plan, "fastest_config", lambda fold, rows, w, bias, op: timed.append(w.shape) or (
-        GemvConfig(4, 2048, one_row=True) if w.shape[0] == 8 else None))
+    monkeypatch.setattr(
+        plan,
+        "fastest_config",
+        lambda fold, rows, w, bias, op: (
+            timed.append(w.shape) or (GemvConfig(4, 2048, one_row=True) if w.shape[0] == 8 else None)
+        ),
+    )
     x, w8, w16 = torch.randn(1, 24), torch.randn(8, 24), torch.randn(16, 24)
     assert plan.planned_config("", x, w8, None, no_op) == GemvConfig(4, 2048, one_row=True)
     assert plan.planned_config("", x, w16, None, no_op) is None  # the unfused path won: kept too, not timed again
@@ -106,7 +99,8 @@ def test_an_unreadable_choice_cache_means_timing_again(monkeypatch, fresh_choice
     assert plan.planned_config("", torch.randn(2, 24), torch.randn(8, 24), None, no_op) == GemvConfig(64, 128)
     assert "ignoring the kernel choice cache" in caplog.text
     assert list(json.loads((fresh_choices / plan.FILE_NAME).read_text()).values()) == [
-        dataclasses.asdict(GemvConfig(64, 128))]
+        dataclasses.asdict(GemvConfig(64, 128))
+    ]
 
 
 @pytest.mark.parametrize("fast", [GemvConfig(8, 512, 1, one_row=True), None], ids=["one-row-wins", "unfused-wins"])
@@ -116,8 +110,11 @@ def test_the_unfused_side_is_timed_with_its_norm_and_the_faster_side_runs(monkey
     monkeypatch.setitem(lin.UNFUSED, "norm", lambda *a: ran.append("unfused") or unfused(*a))
     monkeypatch.setattr(lin, "gemv_triton", lambda *a: ran.append(a[3]) or gemv_triton(*a))
     monkeypatch.setattr(plan, "cold_copies", lambda w, bias: [(w, bias)])
-    monkeypatch.setattr(plan, "graph_us", lambda calls: [call() for call in calls] and (
-        0.5 if ran[-1] == fast else 1.0 if ran[-1] == "unfused" else 2.0))
+    monkeypatch.setattr(
+        plan,
+        "graph_us",
+        lambda calls: [call() for call in calls] and (0.5 if ran[-1] == fast else 1.0 if ran[-1] == "unfused" else 2.0),
+    )
     x, residual, norm_w, w = torch.randn(1, 100), torch.randn(1, 100), torch.rand(100), torch.randn(45, 100)
     inputs = (x, residual, norm_w, 1e-6)
     op = functools.partial(lin.run_path, "norm", NormedInput.of(*inputs)[0])
@@ -170,8 +167,9 @@ def test_gemm_row_times_are_timed_once_kept_on_disk_and_never_while_capturing(mo
     monkeypatch.setattr(plan, "_GEMM_TIMES", {})
     timed, capturing = [], [True]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
-    monkeypatch.setattr(plan, "_time_rows",
-                        lambda w, bias, dtype, gemm: timed.append(w.shape) or {"24": 2.0, "32": 1.0})
+    monkeypatch.setattr(
+        plan, "_time_rows", lambda w, bias, dtype, gemm: timed.append(w.shape) or {"24": 2.0, "32": 1.0}
+    )
     w = torch.randn(8, 24)
     assert plan.gemm_times(w, None, torch.float32) is None and timed == []
     capturing[0] = False
@@ -185,6 +183,7 @@ def test_gemm_row_times_are_timed_once_kept_on_disk_and_never_while_capturing(mo
 
 # ---- GPU (the LEAD runs these: python -m pytest -q -s -m gpu tests/test_linear.py) --------------------
 
+
 @pytest.mark.gpu
 def test_chosen_path_is_not_slower_than_the_unfused_one_at_qwen_shapes():
     from bench.kernels import time_linears
@@ -192,8 +191,10 @@ def test_chosen_path_is_not_slower_than_the_unfused_one_at_qwen_shapes():
 
     config, _ = resolve_model("qwen2.5-1.5b", load_format="dummy")
     for row in time_linears(config, [1, 8]):
-        print(f"M={row['rows']} {row['linear']:8s} {row['fold']:11s} unfused {row['unfused_us']:7.2f} us | "
-              f"chosen {row['chosen_us']:7.2f} us {row['chosen_tb_s']:5.2f} TB/s | {row['chosen']}")
+        print(
+            f"M={row['rows']} {row['linear']:8s} {row['fold']:11s} unfused {row['unfused_us']:7.2f} us | "
+            f"chosen {row['chosen_us']:7.2f} us {row['chosen_tb_s']:5.2f} TB/s | {row['chosen']}"
+        )
         assert row["chosen_us"] <= 1.10 * row["unfused_us"], row
 
 

@@ -1,4 +1,5 @@
 """Weight loading: checkpoint names onto packed parameters, TP shards, dtype, and one clear error per fault."""
+
 from __future__ import annotations
 
 import shutil
@@ -44,8 +45,11 @@ def test_mis_shaped_tensor_gives_its_name_and_both_shapes(tiny_ckpt, tmp_path):
         t["model.layers.0.self_attn.k_proj.weight"] = t["model.layers.0.self_attn.k_proj.weight"].T.contiguous()
 
     path = edited_checkpoint(tiny_ckpt, tmp_path / "c", transpose_k)
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.k_proj\.weight.*\(64, 32\).*\(32, 64\)"
-                                         r".*config\.json"):
+    with pytest.raises(
+        ValueError,
+        match=r"model\.layers\.0\.self_attn\.k_proj\.weight.*\(64, 32\).*\(32, 64\)"
+        r".*config\.json",
+    ):
         load(path)
 
 
@@ -55,8 +59,10 @@ def test_tensor_of_a_non_float_or_quantized_dtype_is_named_with_the_fix(tiny_ckp
         t["model.layers.0.mlp.down_proj.weight"] = t["model.layers.0.mlp.down_proj.weight"].to(dtype)
 
     path = edited_checkpoint(tiny_ckpt, tmp_path / "c", quantize)
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.down_proj\.weight.*"
-                                         + str(dtype).removeprefix("torch.") + r".*unquantized"):
+    with pytest.raises(
+        ValueError,
+        match=r"model\.layers\.0\.mlp\.down_proj\.weight.*" + str(dtype).removeprefix("torch.") + r".*unquantized",
+    ):
         load(path)
 
 
@@ -72,8 +78,9 @@ def test_unexpected_tensor_is_named(tiny_ckpt, tmp_path):
 def test_untied_model_needs_its_lm_head(tmp_path):
     from checkpoints import make_checkpoint
 
-    path = edited_checkpoint(make_checkpoint(tmp_path / "src", tie=False), tmp_path / "c",
-                             lambda t: t.pop("lm_head.weight"))
+    path = edited_checkpoint(
+        make_checkpoint(tmp_path / "src", tie=False), tmp_path / "c", lambda t: t.pop("lm_head.weight")
+    )
     with pytest.raises(ValueError, match="lm_head.weight"):
         load(path)
 
@@ -88,7 +95,9 @@ def test_weights_convert_to_the_model_dtype_and_tied_head_is_the_embedding(tiny_
     model = load(str(tiny_ckpt), dtype=torch.bfloat16)
     ref = load_file(tiny_ckpt / "model.safetensors")
     assert model.model.norm.weight.dtype == torch.bfloat16
-    assert torch.equal(model.model.layers[1].mlp.down_proj.weight, ref["model.layers.1.mlp.down_proj.weight"].bfloat16())
+    assert torch.equal(
+        model.model.layers[1].mlp.down_proj.weight, ref["model.layers.1.mlp.down_proj.weight"].bfloat16()
+    )
     assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
@@ -104,11 +113,14 @@ def test_rank_of_two_holds_its_slices(tmp_path, heads, kv_heads, rank):
     kv_head = rank * kv_heads // 2  # a replicated head is the same one on both ranks
     kv_rows = slice(kv_head * 16, (kv_head + max(1, kv_heads // 2)) * 16)
     for part in ("weight", "bias"):
-        want = [ref[f"{p}self_attn.{x}_proj.{part}"][rows] for x, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows))]
+        want = [
+            ref[f"{p}self_attn.{x}_proj.{part}"][rows] for x, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows))
+        ]
         assert torch.equal(getattr(attn.qkv_proj, part), torch.cat(want))
     half = slice(rank * 64, (rank + 1) * 64)  # intermediate 128 over 2 ranks
-    assert torch.equal(mlp.gate_up_proj.weight, torch.cat([ref[p + "mlp.gate_proj.weight"][half],
-                                                           ref[p + "mlp.up_proj.weight"][half]]))
+    assert torch.equal(
+        mlp.gate_up_proj.weight, torch.cat([ref[p + "mlp.gate_proj.weight"][half], ref[p + "mlp.up_proj.weight"][half]])
+    )
     assert torch.equal(mlp.down_proj.weight, ref[p + "mlp.down_proj.weight"][:, half])
     assert torch.equal(attn.o_proj.weight, ref[p + "self_attn.o_proj.weight"][:, q_rows])
     vocab = slice(rank * 256, (rank + 1) * 256)
@@ -132,5 +144,7 @@ def test_dummy_weights_depend_only_on_the_seed(tiny_ckpt):
         init_dummy_weights(model, seed)
     sa, sb, sc = (m.state_dict() for m in (a, b, c))
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
-    assert not torch.equal(sa["model.layers.0.self_attn.qkv_proj.weight"], sc["model.layers.0.self_attn.qkv_proj.weight"])
+    assert not torch.equal(
+        sa["model.layers.0.self_attn.qkv_proj.weight"], sc["model.layers.0.self_attn.qkv_proj.weight"]
+    )
     assert torch.equal(sa["model.norm.weight"], torch.ones(config.hidden_size))

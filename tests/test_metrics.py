@@ -1,4 +1,5 @@
 """RequestTimer feeds vLLM's latency histograms; each of a request's n samples counts as a request of its own."""
+
 from __future__ import annotations
 
 import frontend.metrics as metrics_module
@@ -43,14 +44,26 @@ def test_prompt_tokens_count_once_the_prompt_is_processed_and_never_for_a_refuse
 
 def test_every_series_exists_at_zero_from_the_start():
     values = _values(Metrics("m"))
-    for name in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:num_preemptions_total",
-                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
-                 "vllm:time_to_first_token_seconds_count", "vllm:request_queue_time_seconds_count",
-                 "vllm:request_prefill_time_seconds_count", "vllm:request_decode_time_seconds_count",
-                 "vllm:request_prompt_tokens_count", "vllm:request_generation_tokens_count"):
+    for name in (
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:num_preemptions_total",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:time_to_first_token_seconds_count",
+        "vllm:request_queue_time_seconds_count",
+        "vllm:request_prefill_time_seconds_count",
+        "vllm:request_decode_time_seconds_count",
+        "vllm:request_prompt_tokens_count",
+        "vllm:request_generation_tokens_count",
+    ):
         assert values[name] == 0, name
-    reasons = {s.labels["finished_reason"] for metric in Metrics("m").registry.collect() for s in metric.samples
-               if s.name == "vllm:request_success_total"}
+    reasons = {
+        s.labels["finished_reason"]
+        for metric in Metrics("m").registry.collect()
+        for s in metric.samples
+        if s.name == "vllm:request_success_total"
+    }
     assert reasons == {"stop", "length", "abort"}
 
 
@@ -61,8 +74,9 @@ def test_queue_prefill_decode_and_prefix_cache_come_from_the_engines_request_sta
     timer = RequestTimer(m, prompt_tokens=32, n=2)
     timer.on_tokens([1, 1])
     timer.on_tokens([3, 5])
-    timer.finish(["length", "stop"], [{"queue_time": 0.25, "num_cached_tokens": 16},
-                                      {"queue_time": 0.5, "num_cached_tokens": 0}])
+    timer.finish(
+        ["length", "stop"], [{"queue_time": 0.25, "num_cached_tokens": 16}, {"queue_time": 0.5, "num_cached_tokens": 0}]
+    )
     assert _histogram(m, "vllm:request_queue_time_seconds") == (2, 0.75)
     assert _histogram(m, "vllm:request_prefill_time_seconds") == (2, 0.75 + 0.5)  # first token - arrival - queue
     assert _histogram(m, "vllm:request_decode_time_seconds") == (2, 6.0)  # last token - first token, each
@@ -71,6 +85,10 @@ def test_queue_prefill_decode_and_prefix_cache_come_from_the_engines_request_sta
     assert _histogram(m, "vllm:request_generation_tokens") == (2, 8)
     values = _values(m)
     assert values["vllm:prefix_cache_queries_total"] == 64 and values["vllm:prefix_cache_hits_total"] == 16
-    success = {s.labels["finished_reason"]: s.value for metric in m.registry.collect() for s in metric.samples
-               if s.name == "vllm:request_success_total"}
+    success = {
+        s.labels["finished_reason"]: s.value
+        for metric in m.registry.collect()
+        for s in metric.samples
+        if s.name == "vllm:request_success_total"
+    }
     assert success == {"stop": 1, "length": 1, "abort": 0}

@@ -1,5 +1,6 @@
 """Our models (Qwen2, Qwen3, Llama 3) over the paged KV cache equal Hugging Face's, logit for logit and token for
 token (CPU, fp32)."""
+
 from __future__ import annotations
 
 import os
@@ -27,10 +28,14 @@ CASES = {
     "untied-gqa6-d64-single-bs8": (dict(num_heads=6, num_kv_heads=1, head_dim=64, tie=False), 8),
     # Qwen3 (q/k norm, no bias) and Llama 3 (llama3 RoPE scaling, no bias): head_dim unlike hidden / heads (16).
     "qwen3-tied-gqa2-d32-single-bs4": (dict(family="qwen3", num_heads=4, num_kv_heads=2, head_dim=32, tie=True), 4),
-    "qwen3-untied-gqa3-d64-sharded-bs8": (dict(family="qwen3", num_heads=6, num_kv_heads=2, head_dim=64, tie=False,
-                                               sharded=True), 8),
-    "llama-tied-gqa2-d32-sharded-bs4": (dict(family="llama", num_heads=4, num_kv_heads=2, head_dim=32, tie=True,
-                                             sharded=True), 4),
+    "qwen3-untied-gqa3-d64-sharded-bs8": (
+        dict(family="qwen3", num_heads=6, num_kv_heads=2, head_dim=64, tie=False, sharded=True),
+        8,
+    ),
+    "llama-tied-gqa2-d32-sharded-bs4": (
+        dict(family="llama", num_heads=4, num_kv_heads=2, head_dim=32, tie=True, sharded=True),
+        4,
+    ),
     "llama-untied-mha-d24-single-bs8": (dict(family="llama", num_heads=2, num_kv_heads=2, head_dim=24, tie=False), 8),
 }
 
@@ -44,8 +49,10 @@ class PagedRun:
         kv_heads, self.group = qkv.num_kv_heads, qkv.num_heads // qkv.num_kv_heads
         shape = (num_blocks, kv_heads, block_size, model.config.head_dim)
         dtype = next(model.parameters()).dtype
-        self.kv = [(torch.zeros(shape, dtype=dtype, device=self.device),
-                    torch.zeros(shape, dtype=dtype, device=self.device)) for _ in model.model.layers]
+        self.kv = [
+            (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
+            for _ in model.model.layers
+        ]
         self.model, self.block_size = model, block_size
         self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
         self.tables: dict[int, list[int]] = {}
@@ -82,9 +89,12 @@ class PagedRun:
         qlens = [len(t) for t in chunks.values()]
         work = None if max(qlens) == 1 else self._tensor(prefill_work(qlens, self.group).tolist(), torch.int32)
         return AttentionMetadata(
-            slot_mapping=self._tensor(slots), block_tables=self._tensor(tables, torch.int32),
+            slot_mapping=self._tensor(slots),
+            block_tables=self._tensor(tables, torch.int32),
             context_lens=self._tensor([self.lens[s] for s in chunks], torch.int32),
-            cu_seqlens_q=self._tensor([0] + qlens, torch.int32).cumsum(0).int(), work=work)
+            cu_seqlens_q=self._tensor([0] + qlens, torch.int32).cumsum(0).int(),
+            work=work,
+        )
 
 
 def build_model(model_dir: str | Path, tp_rank: int = 0, tp_size: int = 1) -> Qwen2ForCausalLM:
@@ -155,8 +165,11 @@ def test_decode_with_norm_and_swiglu_folded_into_the_gemvs_equals_hf(tiny_ckpt, 
     # SwiGLU's epilogue (gate_up) takes split_k 1 only.
     split = {False: GemvConfig(32, 32, split_k=2), True: GemvConfig(32, 32, one_row=True)}
     whole = {False: GemvConfig(32, 32), True: GemvConfig(8, 32, one_row=True, per_sm=2)}
-    monkeypatch.setattr(linear_module, "choice", lambda fold, x, w, bias: (
-        whole if fold.endswith("swiglu") else split)[x.x.shape[0] == 1] if fold else None)
+    monkeypatch.setattr(
+        linear_module,
+        "choice",
+        lambda fold, x, w, bias: (whole if fold.endswith("swiglu") else split)[x.x.shape[0] == 1] if fold else None,
+    )
     prompt = tokens_for(2, 2 * block_size + 1)
     run = PagedRun(ours, block_size)
     got = run.step({0: prompt[:3]})
@@ -194,9 +207,8 @@ def test_greedy_32_tokens_equal_hf_generate(case):
         for s, (tok,) in feed.items():
             out[s].append(tok)
     for s, prompt in prompts.items():
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)
-        assert out[s] == ref[0, len(prompt):].tolist()
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert out[s] == ref[0, len(prompt) :].tolist()
 
 
 def test_fewer_kv_caches_than_layers_run_the_first_layers_alone(tiny_ckpt):
@@ -269,13 +281,32 @@ def test_tensor_parallel_2_ranks_equal_one_rank_for_split_and_replicated_kv_head
     from checkpoints import make_checkpoint
     from safetensors.torch import load_file
 
-    kv_heads = {"kv2": (4, 2, "qwen2"), "kv4": (8, 4, "qwen2"), "kv1-replicated": (4, 1, "qwen2"),
-                "qwen3-kv2": (4, 2, "qwen3"), "llama-kv1-replicated": (4, 1, "llama")}
-    cases = [(str(make_checkpoint(tmp_path / name, num_heads=h, num_kv_heads=kv, tie=name != "kv4", family=family,
-                                  head_dim=16 if family == "qwen2" else 32)), 4)
-             for name, (h, kv, family) in kv_heads.items()]
-    torch.multiprocessing.spawn(_tp_rank_main, args=(2, f"file://{tmp_path}/rendezvous", cases, str(tmp_path)),
-                                nprocs=2, join=True)
+    kv_heads = {
+        "kv2": (4, 2, "qwen2"),
+        "kv4": (8, 4, "qwen2"),
+        "kv1-replicated": (4, 1, "qwen2"),
+        "qwen3-kv2": (4, 2, "qwen3"),
+        "llama-kv1-replicated": (4, 1, "llama"),
+    }
+    cases = [
+        (
+            str(
+                make_checkpoint(
+                    tmp_path / name,
+                    num_heads=h,
+                    num_kv_heads=kv,
+                    tie=name != "kv4",
+                    family=family,
+                    head_dim=16 if family == "qwen2" else 32,
+                )
+            ),
+            4,
+        )
+        for name, (h, kv, family) in kv_heads.items()
+    ]
+    torch.multiprocessing.spawn(
+        _tp_rank_main, args=(2, f"file://{tmp_path}/rendezvous", cases, str(tmp_path)), nprocs=2, join=True
+    )
     for model_dir, block_size in cases:
         tp2 = load_file(tmp_path / (Path(model_dir).name + ".safetensors"))["logits"]
         torch.testing.assert_close(tp2, _greedy_logits(build_model(model_dir), block_size), atol=ATOL, rtol=0)
@@ -298,9 +329,10 @@ def test_model_on_cuda_kernels_matches_hf_on_cuda(name, tmp_path):
     out = [int(got[-1][-1].argmax())]  # the prompt is cached: continue greedily from its last logits
     for _ in range(31):
         out.append(int(run.step({0: out[-1:]})[0][-1].argmax()))
-    ref = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=32, do_sample=False,
-                      eos_token_id=None, pad_token_id=0)
-    assert out == ref[0, len(prompt):].tolist()
+    ref = hf.generate(
+        torch.tensor([prompt], device="cuda"), max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    assert out == ref[0, len(prompt) :].tolist()
 
 
 @pytest.mark.gpu

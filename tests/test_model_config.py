@@ -1,4 +1,5 @@
 """--model resolution: short names, local directories, the HF cache, and one clear error when nothing fits."""
+
 from __future__ import annotations
 
 import json
@@ -31,17 +32,33 @@ def empty_hf_cache(tmp_path, monkeypatch):
 def test_short_names_with_dummy_weights_need_no_files(name, empty_hf_cache):
     for suffix, eos in (("", [151645, 151643]), ("-base", [151643])):
         config, path = resolve_model(name + suffix, load_format="dummy")
-        got = (config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.num_attention_heads,
-               config.num_key_value_heads, config.tie_word_embeddings, config.vocab_size)
+        got = (
+            config.hidden_size,
+            config.intermediate_size,
+            config.num_hidden_layers,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.tie_word_embeddings,
+            config.vocab_size,
+        )
         assert path is None and got == PUBLISHED[name] and config.eos_token_ids == eos
-        assert (config.head_dim, config.rope_theta, config.rms_norm_eps, config.max_position_embeddings) == \
-            (128, 1e6, 1e-6, 32768)
+        assert (config.head_dim, config.rope_theta, config.rms_norm_eps, config.max_position_embeddings) == (
+            128,
+            1e6,
+            1e-6,
+            32768,
+        )
 
 
 def test_local_directory_gives_its_config_and_generation_eos(tiny_ckpt):
     config, path = resolve_model(str(tiny_ckpt))
     assert path == str(tiny_ckpt)
-    assert (config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (64, 4, 2, 16)
+    assert (config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (
+        64,
+        4,
+        2,
+        16,
+    )
     assert config.rope_theta == 10000.0 and config.torch_dtype == "float32" and config.tie_word_embeddings
     assert config.eos_token_ids == [2]
 
@@ -59,10 +76,13 @@ def test_unsupported_architecture_is_named_with_the_supported_ones(tiny_ckpt, tm
         resolve_model(str(model_dir))
 
 
-@pytest.mark.parametrize("edit,match", [
-    (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}), "rope scaling 'yarn'"),
-    (dict(architectures=["LlamaForCausalLM"], model_type="llama", attention_bias=True), "attention_bias"),
-])
+@pytest.mark.parametrize(
+    "edit,match",
+    [
+        (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}), "rope scaling 'yarn'"),
+        (dict(architectures=["LlamaForCausalLM"], model_type="llama", attention_bias=True), "attention_bias"),
+    ],
+)
 def test_rope_scaling_and_biases_we_do_not_run_are_refused(tiny_ckpt, tmp_path, edit, match):
     with pytest.raises(ValueError, match=match):
         resolve_model(str(edit_config(tiny_ckpt, tmp_path, **edit)))
@@ -88,9 +108,18 @@ def test_qwen3_and_llama_short_names_carry_the_published_configs(name, empty_hf_
     repo, shape = PUBLISHED_NEW[name]
     config, path = resolve_model(name, load_format="dummy")
     scaling = config.rope_scaling
-    got = (config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.num_attention_heads,
-           config.num_key_value_heads, config.head_dim, config.tie_word_embeddings, config.max_position_embeddings,
-           config.rope_theta, scaling and scaling["factor"])
+    got = (
+        config.hidden_size,
+        config.intermediate_size,
+        config.num_hidden_layers,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.head_dim,
+        config.tie_word_embeddings,
+        config.max_position_embeddings,
+        config.rope_theta,
+        scaling and scaling["factor"],
+    )
     assert path is None and got == shape and short_model(name)[0] == repo
     llama = name.startswith("llama")
     assert config.architecture == ("LlamaForCausalLM" if llama else "Qwen3ForCausalLM")
@@ -101,8 +130,13 @@ def test_qwen3_and_llama_short_names_carry_the_published_configs(name, empty_hf_
     assert base.eos_token_ids == ([128001] if llama else [151643])
     assert base.max_position_embeddings == (131072 if llama else 32768)
     if llama:
-        assert scaling == {"rope_type": "llama3", "factor": shape[-1], "low_freq_factor": 1.0,
-                           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+        assert scaling == {
+            "rope_type": "llama3",
+            "factor": shape[-1],
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        }
 
 
 def test_quantized_checkpoint_is_refused_with_its_method_and_the_fix(tiny_ckpt, tmp_path):

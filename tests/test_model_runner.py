@@ -1,5 +1,6 @@
 """ModelRunner driven with hand-built StepPlans: Hugging Face's greedy tokens, rows that do not disturb
 each other, rows reused after a free, seeds that ignore the batch."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -27,13 +28,13 @@ class MiniScheduler:
         self.pending_new: list[NewRow] = []
         self.pending_free: list[int] = []
 
-    def add(self, row: int, prompt: list[int], params: SamplingParams | None = None,
-            generated: list[int] = ()) -> None:
+    def add(self, row: int, prompt: list[int], params: SamplingParams | None = None, generated: list[int] = ()) -> None:
         tokens = list(prompt) + list(generated)
         blocks = self._blocks(len(tokens))
         self.rows[row] = {"sent": len(tokens), "known": len(tokens), "computed": 0, "blocks": blocks, "out": []}
-        self.pending_new.append(NewRow(row, i32(tokens), len(prompt), 0, i32(blocks),
-                                       (params or SamplingParams(temperature=0.0)).to_dict()))
+        self.pending_new.append(
+            NewRow(row, i32(tokens), len(prompt), 0, i32(blocks), (params or SamplingParams(temperature=0.0)).to_dict())
+        )
 
     def free(self, row: int) -> list[int]:
         self.pending_free.append(row)
@@ -97,8 +98,15 @@ class MiniScheduler:
 
 
 def _runner(ckpt, **kw) -> ModelRunner:
-    config = EngineConfig(model=str(ckpt), device="cpu", block_size=BLOCK, num_kv_blocks=kw.pop("num_kv_blocks", 128),
-                          max_num_seqs=kw.pop("max_num_seqs", 4), max_num_batched_tokens=64, **kw)
+    config = EngineConfig(
+        model=str(ckpt),
+        device="cpu",
+        block_size=BLOCK,
+        num_kv_blocks=kw.pop("num_kv_blocks", 128),
+        max_num_seqs=kw.pop("max_num_seqs", 4),
+        max_num_batched_tokens=64,
+        **kw,
+    )
     return ModelRunner(resolve_config(config), rank=0, tp_size=1)
 
 
@@ -114,7 +122,8 @@ def hf_greedy(tiny_ckpt):
     def generate(prompt: list[int], n: int) -> list[int]:
         with torch.no_grad():
             out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
-        return out[0, len(prompt):].tolist()
+        return out[0, len(prompt) :].tolist()
+
     return generate
 
 
@@ -215,13 +224,16 @@ def test_block_ids_outside_the_kv_cache_are_rejected_and_the_row_keeps_its_table
     sched.run_step()
     for bad in (runner.num_kv_blocks, -1):
         plan = StepPlan(runner.step + 1, i32([2]), i32([1]), [], [(2, i32([bad]))], i32([]))
-        with pytest.raises(ValueError, match=f"block id {bad} appended to row 2 is outside the KV cache's "
-                                             f"{runner.num_kv_blocks} blocks"):
+        with pytest.raises(
+            ValueError,
+            match=f"block id {bad} appended to row 2 is outside the KV cache's {runner.num_kv_blocks} blocks",
+        ):
             runner.execute(plan)
     assert runner.mirror.num_blocks[2] == 1 and not runner.mirror.take_deltas()[0].size
 
 
 # ---- the worker process ------------------------------------------------------------------------------
+
 
 @pytest.fixture
 def workers(request, tiny_ckpt):
@@ -242,11 +254,19 @@ def workers(request, tiny_ckpt):
     plans = [ctx.socket(zmq.PUSH) for _ in range(tp)]
     for sock, address in zip(plans, addresses.plans):
         sock.bind(address)
-    config = resolve_config(EngineConfig(model=str(tiny_ckpt), device="cpu", block_size=BLOCK, num_kv_blocks=16,
-                                         max_num_seqs=2, max_num_batched_tokens=32, tensor_parallel_size=tp))
+    config = resolve_config(
+        EngineConfig(
+            model=str(tiny_ckpt),
+            device="cpu",
+            block_size=BLOCK,
+            num_kv_blocks=16,
+            max_num_seqs=2,
+            max_num_batched_tokens=32,
+            tensor_parallel_size=tp,
+        )
+    )
     spawn = mp.get_context("spawn")
-    procs = [spawn.Process(target=run_worker, args=(config.to_dict(), addresses.to_dict(), rank))
-             for rank in range(tp)]
+    procs = [spawn.Process(target=run_worker, args=(config.to_dict(), addresses.to_dict(), rank)) for rank in range(tp)]
     for proc in procs:
         proc.start()
     yield plans, results, procs
@@ -263,26 +283,48 @@ def workers(request, tiny_ckpt):
 @pytest.mark.parametrize("workers", [1, 2], indirect=True, ids=["tp1", "tp2"])
 def test_worker_process_says_ready_answers_plans_and_exits_on_shutdown(workers, hf_greedy):
     from protocol.codec import decode, encode
-    from protocol.messages import Ready, Shutdown, StepResult
+    from protocol.messages import Shutdown, StepResult
 
     plans, results, procs = workers
     readies = sorted((decode(results.recv()) for _ in procs), key=lambda r: r.rank)
     want = [("worker", rank, 16) for rank in range(len(procs))]
     assert [(r.role, r.rank, r.info["num_kv_blocks"]) for r in readies] == want
-    parts = {"weights_s", "kernels_compiled", "compile_s", "kv_cache_s", "graph_capture_s", "prefill_capture_s",
-             "graph_warmup_s", "clock"}
+    parts = {
+        "weights_s",
+        "kernels_compiled",
+        "compile_s",
+        "kv_cache_s",
+        "graph_capture_s",
+        "prefill_capture_s",
+        "graph_warmup_s",
+        "clock",
+    }
     assert all(set(r.info["startup"]) == parts for r in readies)
     assert all(r.info["startup"]["kernels_compiled"] == 0 for r in readies)  # no graphs on the CPU: no dry run
-    marks = ["worker_entered", "torch_imported", "device_selected", "runner_started", "weights_loaded",
-             "kernels_compiled", "kv_profiled", "kv_cache_ready", "decode_graphs_captured", "prefill_graphs_captured",
-             "worker_ready"]
+    marks = [
+        "worker_entered",
+        "torch_imported",
+        "device_selected",
+        "runner_started",
+        "weights_loaded",
+        "kernels_compiled",
+        "kv_profiled",
+        "kv_cache_ready",
+        "decode_graphs_captured",
+        "prefill_graphs_captured",
+        "worker_ready",
+    ]
     assert all(list(r.info["startup"]["clock"]) == marks for r in readies)
-    assert all(sorted(r.info["startup"]["clock"].values()) == list(r.info["startup"]["clock"].values())
-               for r in readies)
+    assert all(
+        sorted(r.info["startup"]["clock"].values()) == list(r.info["startup"]["clock"].values()) for r in readies
+    )
     prompt = _prompt(7, seed=11)
     new = NewRow(0, i32(prompt), len(prompt), 0, i32([0]), SamplingParams(temperature=0.0).to_dict())
-    for msg in (StepPlan(1, i32([0]), i32([7]), [new], []),
-                StepPlan(2, i32([0]), i32([1]), [], [[0, i32([1]).tobytes()]]), Shutdown()):
+    for msg in (
+        StepPlan(1, i32([0]), i32([7]), [new], []),
+        StepPlan(2, i32([0]), i32([1]), [], [[0, i32([1]).tobytes()]]),
+        Shutdown(),
+    ):
         for sock in plans:
             sock.send(encode(msg))
     tokens = [decode(results.recv()) for _ in range(2)]  # rank 0 answers for all ranks
@@ -323,10 +365,18 @@ def test_steps_through_the_graph_registry_flow_equal_hf_greedy(tiny_ckpt, hf_gre
     runner = _runner(tiny_ckpt)
     graphs = CudaGraphs(runner.dummy_row, graphs=False)
     with torch.inference_mode():
-        graphs.capture("decode", {s: runner.buffers.decode_views(s) for s in (2, 4)}, runner._decode_forward,
-                       runner._decode_forward)
-        graphs.capture("prefill", {b: runner.buffers.prefill_views(b) for b in (8, 32)}, runner._prefill_forward,
-                       runner._prefill_forward)
+        graphs.capture(
+            "decode",
+            {s: runner.buffers.decode_views(s) for s in (2, 4)},
+            runner._decode_forward,
+            runner._decode_forward,
+        )
+        graphs.capture(
+            "prefill",
+            {b: runner.buffers.prefill_views(b) for b in (8, 32)},
+            runner._prefill_forward,
+            runner._prefill_forward,
+        )
     for host in runner.buffers._host_np:
         host[:] = np.random.default_rng(0).integers(0, 256, host.shape, dtype=np.uint8)
     runner.graphs, steps = graphs, []

@@ -1,4 +1,5 @@
 """AsyncLLM's life cycle at its edges: new event loops, shutdown, cancelled consumers, engines that never answer."""
+
 from __future__ import annotations
 
 import asyncio
@@ -42,7 +43,7 @@ def test_a_second_running_event_loop_is_a_clear_error(engine):
     started, release = threading.Event(), threading.Event()
 
     async def hold():
-        async for out in engine.generate(PROMPT, LONG, "held"):
+        async for _ in engine.generate(PROMPT, LONG, "held"):
             started.set()
             while not release.is_set():
                 await asyncio.sleep(0.05)
@@ -71,6 +72,7 @@ async def _wait_engine_idle(llm: AsyncLLM, timeout: float = 30.0) -> dict:
 
 def test_cancelled_consumer_aborts_its_request_and_frees_blocks(engine):
     """A client that disconnects cancels the task iterating generate(): the engine must stop that request."""
+
     async def run():
         async def consume():
             async for _ in engine.generate(PROMPT, LONG, "cancel-me"):
@@ -157,8 +159,9 @@ def test_connect_to_an_engine_of_another_protocol_version_is_refused_at_once(tmp
     def answer():
         if router.poll(10_000):
             identity, _ = router.recv_multipart()
-            router.send_multipart([identity, msgpack.packb(
-                {"type": "Ready", "v": 2, "role": "engine", "rank": 0, "info": {}})])
+            router.send_multipart(
+                [identity, msgpack.packb({"type": "Ready", "v": 2, "role": "engine", "rank": 0, "info": {}})]
+            )
 
     peer = threading.Thread(target=answer)
     peer.start()

@@ -1,4 +1,5 @@
 """The msgpack codec: every message survives a round trip; anything malformed is a ProtocolError."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -11,33 +12,72 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from protocol.codec import MAX_FRAME_BYTES, ProtocolError, decode, encode
-from protocol.messages import (MESSAGE_TYPES, Abort, AddRequest, EngineDead, Error, GetStats, GrammarMask, NewRow,
-                               Ready, Shutdown, StepPlan, StepResult, TokenBatch, WorkerError, i32)
 from protocol.config import InvalidParam
+from protocol.messages import (
+    MESSAGE_TYPES,
+    Abort,
+    AddRequest,
+    EngineDead,
+    Error,
+    GetStats,
+    GrammarMask,
+    NewRow,
+    Ready,
+    Shutdown,
+    StepPlan,
+    StepResult,
+    TokenBatch,
+    WorkerError,
+    i32,
+)
 from protocol.sampling import SamplingParams
 
-NEW_ROW = NewRow(row=3, token_ids=i32([5, 6, 7]), num_prompt_tokens=2, num_computed=1, block_table=i32([9, 4]),
-                 params=SamplingParams(seed=7).to_dict())
+NEW_ROW = NewRow(
+    row=3,
+    token_ids=i32([5, 6, 7]),
+    num_prompt_tokens=2,
+    num_computed=1,
+    block_table=i32([9, 4]),
+    params=SamplingParams(seed=7).to_dict(),
+)
 SAMPLES = [
     AddRequest("r-1", i32([1, 2, 2**31 - 1]), {"max_tokens": 4, "temperature": 0.5, "stop": ["\n"]}),
     Abort(["a", "b"]),
     Shutdown(),
     GetStats(),
-    TokenBatch(step=4, request_ids=["a", "b"], token_ids=i32([11, -1]), finished={"b": "error"},
-               errors={"b": "bad"}, logprobs=[[-0.5, [11, 3], [-0.5, -2.0]], None], stats={"num_running": 1},
-               request_stats={"a": {"queue_time": 0.25, "num_cached_tokens": 16}}),
+    TokenBatch(
+        step=4,
+        request_ids=["a", "b"],
+        token_ids=i32([11, -1]),
+        finished={"b": "error"},
+        errors={"b": "bad"},
+        logprobs=[[-0.5, [11, 3], [-0.5, -2.0]], None],
+        stats={"num_running": 1},
+        request_stats={"a": {"queue_time": 0.25, "num_cached_tokens": 16}},
+    ),
     TokenBatch(step=0, request_ids=[], token_ids=i32([])),
     Ready(role="engine", rank=0, info={"num_kv_blocks": 10, "eos_token_ids": [1, 2]}),
     EngineDead("worker 0 died"),
     Error("malformed frame: AddRequest.prompt_token_ids must be raw i32 bytes", "r-1"),
     Error("Shutdown refused"),
     NEW_ROW,
-    StepPlan(step=2, rows=i32([3, 1]), num_tokens=i32([1, 7]), new_rows=[NEW_ROW], block_appends=[],
-             free_rows=i32([0]), trace=True, masked=i32([0])),
+    StepPlan(
+        step=2,
+        rows=i32([3, 1]),
+        num_tokens=i32([1, 7]),
+        new_rows=[NEW_ROW],
+        block_appends=[],
+        free_rows=i32([0]),
+        trace=True,
+        masked=i32([0]),
+    ),
     GrammarMask(step=2, rows=3),
-    StepResult(step=2, token_ids=i32([4, -1]),
-               logprobs={"sampled": np.float32([-1.5, 0]).tobytes(), "k": 0, "top_ids": b"", "top_logprobs": b""},
-               timings={"start_ns": 1}),
+    StepResult(
+        step=2,
+        token_ids=i32([4, -1]),
+        logprobs={"sampled": np.float32([-1.5, 0]).tobytes(), "k": 0, "top_ids": b"", "top_logprobs": b""},
+        timings={"start_ns": 1},
+    ),
     WorkerError(rank=1, reason="CUDA error"),
 ]
 
@@ -65,13 +105,18 @@ def test_every_message_survives_a_round_trip(msg):
 
 def test_arrays_travel_as_raw_little_endian_bytes():
     wire = msgpack.unpackb(encode(AddRequest("x", i32([1, 258]), {})), raw=False)
-    assert wire == {"type": "AddRequest", "v": 1, "request_id": "x", "prompt_token_ids": b"\x01\0\0\0\x02\x01\0\0",
-                    "params": {}}
+    assert wire == {
+        "type": "AddRequest",
+        "v": 1,
+        "request_id": "x",
+        "prompt_token_ids": b"\x01\0\0\0\x02\x01\0\0",
+        "params": {},
+    }
 
 
 def test_block_appends_travel_as_row_and_raw_block_ids():
     plan = StepPlan(step=1, rows=i32([0]), num_tokens=i32([1]), block_appends=[(0, i32([5, 6]))])
-    (row, ids), = decode(encode(plan)).block_appends
+    ((row, ids),) = decode(encode(plan)).block_appends
     assert row == 0 and np.frombuffer(ids, "<i4").tolist() == [5, 6]
 
 
@@ -82,23 +127,38 @@ def _frame(**obj) -> bytes:
 GOOD = {"type": "EngineDead", "v": 1, "reason": "x"}
 
 
-@pytest.mark.parametrize("frame,needle", [
-    (b"\xc1", "not msgpack"),
-    (b"", "not msgpack"),
-    (encode(GetStats())[:-1], "not msgpack"),
-    (msgpack.packb([1, 2]), "must be a map"),
-    (_frame(**{**GOOD, "v": 2}), "version 2"),
-    (_frame(type="EngineDead", reason="x"), "version None"),
-    (_frame(**{**GOOD, "type": "Pickle"}), "unknown message type"),
-    (_frame(**{**GOOD, "type": 5}), "unknown message type"),
-    (_frame(type="EngineDead", v=1), "lacks field 'reason'"),
-    (_frame(**{**GOOD, "reason": 5}), "EngineDead.reason"),
-    (_frame(type="WorkerError", v=1, rank=True, reason="x"), "must be int, got bool"),
-    (_frame(type="AddRequest", v=1, request_id="a", prompt_token_ids=b"\1\2\3", params={}), "raw i32 bytes"),
-    (_frame(type="AddRequest", v=1, request_id="a", prompt_token_ids=[1, 2], params={}), "raw i32 bytes"),
-    (_frame(type="StepPlan", v=1, step=1, rows=b"", num_tokens=b"", new_rows=[{"type": "Nope"}],
-            block_appends=[], free_rows=b"", trace=False), "unknown message type"),
-])
+@pytest.mark.parametrize(
+    "frame,needle",
+    [
+        (b"\xc1", "not msgpack"),
+        (b"", "not msgpack"),
+        (encode(GetStats())[:-1], "not msgpack"),
+        (msgpack.packb([1, 2]), "must be a map"),
+        (_frame(**{**GOOD, "v": 2}), "version 2"),
+        (_frame(type="EngineDead", reason="x"), "version None"),
+        (_frame(**{**GOOD, "type": "Pickle"}), "unknown message type"),
+        (_frame(**{**GOOD, "type": 5}), "unknown message type"),
+        (_frame(type="EngineDead", v=1), "lacks field 'reason'"),
+        (_frame(**{**GOOD, "reason": 5}), "EngineDead.reason"),
+        (_frame(type="WorkerError", v=1, rank=True, reason="x"), "must be int, got bool"),
+        (_frame(type="AddRequest", v=1, request_id="a", prompt_token_ids=b"\1\2\3", params={}), "raw i32 bytes"),
+        (_frame(type="AddRequest", v=1, request_id="a", prompt_token_ids=[1, 2], params={}), "raw i32 bytes"),
+        (
+            _frame(
+                type="StepPlan",
+                v=1,
+                step=1,
+                rows=b"",
+                num_tokens=b"",
+                new_rows=[{"type": "Nope"}],
+                block_appends=[],
+                free_rows=b"",
+                trace=False,
+            ),
+            "unknown message type",
+        ),
+    ],
+)
 def test_malformed_frames_raise_protocol_error(frame, needle):
     with pytest.raises(ProtocolError, match=needle):
         decode(frame)
@@ -113,8 +173,15 @@ def test_oversize_frames_are_refused_both_ways():
 
 def _nested_plans(depth: int) -> bytes:
     """A StepPlan whose new_rows hold a StepPlan whose new_rows hold ... `depth` deep, built as raw bytes."""
-    fields = {"type": "StepPlan", "step": 1, "rows": b"", "num_tokens": b"", "block_appends": [], "free_rows": b"",
-              "trace": False}
+    fields = {
+        "type": "StepPlan",
+        "step": 1,
+        "rows": b"",
+        "num_tokens": b"",
+        "block_appends": [],
+        "free_rows": b"",
+        "trace": False,
+    }
     head = bytes([0x80 + len(fields) + 1]) + b"".join(msgpack.packb(k) + msgpack.packb(v) for k, v in fields.items())
     top = bytes([0x80 + len(fields) + 2]) + msgpack.packb("v") + msgpack.packb(1) + head[1:]
     inner = msgpack.packb({})
@@ -130,6 +197,7 @@ def test_deeply_nested_messages_raise_protocol_error():
 
 # ---- fuzzing: whatever arrives, decode returns a message or raises ProtocolError -------------------
 
+
 def _decodes_or_refuses(frame: bytes) -> None:
     try:
         msg = decode(frame)
@@ -144,16 +212,17 @@ def test_random_bytes_never_raise_anything_but_protocol_error(frame):
     _decodes_or_refuses(frame)
 
 
-_mutation = st.tuples(st.sampled_from(["flip", "cut", "insert", "truncate"]), st.integers(0, 10**6),
-                      st.binary(min_size=1, max_size=8))
+_mutation = st.tuples(
+    st.sampled_from(["flip", "cut", "insert", "truncate"]), st.integers(0, 10**6), st.binary(min_size=1, max_size=8)
+)
 
 
 def _mutate(frame: bytes, op: str, at: int, data: bytes) -> bytes:
     i = at % (len(frame) + 1)
     if op == "flip" and i < len(frame):
-        return frame[:i] + bytes([frame[i] ^ data[0]]) + frame[i + 1:]
+        return frame[:i] + bytes([frame[i] ^ data[0]]) + frame[i + 1 :]
     if op == "cut":
-        return frame[:i] + frame[i + len(data):]
+        return frame[:i] + frame[i + len(data) :]
     if op == "insert":
         return frame[:i] + data + frame[i:]
     return frame[:i]
@@ -168,16 +237,23 @@ def test_mutated_frames_never_raise_anything_but_protocol_error(msg, mutations):
     _decodes_or_refuses(frame)
 
 
-_ints = st.integers(-2**63, 2**64 - 1)  # what msgpack can carry
+_ints = st.integers(-(2**63), 2**64 - 1)  # what msgpack can carry
 _scalars = st.one_of(st.none(), st.booleans(), _ints, st.floats(), st.text(max_size=6), st.binary(max_size=12))
-_values = st.recursive(_scalars, lambda inner: st.one_of(
-    st.lists(inner, max_size=3), st.dictionaries(st.one_of(st.text(max_size=12), _ints), inner, max_size=4)),
-    max_leaves=12)
+_values = st.recursive(
+    _scalars,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3), st.dictionaries(st.one_of(st.text(max_size=12), _ints), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.sampled_from(sorted(MESSAGE_TYPES)), st.dictionaries(st.text(max_size=16), _values, max_size=8),
-       st.sampled_from([1, 1, 2, None]))
+@given(
+    st.sampled_from(sorted(MESSAGE_TYPES)),
+    st.dictionaries(st.text(max_size=16), _values, max_size=8),
+    st.sampled_from([1, 1, 2, None]),
+)
 def test_maps_of_random_fields_never_raise_anything_but_protocol_error(name, fields, version):
     obj = {**fields, "type": name}
     if version is not None:
@@ -188,13 +264,16 @@ def test_maps_of_random_fields_never_raise_anything_but_protocol_error(name, fie
     _decodes_or_refuses(msgpack.packb(obj, use_bin_type=True))
 
 
-@pytest.mark.parametrize("obj,request_id", [
-    ({"type": "AddRequest", "v": 1, "request_id": "a", "prompt_token_ids": [1, 2], "params": {}}, "a"),
-    ({"type": "AddRequest", "v": 1, "request_id": "b", "params": {}}, "b"),
-    ({"type": "AddRequest", "v": 2, "request_id": "c"}, "c"),
-    ({"type": "AddRequest", "v": 1, "request_id": 7, "params": {}}, None),
-    ({"type": "GetStats", "v": 3}, None),
-])
+@pytest.mark.parametrize(
+    "obj,request_id",
+    [
+        ({"type": "AddRequest", "v": 1, "request_id": "a", "prompt_token_ids": [1, 2], "params": {}}, "a"),
+        ({"type": "AddRequest", "v": 1, "request_id": "b", "params": {}}, "b"),
+        ({"type": "AddRequest", "v": 2, "request_id": "c"}, "c"),
+        ({"type": "AddRequest", "v": 1, "request_id": 7, "params": {}}, None),
+        ({"type": "GetStats", "v": 3}, None),
+    ],
+)
 def test_a_malformed_frame_names_the_request_id_it_carries(obj, request_id):
     with pytest.raises(ProtocolError) as bad:
         decode(msgpack.packb(obj, use_bin_type=True))

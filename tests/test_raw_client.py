@@ -1,6 +1,7 @@
 """A client that speaks only pyzmq + msgpack, as PROTOCOL.md describes, against a headless engine of launch.py:
 every frame gets an answer, a request id finishes once, only the owner stops the engine, a vanished client's work
 is dropped, and nothing is left in the file system."""
+
 from __future__ import annotations
 
 import os
@@ -20,9 +21,23 @@ PROMPT = [11, 22, 33, 44, 55]
 
 def _launch(ckpt: Path, address: str, tmp: Path, *flags: str, stderr=None) -> subprocess.Popen:
     """TMPDIR points the engine's private ipc directory into `tmp`, where the test can see it go."""
-    return subprocess.Popen([sys.executable, "launch.py", "--model", str(ckpt), "--device", "cpu", "--headless",
-                             "--engine-address", address, *flags], env={**os.environ, "TMPDIR": str(tmp)},
-                            stderr=stderr, text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "launch.py",
+            "--model",
+            str(ckpt),
+            "--device",
+            "cpu",
+            "--headless",
+            "--engine-address",
+            address,
+            *flags,
+        ],
+        env={**os.environ, "TMPDIR": str(tmp)},
+        stderr=stderr,
+        text=True,
+    )
 
 
 class Client:
@@ -43,8 +58,14 @@ class Client:
         return msgpack.unpackb(self.sock.recv(), raw=False)
 
     def add(self, rid: str, prompt: list[int] = PROMPT, **params) -> None:
-        self.send({"type": "AddRequest", "request_id": rid, "prompt_token_ids": struct.pack(f"<{len(prompt)}i", *prompt),
-                   "params": {"temperature": 0.0, "ignore_eos": True, **params}})
+        self.send(
+            {
+                "type": "AddRequest",
+                "request_id": rid,
+                "prompt_token_ids": struct.pack(f"<{len(prompt)}i", *prompt),
+                "params": {"temperature": 0.0, "ignore_eos": True, **params},
+            }
+        )
 
     def stats(self) -> dict:
         self.send({"type": "GetStats"})
@@ -73,11 +94,14 @@ def client(engine):
     c.close()
 
 
-@pytest.mark.parametrize("fields,reason", [
-    ({"prompt_token_ids": [11, 22, 33]}, "prompt_token_ids must be raw i32 bytes"),
-    ({"prompt_token_ids": None}, "AddRequest lacks field 'prompt_token_ids'"),
-    ({"params": None}, "AddRequest lacks field 'params'"),
-])
+@pytest.mark.parametrize(
+    "fields,reason",
+    [
+        ({"prompt_token_ids": [11, 22, 33]}, "prompt_token_ids must be raw i32 bytes"),
+        ({"prompt_token_ids": None}, "AddRequest lacks field 'prompt_token_ids'"),
+        ({"params": None}, "AddRequest lacks field 'params'"),
+    ],
+)
 def test_a_malformed_request_whose_id_can_be_read_finishes_with_an_error_naming_the_reason(client, fields, reason):
     msg = {"type": "AddRequest", "request_id": "bad", "prompt_token_ids": struct.pack("<i", 5), "params": {}}
     client.send({k: v for k, v in {**msg, **fields}.items() if v is not None})
@@ -86,15 +110,20 @@ def test_a_malformed_request_whose_id_can_be_read_finishes_with_an_error_naming_
     assert reason in batch["errors"]["bad"]
 
 
-@pytest.mark.parametrize("frame,reason", [
-    (b"\xc1 not msgpack", "not msgpack"),
-    (msgpack.packb([1, 2]), "must be a map"),
-    (msgpack.packb({"type": "AddRequest", "v": 1, "request_id": 7}), "request_id"),
-    (msgpack.packb({"type": "Nope", "v": 1}), "unknown message type"),
-    (msgpack.packb({"type": "GetStats", "v": 2}), "version 2"),
-    (msgpack.packb({"type": "StepResult", "v": 1, "step": 1, "token_ids": b"", "logprobs": None, "timings": {}}),
-     "not a frontend message"),
-])
+@pytest.mark.parametrize(
+    "frame,reason",
+    [
+        (b"\xc1 not msgpack", "not msgpack"),
+        (msgpack.packb([1, 2]), "must be a map"),
+        (msgpack.packb({"type": "AddRequest", "v": 1, "request_id": 7}), "request_id"),
+        (msgpack.packb({"type": "Nope", "v": 1}), "unknown message type"),
+        (msgpack.packb({"type": "GetStats", "v": 2}), "version 2"),
+        (
+            msgpack.packb({"type": "StepResult", "v": 1, "step": 1, "token_ids": b"", "logprobs": None, "timings": {}}),
+            "not a frontend message",
+        ),
+    ],
+)
 def test_a_frame_without_a_readable_request_id_gets_a_protocol_error(client, frame, reason):
     client.sock.send(frame)
     error = client.recv()
@@ -186,8 +215,7 @@ def test_sigterm_stops_a_headless_engine_and_removes_its_socket_file_and_ipc_dir
 
 
 def test_remote_shutdown_works_only_behind_its_flag(tiny_ckpt, tmp_path):
-    proc = _launch(tiny_ckpt, f"ipc://{tmp_path}/engine", tmp_path, "--allow-remote-shutdown",
-                   stderr=subprocess.PIPE)
+    proc = _launch(tiny_ckpt, f"ipc://{tmp_path}/engine", tmp_path, "--allow-remote-shutdown", stderr=subprocess.PIPE)
     try:
         client = Client(f"ipc://{tmp_path}/engine")
         client.send({"type": "Shutdown"})

@@ -1,12 +1,13 @@
 """The device sampler: each mode against a plain reference, and seeds that ignore the batch."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
-from protocol.sampling import SamplingParams
 from kernels.sampling import hashed_uniform, uniform_from_bits
+from protocol.sampling import SamplingParams
 from worker.sampler import Sampler
 
 V = 64
@@ -44,7 +45,7 @@ def test_seeded_row_samples_the_same_alone_or_in_a_batch():
     together = _run(batch, logits, [0, 1, 2, 3], [3, 4, 5, 6]).token_ids
     for i in range(4):
         alone = _sampler([params[i]])
-        assert _run(alone, logits[i:i + 1], [0], [3 + i]).token_ids.item() == together[i].item()
+        assert _run(alone, logits[i : i + 1], [0], [3 + i]).token_ids.item() == together[i].item()
 
 
 def test_different_seeds_and_positions_draw_different_noise():
@@ -67,8 +68,13 @@ def _draws(logits_row: torch.Tensor, params: SamplingParams, n: int) -> torch.Te
     s = Sampler(max_rows=1, vocab_size=logits_row.shape[-1], device=torch.device("cpu"))
     s.add_row(0, params, np.zeros(0, np.int32), np.zeros(0, np.int32))
     rows = np.zeros(n, np.int64)
-    return s(logits_row.expand(n, -1).contiguous(), torch.from_numpy(rows), torch.arange(n), rows,
-             torch.zeros(1, dtype=torch.int64)).token_ids
+    return s(
+        logits_row.expand(n, -1).contiguous(),
+        torch.from_numpy(rows),
+        torch.arange(n),
+        rows,
+        torch.zeros(1, dtype=torch.int64),
+    ).token_ids
 
 
 def test_seeded_sampling_follows_softmax_distribution():
@@ -80,8 +86,12 @@ def test_seeded_sampling_follows_softmax_distribution():
 
 def test_top_k_one_and_tiny_top_p_equal_greedy():
     logits = _logits(4, seed=1)
-    params = [SamplingParams(temperature=1.5, top_k=1, seed=1), SamplingParams(temperature=1.5, top_p=1e-6, seed=2),
-              SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=4)]
+    params = [
+        SamplingParams(temperature=1.5, top_k=1, seed=1),
+        SamplingParams(temperature=1.5, top_p=1e-6, seed=2),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, seed=4),
+    ]
     s = _sampler(params)
     tokens = _run(s, logits[:3], [0, 1, 2], [9, 9, 9]).token_ids
     assert torch.equal(tokens, logits[:3].argmax(-1))
@@ -128,8 +138,12 @@ def test_penalties_change_the_logits_of_seen_tokens_like_the_reference():
     vocab = 16
     logits = _logits(1, seed=4, vocab=vocab)[0]
     prompt, output = [1, 2, 3], [3, 4, 4, 5]
-    s = _sampler([SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.5,
-                                 presence_penalty=0.25)], [prompt], [output], vocab=vocab)
+    s = _sampler(
+        [SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.25)],
+        [prompt],
+        [output],
+        vocab=vocab,
+    )
     got = s._apply_penalties(logits[None], torch.tensor([0]))[0]
     want = _reference_penalties(logits, prompt, output, 1.3, 0.5, 0.25)
     torch.testing.assert_close(got, want)
@@ -148,16 +162,18 @@ def test_sampled_tokens_count_toward_later_penalties():
 def test_readded_row_forgets_the_previous_requests_tokens():
     vocab = 8
     s = _sampler([SamplingParams(temperature=0.0, presence_penalty=1.0)], [[1]], [[2, 2]], vocab=vocab)
-    s.add_row(0, SamplingParams(temperature=0.0, presence_penalty=1.0), np.array([3], np.int32),
-              np.zeros(0, np.int32))
+    s.add_row(0, SamplingParams(temperature=0.0, presence_penalty=1.0), np.array([3], np.int32), np.zeros(0, np.int32))
     assert s.output_counts[0].sum().item() == 0
     assert s.prompt_mask[0].nonzero().flatten().tolist() == [3]
 
 
 def test_logprobs_are_log_softmax_of_raw_logits():
     logits = _logits(2, seed=5)
-    s = _sampler([SamplingParams(temperature=0.0, logprobs=3, repetition_penalty=1.5),
-                  SamplingParams(temperature=1.0, seed=1)], [[0, 1], []], [[], []])
+    s = _sampler(
+        [SamplingParams(temperature=0.0, logprobs=3, repetition_penalty=1.5), SamplingParams(temperature=1.0, seed=1)],
+        [[0, 1], []],
+        [[], []],
+    )
     out = _run(s, logits, [0, 1], [2, 2])
     ref = torch.log_softmax(logits, dim=-1)
     torch.testing.assert_close(out.logprobs, ref.gather(1, out.token_ids[:, None])[:, 0])
@@ -193,8 +209,9 @@ def test_eos_and_stop_ids_are_banned_until_min_tokens_outputs():
     s.add_row(0, SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[3, 5]), prompt, no_out)
     s.add_row(1, SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[5], ignore_eos=True), prompt, no_out)
     s.add_row(2, SamplingParams(temperature=0.0, stop_token_ids=[3, 5]), prompt, no_out)
-    s.add_row(3, SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[3]), prompt,
-              np.array([7, 8], np.int32))  # resumed
+    s.add_row(
+        3, SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[3]), prompt, np.array([7, 8], np.int32)
+    )  # resumed
     assert not s.plain  # the graph's draw would skip the ban
     logits = torch.zeros(4, V)
     logits[:, [3, 5, 1]] = torch.tensor([10.0, 9.0, 8.0])

@@ -4,6 +4,7 @@ The fake worker's next token depends on every token it reads back from its cache
 table, a bad prefix-cache hit or a block overwritten while shared changes the output; outputs are
 compared with a plain loop over the same function.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -15,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from protocol.config import EngineConfig, ModelConfig
-from protocol.messages import AddRequest, Error, NewRow, StepPlan, StepResult, TokenBatch, i32
+from protocol.messages import AddRequest, Error, StepPlan, StepResult, TokenBatch, i32
 from scheduler.scheduler import Scheduler
 
 VOCAB = 97
@@ -32,13 +33,21 @@ def reference(prompt: list[int], n: int) -> list[int]:
     tokens = list(prompt)
     for _ in range(n):
         tokens.append(next_token(np.array(tokens)))
-    return tokens[len(prompt):]
+    return tokens[len(prompt) :]
 
 
 def make_config(**kw) -> EngineConfig:
-    mc = ModelConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
-                     num_key_value_heads=1, head_dim=4, vocab_size=VOCAB, max_position_embeddings=256,
-                     eos_token_ids=kw.pop("eos_token_ids", []))
+    mc = ModelConfig(
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=4,
+        vocab_size=VOCAB,
+        max_position_embeddings=256,
+        eos_token_ids=kw.pop("eos_token_ids", []),
+    )
     kw = {"block_size": 8, "max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 256, **kw}
     return EngineConfig(model="fake", model_config=mc, **kw)
 
@@ -67,8 +76,9 @@ class FakeWorker:
         self.step = plan.step
         self.plans.append(plan)
         for nr in plan.new_rows:  # replaces a finished or preempted row's old mirror
-            self.rows[nr.row] = Mirror(nr.token_ids.tolist(), len(nr.token_ids), nr.num_computed,
-                                       nr.block_table.tolist(), nr.params)
+            self.rows[nr.row] = Mirror(
+                nr.token_ids.tolist(), len(nr.token_ids), nr.num_computed, nr.block_table.tolist(), nr.params
+            )
         for row, ids in plan.block_appends:  # ids: an array in process, raw int32 bytes over the wire
             self.rows[row].table.extend(np.frombuffer(ids, "<i4") if isinstance(ids, bytes) else ids)
         decoding = [self.rows[r].computed >= self.rows[r].num_row_tokens for r in plan.rows.tolist()]
@@ -132,8 +142,9 @@ class Harness:
         self.batches: list[tuple[bytes, TokenBatch]] = []
         self._ids = itertools.count()
 
-    def add(self, prompt, client: bytes = CLIENT, request_id: str | None = None, params: dict | None = None,
-            **kw) -> str:
+    def add(
+        self, prompt, client: bytes = CLIENT, request_id: str | None = None, params: dict | None = None, **kw
+    ) -> str:
         rid = request_id or f"req-{next(self._ids)}"
         self.outs.setdefault(rid, Out([]))
         self.collect(self.sched.add(AddRequest(rid, i32(prompt), {**(params or {}), **kw}), client))
@@ -180,6 +191,7 @@ def prompts(n: int, seed: int = 0, lo: int = 1, hi: int = 60) -> list[list[int]]
 
 
 # ---- batching, chunking, preemption, prefix cache --------------------------------------------------
+
 
 def test_batched_outputs_equal_the_sequential_reference():
     h = Harness()
@@ -308,6 +320,7 @@ def test_rows_stay_below_max_num_seqs_and_are_freed_in_the_next_plan():
 
 # ---- stops and lengths -----------------------------------------------------------------------------
 
+
 def _first_new(prompt: list[int], n: int, at: int) -> tuple[int, int]:
     """(i, token): the first i >= `at` whose token the reference has not generated before i."""
     ref = reference(prompt, n)
@@ -341,9 +354,9 @@ def test_stop_token_ids_stop_but_not_before_min_tokens():
     early = h.add(PROMPT, max_tokens=30, stop_token_ids=[stop])
     late = h.add(PROMPT, max_tokens=30, stop_token_ids=[stop], min_tokens=i + 4)
     outs = h.run()
-    assert outs[early].tokens == ref[:i + 1] and outs[early].finish == "stop"
+    assert outs[early].tokens == ref[: i + 1] and outs[early].finish == "stop"
     later = [j for j, t in enumerate(ref) if t == stop and j >= i + 3]
-    expected = ref[:later[0] + 1] if later else ref
+    expected = ref[: later[0] + 1] if later else ref
     assert outs[late].tokens == expected
     assert outs[late].finish == ("stop" if later else "length")
 
@@ -364,6 +377,7 @@ def test_prompt_plus_max_tokens_over_max_model_len_is_rejected():
 
 
 # ---- abort, errors, params -------------------------------------------------------------------------
+
 
 def test_abort_frees_a_running_and_a_waiting_request():
     h = Harness(max_num_seqs=1)
@@ -399,19 +413,22 @@ def test_result_for_an_aborted_row_is_dropped():
     h.assert_all_free()
 
 
-@pytest.mark.parametrize("prompt,params,needle", [
-    ([1, 2], {"temperature": -1.0}, "temperature"),
-    ([1, 2], {"top_p": 0.0}, "top_p"),
-    ([1, 2], {"max_tokens": 0}, "max_tokens"),
-    ([1, 2], {"bogus": 1}, "bogus"),
-    ([1, 2], {"stop": 5}, ""),
-    ([1, 2], {1: 2}, ""),
-    ([1, 2], {"stop_token_ids": [float("inf")]}, ""),
-    ([], {}, "non-empty"),
-    ([1, VOCAB], {}, f"token id {VOCAB}"),
-    ([-3, 1], {}, "token id -3"),
-    (list(range(60)) * 4, {"max_tokens": 1}, "KV cache"),
-])
+@pytest.mark.parametrize(
+    "prompt,params,needle",
+    [
+        ([1, 2], {"temperature": -1.0}, "temperature"),
+        ([1, 2], {"top_p": 0.0}, "top_p"),
+        ([1, 2], {"max_tokens": 0}, "max_tokens"),
+        ([1, 2], {"bogus": 1}, "bogus"),
+        ([1, 2], {"stop": 5}, ""),
+        ([1, 2], {1: 2}, ""),
+        ([1, 2], {"stop_token_ids": [float("inf")]}, ""),
+        ([], {}, "non-empty"),
+        ([1, VOCAB], {}, f"token id {VOCAB}"),
+        ([-3, 1], {}, "token id -3"),
+        (list(range(60)) * 4, {"max_tokens": 1}, "KV cache"),
+    ],
+)
 def test_bad_requests_come_back_as_error_batches(prompt, params, needle):
     h = Harness(num_blocks=16)
     rid = h.add(prompt, params=params)
@@ -485,9 +502,12 @@ def test_logprobs_are_cut_to_each_requests_k():
         plan = h.sched.schedule()
         result = h.worker.execute(plan)
         n, k = len(plan.rows), 3
-        result.logprobs = {"sampled": np.full(n, -0.5, np.float32).tobytes(), "k": k,
-                           "top_ids": i32(np.arange(n * k)).tobytes(),
-                           "top_logprobs": np.linspace(-1, -2, n * k, dtype=np.float32).tobytes()}
+        result.logprobs = {
+            "sampled": np.full(n, -0.5, np.float32).tobytes(),
+            "k": k,
+            "top_ids": i32(np.arange(n * k)).tobytes(),
+            "top_logprobs": np.linspace(-1, -2, n * k, dtype=np.float32).tobytes(),
+        }
         h.collect(h.sched.on_result(result))
     assert [len(lp[1]) for lp in h.outs[a].logprobs] == [1, 1]
     assert [len(lp[2]) for lp in h.outs[b].logprobs] == [3, 3]
@@ -511,8 +531,14 @@ def test_mismatched_result_is_rejected_without_side_effects():
 
 def test_stats_report_the_contract_keys():
     h = Harness(num_blocks=20)
-    assert h.sched.stats() == {"num_free_blocks": 20, "num_total_blocks": 20, "num_running": 0,
-                               "num_waiting": 0, "num_preemptions": 0, "num_cached_tokens": 0}
+    assert h.sched.stats() == {
+        "num_free_blocks": 20,
+        "num_total_blocks": 20,
+        "num_running": 0,
+        "num_waiting": 0,
+        "num_preemptions": 0,
+        "num_cached_tokens": 0,
+    }
     h.add([1, 2, 3], max_tokens=2)
     assert h.batches == [] and h.sched.stats()["num_waiting"] == 1
     h.run()
@@ -521,17 +547,43 @@ def test_stats_report_the_contract_keys():
 
 # ---- robustness: whatever a decoded AddRequest holds, add() answers ---------------------------------
 
-_scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True),
-                     st.text(max_size=5), st.binary(max_size=5))
-_values = st.one_of(_scalars, st.lists(st.one_of(st.integers(-5, 200), _scalars), max_size=3),
-                    st.dictionaries(st.text(max_size=3), _scalars, max_size=2))
-_param_names = st.sampled_from(["n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens",
-                                "min_tokens", "stop", "stop_token_ids", "ignore_eos", "logprobs", "junk"])
+_scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True),
+    st.text(max_size=5),
+    st.binary(max_size=5),
+)
+_values = st.one_of(
+    _scalars,
+    st.lists(st.one_of(st.integers(-5, 200), _scalars), max_size=3),
+    st.dictionaries(st.text(max_size=3), _scalars, max_size=2),
+)
+_param_names = st.sampled_from(
+    [
+        "n",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "max_tokens",
+        "min_tokens",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "logprobs",
+        "junk",
+    ]
+)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(params=st.dictionaries(st.one_of(_param_names, st.integers()), _values, max_size=4),
-       prompt=st.lists(st.integers(-2**31, 2**31 - 1), max_size=8))
+@given(
+    params=st.dictionaries(st.one_of(_param_names, st.integers()), _values, max_size=4),
+    prompt=st.lists(st.integers(-(2**31), 2**31 - 1), max_size=8),
+)
 def test_any_add_request_is_admitted_or_answered_with_an_error(params, prompt):
     h = Harness(num_blocks=8, max_model_len=64)
     replies = h.sched.add(AddRequest("r", i32(prompt), params), CLIENT)
@@ -595,10 +647,15 @@ class Engine:
         self.worker_log: list = []
         self.ctx = zmq.Context()
         self.threads = [
-            threading.Thread(target=lambda: self.code.append(serve(self.config, self.addresses, owner=OWNER)),
-                             daemon=True),
-            threading.Thread(target=socket_worker, daemon=True,
-                             args=(self.addresses, num_blocks, self.config.block_size, fail_at, self.worker_log))]
+            threading.Thread(
+                target=lambda: self.code.append(serve(self.config, self.addresses, owner=OWNER)), daemon=True
+            ),
+            threading.Thread(
+                target=socket_worker,
+                daemon=True,
+                args=(self.addresses, num_blocks, self.config.block_size, fail_at, self.worker_log),
+            ),
+        ]
         for t in self.threads:
             t.start()
 
@@ -697,9 +754,13 @@ def test_malformed_frames_are_logged_dropped_and_the_engine_keeps_serving(caplog
         junk = engine.ctx.socket(zmq.PUSH)
         junk.connect(engine.addresses.results)
         with caplog.at_level(logging.WARNING, logger="pico_vllm.scheduler"):
-            for frame in (b"\xc1garbage", b"\x93\x01\x02\x03", encode(GetStats())[:-1],
-                          encode(Shutdown()).replace(b"\x01", b"\x02"),
-                          encode(StepResult(7, i32([1])))):
+            for frame in (
+                b"\xc1garbage",
+                b"\x93\x01\x02\x03",
+                encode(GetStats())[:-1],
+                encode(Shutdown()).replace(b"\x01", b"\x02"),
+                encode(StepResult(7, i32([1]))),
+            ):
                 sock.send(frame)
                 junk.send(frame)
             sock.send_multipart([b"two", b"frames"])
@@ -808,12 +869,14 @@ def test_scheduler_process_exit_code_says_how_it_ended(ending):
 
 def test_scheduler_exits_when_its_parent_dies():
     addresses = make_addresses(1)
-    script = ("import json, sys, time\n"
-              "from frontend.launcher import start_child\n"
-              "from protocol.config import EngineConfig, pack_child_args\n"
-              "config, addresses = json.loads(sys.argv[1])\n"
-              "p = start_child('scheduler', pack_child_args(EngineConfig.from_dict(config), addresses))\n"
-              "print(p.pid, flush=True); time.sleep(60)\n")
+    script = (
+        "import json, sys, time\n"
+        "from frontend.launcher import start_child\n"
+        "from protocol.config import EngineConfig, pack_child_args\n"
+        "config, addresses = json.loads(sys.argv[1])\n"
+        "p = start_child('scheduler', pack_child_args(EngineConfig.from_dict(config), addresses))\n"
+        "print(p.pid, flush=True); time.sleep(60)\n"
+    )
     args = json.dumps([make_config().to_dict(), addresses.to_dict()])
     parent = subprocess.Popen([sys.executable, "-c", script, args], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
@@ -836,8 +899,10 @@ def test_the_protocol_md_example_client_generates_the_same_tokens():
     exec(compile(code, "PROTOCOL.md example", "exec"), namespace)
     engine = Engine()
     try:
-        assert namespace["generate"](engine.addresses.engine, [3, 1, 4, 1, 5], max_tokens=6, timeout_s=10) == \
-            (reference([3, 1, 4, 1, 5], 6), "length")
+        assert namespace["generate"](engine.addresses.engine, [3, 1, 4, 1, 5], max_tokens=6, timeout_s=10) == (
+            reference([3, 1, 4, 1, 5], 6),
+            "length",
+        )
         with pytest.raises(ValueError, match="outside the vocabulary"):
             namespace["generate"](engine.addresses.engine, [VOCAB + 5], timeout_s=10)
         stop = engine.client(owner=True)

@@ -1,5 +1,6 @@
 """Start-up without timing or serial compiles: the linear picks shipped for known GPUs, the compile-only dry run's
 launches, and the line that says what each stage took."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,11 +14,10 @@ import torch
 from triton.runtime import jit
 
 from bench.linear_picks import merge
-from kernels import linear_picks
+from kernels import linear_picks, precompile
 from kernels import linear_plan as plan
-from kernels import precompile
 from kernels.gemv import GemvConfig
-from tests.test_linear import fresh_choices, no_op  # noqa: F401  (a shared fixture)
+from tests.test_linear import no_op
 from worker.process import startup_summary
 
 GPU = "NVIDIA Test GPU"
@@ -29,9 +29,15 @@ def shipped(monkeypatch, fresh_choices):
     """A shipped file with PICKED for a [96, 64] weight's norm fold at 2 rows and cuBLAS row times for it, on GPU;
     an empty disk cache; every device named GPU; timing fails the test unless a test allows it."""
     path = fresh_choices / "picks.json"
-    merge(path, GPU, {"gemv fold 'norm' rows 2 w 96x64 torch.float32 bias False fp8 None": dataclasses.asdict(PICKED),
-                      "gemv fold '' rows 2 w 96x64 torch.float32 bias False fp8 None": None,
-                      "gemm rows w 96x64 torch.float32 bias True fp8 None": {"24": 5.0, "32": 4.0}})
+    merge(
+        path,
+        GPU,
+        {
+            "gemv fold 'norm' rows 2 w 96x64 torch.float32 bias False fp8 None": dataclasses.asdict(PICKED),
+            "gemv fold '' rows 2 w 96x64 torch.float32 bias False fp8 None": None,
+            "gemm rows w 96x64 torch.float32 bias True fp8 None": {"24": 5.0, "32": 4.0},
+        },
+    )
     monkeypatch.setattr(linear_picks, "PATH", path)
     monkeypatch.setattr(plan, "_gpu", lambda device: GPU)
     monkeypatch.setattr(plan, "_GEMM_TIMES", {})
@@ -57,8 +63,9 @@ def test_an_unknown_gpu_or_shape_is_timed_and_kept_on_disk(shipped, monkeypatch)
     x = torch.randn(2, 64)
     assert plan.planned_config("norm", x, torch.randn(48, 64), None, no_op) == PICKED  # a shape the file lacks
     monkeypatch.setattr(plan, "_gpu", lambda device: "NVIDIA Other GPU")
-    assert plan.planned_config("norm", torch.randn(2, 64, dtype=torch.float64), torch.randn(96, 64), None,
-                               no_op) == PICKED
+    assert (
+        plan.planned_config("norm", torch.randn(2, 64, dtype=torch.float64), torch.randn(96, 64), None, no_op) == PICKED
+    )
     assert timed == [("norm", (48, 64)), ("norm", (96, 64))]
     assert len(plan.load_choices()) == 2
 
@@ -167,14 +174,15 @@ def test_the_startup_line_names_each_stage_and_its_seconds():
     clock = {"worker_entered": 100.0, "torch_imported": 103.0, "worker_ready": 108.5}
     assert startup_summary(parts, clock) == (
         "worker ready in 8.50 s: importing torch 3.00 s, weights 0.10 s, compiling 18 Triton kernels 3.25 s, "
-        "KV cache 0.96 s, CUDA graphs 1.04 s")
+        "KV cache 0.96 s, CUDA graphs 1.04 s"
+    )
 
 
 # ---- GPU (the LEAD runs these: python -m pytest -q -s -m gpu tests/test_startup.py) --------------------
 
+
 @pytest.mark.gpu
-def test_a_restart_compiles_every_kernel_in_its_dry_run_and_captures_without_warm_ups(tiny_ckpt, monkeypatch,
-                                                                                      tmp_path):
+def test_a_restart_compiles_every_kernel_in_its_dry_run_and_captures_without_warm_ups(tiny_ckpt, monkeypatch, tmp_path):
     # The second runner finds its linear picks on disk and no kernel in memory: its dry run must compile every
     # kernel the KV cache and the captures launch, with their specialisations (a later compile would show here).
     import sys
@@ -190,8 +198,15 @@ def test_a_restart_compiles_every_kernel_in_its_dry_run_and_captures_without_war
     monkeypatch.setattr(plan, "_CHOICES", {})
     monkeypatch.setattr(plan, "_GEMM_TIMES", {})
     plan._kept_choices.cache_clear()
-    kw = dict(model=str(tiny_ckpt), device="cuda", dtype="bfloat16", block_size=16, num_kv_blocks=64,
-              max_num_seqs=24, max_num_batched_tokens=256)  # decode sizes 1-24: GEMV picks and padded cuBLAS rows
+    kw = dict(
+        model=str(tiny_ckpt),
+        device="cuda",
+        dtype="bfloat16",
+        block_size=16,
+        num_kv_blocks=64,
+        max_num_seqs=24,
+        max_num_batched_tokens=256,
+    )  # decode sizes 1-24: GEMV picks and padded cuBLAS rows
     first = ModelRunner(resolve_config(EngineConfig(**kw)))
     assert first.graphs.warmup_s > 0  # its picks were timed at the warm-ups
     del first
@@ -211,8 +226,11 @@ def test_a_restart_compiles_every_kernel_in_its_dry_run_and_captures_without_war
 
     monkeypatch.setattr(ModelRunner, "_init_kv_cache", after_the_dry_run)
     compiles, do_compile = [], jit.JITFunction._do_compile
-    monkeypatch.setattr(jit.JITFunction, "_do_compile",
-                        lambda self, key, *args: compiles.append((self, key)) or do_compile(self, key, *args))
+    monkeypatch.setattr(
+        jit.JITFunction,
+        "_do_compile",
+        lambda self, key, *args: compiles.append((self, key)) or do_compile(self, key, *args),
+    )
     runner = ModelRunner(resolve_config(EngineConfig(**kw)))
     assert runner.startup["kernels_compiled"] > 0 and runner.graphs.warmup_s == 0.0
     assert compiled_later == []
@@ -228,7 +246,8 @@ def test_a_child_of_an_engine_without_bytecode_keeps_its_bytecode_in_our_cache(t
     (tmp_path / "probe_dep.py").write_text("X = 1\n")
     (tmp_path / "probe_main.py").write_text(
         "import pathlib, sys, probe_dep\n"
-        f"pathlib.Path({str(tmp_path / 'out.txt')!r}).write_text(f'{{sys.dont_write_bytecode}} {{sys.pycache_prefix}}')\n")
+        f"pathlib.Path({str(tmp_path / 'out.txt')!r}).write_text(f'{{sys.dont_write_bytecode}} {{sys.pycache_prefix}}')\n"
+    )
     assert start_child("probe_main", b"").wait(60) == 0
     assert (tmp_path / "out.txt").read_text() == f"False {tmp_path / 'cache' / 'pycache'}"
     assert list((tmp_path / "cache" / "pycache").rglob("probe_dep*.pyc")), "the child wrote no bytecode in the cache"

@@ -1,5 +1,6 @@
 """Structured outputs through the whole engine on a tiny random checkpoint: whatever the weights, every constrained
 answer parses and validates; unconstrained rows of the same batches stay Hugging Face's greedy tokens."""
+
 from __future__ import annotations
 
 import json
@@ -12,10 +13,17 @@ from test_engine import _hf_greedy
 from frontend import LLM, SamplingParams
 
 SEEDS = range(6)
-SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "color", "n", "tags"], "properties": {
-    "ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]},
-    "n": {"type": "integer", "minimum": 0, "maximum": 99},
-    "tags": {"type": "array", "maxItems": 2, "items": {"type": "string", "pattern": "^[a-z]{1,3}$"}}}}
+SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["ok", "color", "n", "tags"],
+    "properties": {
+        "ok": {"type": "boolean"},
+        "color": {"enum": ["red", "green", "blue"]},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+        "tags": {"type": "array", "maxItems": 2, "items": {"type": "string", "pattern": "^[a-z]{1,3}$"}},
+    },
+}
 REGEX = r"[a-z]{1,6}@(x|y)\.com"
 CHOICES = ["yes", "no", "maybe not"]
 EBNF = 'root ::= "(" item ("," item)? ")"\nitem ::= [0-9] | "ab"'
@@ -37,8 +45,13 @@ def _check(kind: str, text: str) -> None:
         assert re.fullmatch(r"\((\d|ab)(,(\d|ab))?\)", text), text
 
 
-SPECS = {"json": {"json": SCHEMA}, "json_object": {"json_object": True}, "regex": {"regex": REGEX},
-         "choice": {"choice": CHOICES}, "grammar": {"grammar": EBNF}}
+SPECS = {
+    "json": {"json": SCHEMA},
+    "json_object": {"json_object": True},
+    "regex": {"regex": REGEX},
+    "choice": {"choice": CHOICES},
+    "grammar": {"grammar": EBNF},
+}
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +67,10 @@ def hf_tokens(tiny_ckpt) -> list[list[int]]:
 
 def test_every_constrained_answer_validates_and_free_rows_stay_greedy(llm, hf_tokens):
     kinds = [(kind, seed) for kind in SPECS for seed in SEEDS]
-    params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=120, structured_outputs=SPECS[kind])
-              for kind, seed in kinds] + [GREEDY] * len(PROMPTS)
+    params = [
+        SamplingParams(temperature=1.0, seed=seed, max_tokens=120, structured_outputs=SPECS[kind])
+        for kind, seed in kinds
+    ] + [GREEDY] * len(PROMPTS)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(kinds))] + PROMPTS
     outs = llm.generate(prompts, params, use_tqdm=False)
     for (kind, seed), out in zip(kinds, outs):
@@ -64,7 +79,7 @@ def test_every_constrained_answer_validates_and_free_rows_stay_greedy(llm, hf_to
             continue
         assert o.finish_reason == "stop", (kind, seed, o.text)
         _check(kind, o.text)
-    assert [o.outputs[0].token_ids for o in outs[len(kinds):]] == hf_tokens
+    assert [o.outputs[0].token_ids for o in outs[len(kinds) :]] == hf_tokens
     assert sum(o.outputs[0].finish_reason == "stop" for (k, _), o in zip(kinds, outs) if k == "json_object") >= 3
 
 
@@ -77,18 +92,30 @@ def test_greedy_constrained_answer_is_the_same_alone_and_in_a_batch(llm):
 
 
 def test_any_whitespace_is_an_option(llm):
-    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=200,
-                             structured_outputs={"json": SCHEMA, "any_whitespace": True}) for s in SEEDS]
-    texts = [o.outputs[0].text for o in llm.generate([PROMPTS[0]] * len(params), params, use_tqdm=False)
-             if o.outputs[0].finish_reason == "stop"]
+    params = [
+        SamplingParams(
+            temperature=1.0, seed=s, max_tokens=200, structured_outputs={"json": SCHEMA, "any_whitespace": True}
+        )
+        for s in SEEDS
+    ]
+    texts = [
+        o.outputs[0].text
+        for o in llm.generate([PROMPTS[0]] * len(params), params, use_tqdm=False)
+        if o.outputs[0].finish_reason == "stop"
+    ]
     for text in texts:
         jsonschema.validate(json.loads(text), SCHEMA)
     assert texts
 
 
-@pytest.mark.parametrize("spec, words", [({"regex": "(((a"}, "structured_outputs.regex"),
-                                         ({"json": {"type": "objectx"}}, "structured_outputs.json"),
-                                         ({"grammar": "root ::= undefined_rule"}, "structured_outputs.grammar")])
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        ({"regex": "(((a"}, "structured_outputs.regex"),
+        ({"json": {"type": "objectx"}}, "structured_outputs.json"),
+        ({"grammar": "root ::= undefined_rule"}, "structured_outputs.grammar"),
+    ],
+)
 def test_a_grammar_that_does_not_compile_fails_alone_and_frees_nothing_it_held(llm, hf_tokens, spec, words):
     bad = SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=spec)
     with pytest.raises(Exception, match=re.escape(words)):
@@ -99,11 +126,17 @@ def test_a_grammar_that_does_not_compile_fails_alone_and_frees_nothing_it_held(l
     assert stats["num_free_blocks"] == stats["num_total_blocks"] and stats["num_running"] == 0, stats
 
 
-CITY = {"type": "object", "additionalProperties": False, "required": ["city", "days"], "properties": {
-    "city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}}}
+CITY = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["city", "days"],
+    "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+}
 EMPTY = {"type": "object", "properties": {}, "additionalProperties": False}
-TOOLS = [{"type": "function", "function": {"name": "weather", "description": "The forecast", "parameters": CITY}},
-         {"type": "function", "function": {"name": "noop", "parameters": EMPTY}}]
+TOOLS = [
+    {"type": "function", "function": {"name": "weather", "description": "The forecast", "parameters": CITY}},
+    {"type": "function", "function": {"name": "noop", "parameters": EMPTY}},
+]
 PARAMS = {"weather": CITY, "noop": EMPTY}
 USER = [{"role": "user", "content": "Weather in Paris?"}]
 
@@ -131,8 +164,10 @@ def qwen_server(tmp_path_factory):
 
     ckpt = make_checkpoint(tmp_path_factory.mktemp("qwen-template"))
     (ckpt / "chat_template.jinja").write_text(qwen25_chat_template())
-    server = launch(["--model", str(ckpt), "--device", "cpu", "--max-model-len", "2048", "--served-model-name", "x"],
-                    tmp_path_factory.mktemp("log") / "server.log")
+    server = launch(
+        ["--model", str(ckpt), "--device", "cpu", "--max-model-len", "2048", "--served-model-name", "x"],
+        tmp_path_factory.mktemp("log") / "server.log",
+    )
     try:
         server.wait_healthy()
         yield server.url
@@ -164,15 +199,26 @@ def test_required_and_named_tool_choice_always_call_valid_tools(qwen_server, cho
         if isinstance(choice, dict):
             assert len(calls) == 1 and content is None and answer["finish_reason"] == "tool_calls", answer
         else:  # random weights may go on calling until max_tokens: only the cut call is left unparsed
-            assert answer["finish_reason"] == "tool_calls" and content is None or \
-                answer["finish_reason"] == "length" and content.startswith("<tool_call>"), answer
+            assert (
+                answer["finish_reason"] == "tool_calls"
+                and content is None
+                or answer["finish_reason"] == "length"
+                and content.startswith("<tool_call>")
+            ), answer
 
 
 def test_streamed_tool_calls_join_to_the_whole_answer(qwen_server):
     import httpx
 
-    body = {"model": "x", "messages": USER, "max_tokens": 400, "tools": TOOLS, "tool_choice": "required",
-            "temperature": 1.0, "stream": True}
+    body = {
+        "model": "x",
+        "messages": USER,
+        "max_tokens": 400,
+        "tools": TOOLS,
+        "tool_choice": "required",
+        "temperature": 1.0,
+        "stream": True,
+    }
     for seed, choice in zip(SEEDS, ["required", {"type": "function", "function": {"name": "noop"}}] * 2):
         body["tool_choice"] = choice
         whole = _chat(qwen_server, **{**body, "stream": False, "seed": seed})["choices"][0]["message"]["tool_calls"]
@@ -188,13 +234,15 @@ def test_streamed_tool_calls_join_to_the_whole_answer(qwen_server):
                     call["name"] = d["function"].get("name", call["name"])
                     call["arguments"] += d["function"]["arguments"]
         assert finish == "tool_calls" or choice == "required" and finish == "length"
-        assert [calls[i] for i in sorted(calls)][:len(whole)] == [c["function"] for c in whole]
+        assert [calls[i] for i in sorted(calls)][: len(whole)] == [c["function"] for c in whole]
 
 
 def test_tool_results_in_later_turns_go_through_the_template(qwen_server):
     call = {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Rome"}'}}
-    messages = USER + [{"role": "assistant", "content": None, "tool_calls": [call]},
-                       {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    messages = USER + [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
     answer = _chat(qwen_server, messages=messages, tools=TOOLS, max_tokens=4, temperature=0.0)
     assert answer["choices"][0]["finish_reason"] in ("stop", "length")
     from server_fixture import post
@@ -203,14 +251,19 @@ def test_tool_results_in_later_turns_go_through_the_template(qwen_server):
     assert tokenized["count"] > 0
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
-     "response_format"),
-    ({"guided_regex": "(((a"}, "guided_regex"),
-    ({"structured_outputs": {"grammar": "root ::= nowhere"}}, "structured_outputs"),
-    ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
+            "response_format",
+        ),
+        ({"guided_regex": "(((a"}, "guided_regex"),
+        ({"structured_outputs": {"grammar": "root ::= nowhere"}}, "structured_outputs"),
+        ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ],
+)
 def test_bad_constraints_are_a_400_naming_the_field(qwen_server, body, param):
     from server_fixture import assert_error, post
 
@@ -247,11 +300,13 @@ def test_a_grammar_past_the_time_limit_ends_its_request_alone_holding_nothing(mo
 def test_constrained_answers_validate_on_the_gpu_beside_free_rows_in_graphs(tiny_ckpt):
     """CUDA graphs, the pinned upload of masks and mixed steps: what the CPU engine does not run."""
     kinds = [(kind, seed) for kind in SPECS if kind != "json_object" for seed in range(16)]
-    params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=120, structured_outputs=SPECS[kind])
-              for kind, seed in kinds] + [GREEDY] * 8
+    params = [
+        SamplingParams(temperature=1.0, seed=seed, max_tokens=120, structured_outputs=SPECS[kind])
+        for kind, seed in kinds
+    ] + [GREEDY] * 8
     with LLM(str(tiny_ckpt), device="cuda") as gpu:
         outs = gpu.generate([PROMPTS[i % len(PROMPTS)] for i in range(len(params))], params, use_tqdm=False)
     for (kind, seed), out in zip(kinds, outs):
         assert out.outputs[0].finish_reason == "stop", (kind, seed, out.outputs[0].text)
         _check(kind, out.outputs[0].text)
-    assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in outs[len(kinds):])
+    assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in outs[len(kinds) :])

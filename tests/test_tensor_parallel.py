@@ -1,23 +1,27 @@
 """--tensor-parallel-size 2 on the CPU (gloo): one worker process per rank, the same tokens as one rank."""
+
 from __future__ import annotations
 
 import time
 
 import pytest
+from checkpoints import fp8_checkpoints, make_checkpoint
+from test_engine import _alive, _hf_greedy, _kill_later, _prompts
 
 from frontend import LLM, SamplingParams
 from frontend.engine_client import EngineDeadError
-from test_engine import _alive, _hf_greedy, _kill_later, _prompts
-from checkpoints import fp8_checkpoints, make_checkpoint
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
 
-@pytest.mark.parametrize("family,kv_heads,head_dim", [("qwen2", 2, 16), ("qwen2", 4, 16), ("qwen2", 1, 16),
-                                                     ("qwen3", 2, 32), ("llama", 1, 32)])
+@pytest.mark.parametrize(
+    "family,kv_heads,head_dim",
+    [("qwen2", 2, 16), ("qwen2", 4, 16), ("qwen2", 1, 16), ("qwen3", 2, 32), ("llama", 1, 32)],
+)
 def test_tp2_greedy_equals_tp1_and_hf(tmp_path, family, kv_heads, head_dim):
-    ckpt = make_checkpoint(tmp_path, num_heads=4, num_kv_heads=kv_heads, head_dim=head_dim, hidden_size=64,
-                           family=family)
+    ckpt = make_checkpoint(
+        tmp_path, num_heads=4, num_kv_heads=kv_heads, head_dim=head_dim, hidden_size=64, family=family
+    )
     prompts = _prompts(512)[:5]
     expected = _hf_greedy(ckpt, prompts, 10)
     with LLM(str(ckpt), device="cpu", tensor_parallel_size=2) as llm:

@@ -1,4 +1,5 @@
 """The tokenizer loader: a checkpoint's own files, and Qwen2.5's real tokenizer rebuilt offline from its BPE ranks."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -9,34 +10,12 @@ import unicodedata
 from pathlib import Path
 
 import pytest
+from conftest import offline_cache_root, offline_tokenizer
 from transformers import AutoTokenizer
 
 from frontend.tokenizer import QWEN2_PATTERN, load_tokenizer, read_qwen_ranks
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _cache_root(tmp_path_factory, package: str, install: str, name: str) -> Path:
-    """A fresh cache root per test session: the offline build itself is tested, once, and then shared."""
-    if importlib.util.find_spec(package) is None:
-        pytest.skip(f"the BPE ranks come from `{install}`")
-    return tmp_path_factory.getbasetemp() / name
-
-
-def _offline(cache_root: Path, short_name: str):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PICO_VLLM_CACHE", str(cache_root))
-        return load_tokenizer(short_name, None)
-
-
-@pytest.fixture(scope="session")
-def qwen_cache_root(tmp_path_factory):
-    return _cache_root(tmp_path_factory, "dashscope", "pip install dashscope", "pico-vllm-cache")
-
-
-@pytest.fixture(scope="session")
-def qwen_tokenizer(qwen_cache_root):
-    return _offline(qwen_cache_root, "qwen2.5-1.5b")
 
 
 def test_a_qwen2_tokenizer_is_autotokenizers_own_class_without_importing_torch(qwen_tokenizer, qwen_cache_root):
@@ -49,10 +28,13 @@ def test_a_qwen2_tokenizer_is_autotokenizers_own_class_without_importing_torch(q
     texts = ["Hello world", "<|im_start|>user\nhi<|im_end|>\n", "12345 + 678"]
     assert [qwen_tokenizer.encode(t) for t in texts] == [auto.encode(t) for t in texts]
     messages = [{"role": "user", "content": "hi"}]
-    assert (qwen_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            == auto.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
-    code = ("import sys; from frontend.tokenizer import load_tokenizer; load_tokenizer('qwen2.5-1.5b', None); "
-            "print('torch' in sys.modules)")
+    assert qwen_tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    ) == auto.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    code = (
+        "import sys; from frontend.tokenizer import load_tokenizer; load_tokenizer('qwen2.5-1.5b', None); "
+        "print('torch' in sys.modules)"
+    )
     env = {**os.environ, "PICO_VLLM_CACHE": str(qwen_cache_root)}
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stdout + out.stderr
@@ -66,8 +48,19 @@ PINNED = {
     "def add(a, b):\n    return a + b\n": [750, 912, 2877, 11, 293, 982, 262, 470, 264, 488, 293, 198],
     "12345 + 678 = 13023": [16, 17, 18, 19, 20, 488, 220, 21, 22, 23, 284, 220, 16, 18, 15, 17, 18],
     "I love 🦀 and 👍🏽!": [40, 2948, 11162, 99, 222, 323, 61804, 235, 145375, 0],
-    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n":
-        [151644, 8948, 198, 2610, 525, 264, 10950, 17847, 13, 151645, 198],
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n": [
+        151644,
+        8948,
+        198,
+        2610,
+        525,
+        264,
+        10950,
+        17847,
+        13,
+        151645,
+        198,
+    ],
     "<|im_start|>user\nhi<|im_end|>\n<|endoftext|>": [151644, 872, 198, 6023, 151645, 198, 151643],
     "<tool_call>\n{}\n</tool_call>": [151657, 198, 16094, 151658],
 }
@@ -91,10 +84,30 @@ def test_offline_qwen_normalizes_to_nfc(qwen_tokenizer):
 
 
 def test_offline_qwen_has_qwen25_special_tokens_eos_and_pad(qwen_tokenizer):
-    names = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
-             "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
-             "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>",
-             "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"]
+    names = [
+        "<|endoftext|>",
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|object_ref_start|>",
+        "<|object_ref_end|>",
+        "<|box_start|>",
+        "<|box_end|>",
+        "<|quad_start|>",
+        "<|quad_end|>",
+        "<|vision_start|>",
+        "<|vision_end|>",
+        "<|vision_pad|>",
+        "<|image_pad|>",
+        "<|video_pad|>",
+        "<tool_call>",
+        "</tool_call>",
+        "<|fim_prefix|>",
+        "<|fim_middle|>",
+        "<|fim_suffix|>",
+        "<|fim_pad|>",
+        "<|repo_name|>",
+        "<|file_sep|>",
+    ]
     assert qwen_tokenizer.convert_tokens_to_ids(names) == list(range(151643, 151665))
     assert len(qwen_tokenizer) == 151665
     assert (qwen_tokenizer.eos_token_id, qwen_tokenizer.pad_token_id) == (151645, 151643)
@@ -106,46 +119,69 @@ def test_offline_qwen_matches_tiktoken_on_mixed_text(qwen_tokenizer):
     """Merges recovered from the ranks give exactly tiktoken's BPE (which is how Qwen defines its tokenizer)."""
     tiktoken = pytest.importorskip("tiktoken")
     enc = tiktoken.Encoding("qwen", pat_str=QWEN2_PATTERN, mergeable_ranks=read_qwen_ranks(), special_tokens={})
-    text = ("import numpy as np\n\n\nclass Foo:\n\tdef __init__(self):  # 初始化\n        self.x = 3.14159\r\n"
-            "Straße naïve façade — «quotes» 'll 's 've ПРИВЕТ мир 日本語のテキスト 한국어 😀👍🏽🦀 \u00a0 end  \n\n")
+    text = (
+        "import numpy as np\n\n\nclass Foo:\n\tdef __init__(self):  # 初始化\n        self.x = 3.14159\r\n"
+        "Straße naïve façade — «quotes» 'll 's 've ПРИВЕТ мир 日本語のテキスト 한국어 😀👍🏽🦀 \u00a0 end  \n\n"
+    )
     assert qwen_tokenizer.encode(text) == enc.encode_ordinary(text)
 
 
-CONVERSATION = [{"role": "system", "content": "You are a pirate."}, {"role": "user", "content": "Hi!"},
-                {"role": "assistant", "content": "Arr, hello."}]
+CONVERSATION = [
+    {"role": "system", "content": "You are a pirate."},
+    {"role": "user", "content": "Hi!"},
+    {"role": "assistant", "content": "Arr, hello."},
+]
 
 
 def test_chat_template_renders_system_user_assistant_as_qwen25(qwen_tokenizer):
     text = qwen_tokenizer.apply_chat_template(CONVERSATION, tokenize=False)
-    assert text == ("<|im_start|>system\nYou are a pirate.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n"
-                    "<|im_start|>assistant\nArr, hello.<|im_end|>\n")
+    assert text == (
+        "<|im_start|>system\nYou are a pirate.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n"
+        "<|im_start|>assistant\nArr, hello.<|im_end|>\n"
+    )
 
 
 def test_chat_template_adds_default_system_prompt_and_generation_prompt(qwen_tokenizer):
     text = qwen_tokenizer.apply_chat_template(CONVERSATION[1:2], tokenize=False, add_generation_prompt=True)
-    assert text == ("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant."
-                    "<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n")
+    assert text == (
+        "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+        "<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_chat_template_renders_tools_tool_calls_and_tool_results(qwen_tokenizer):
-    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                               "parameters": {"type": "object", "properties": {}}}}]
-    messages = [{"role": "user", "content": "Paris?"},
-                {"role": "assistant", "content": "", "tool_calls": [
-                    {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
-                {"role": "tool", "content": "22C"}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "Weather in a city",
+                "parameters": {"type": "object", "properties": {}},
+            },
+        }
+    ]
+    messages = [
+        {"role": "user", "content": "Paris?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+        },
+        {"role": "tool", "content": "22C"},
+    ]
     text = qwen_tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
     assert text == (
         "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.\n\n# Tools\n\n"
         "You may call one or more functions to assist with the user query.\n\nYou are provided with function "
-        "signatures within <tools></tools> XML tags:\n<tools>\n{\"type\": \"function\", \"function\": "
-        "{\"name\": \"get_weather\", \"description\": \"Weather in a city\", \"parameters\": {\"type\": "
-        "\"object\", \"properties\": {}}}}\n</tools>\n\nFor each function call, return a json object with "
-        "function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": "
-        "<function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n"
-        "<|im_start|>user\nParis?<|im_end|>\n<|im_start|>assistant\n<tool_call>\n{\"name\": \"get_weather\", "
-        "\"arguments\": {\"city\": \"Paris\"}}\n</tool_call><|im_end|>\n"
-        "<|im_start|>user\n<tool_response>\n22C\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+        'signatures within <tools></tools> XML tags:\n<tools>\n{"type": "function", "function": '
+        '{"name": "get_weather", "description": "Weather in a city", "parameters": {"type": '
+        '"object", "properties": {}}}}\n</tools>\n\nFor each function call, return a json object with '
+        'function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": '
+        '<function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+        '<|im_start|>user\nParis?<|im_end|>\n<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", '
+        '"arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\n<tool_response>\n22C\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_short_names_load_the_cached_build(qwen_tokenizer, qwen_cache_root, monkeypatch):
@@ -163,8 +199,10 @@ def test_checkpoint_directory_tokenizer_is_loaded_from_its_files(tiny_ckpt):
     text = "Hello world! The quick brown fox."
     assert tok.encode(text) == reference.encode(text)
     assert len(tok) == len(reference) < 1000
-    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == \
-        "<|im_start|>user\nhi<|im_end|>\n"
+    assert (
+        tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+        == "<|im_start|>user\nhi<|im_end|>\n"
+    )
 
 
 @pytest.mark.parametrize("model_dir", [None, "empty"])
@@ -181,25 +219,30 @@ def test_missing_bpe_ranks_package_is_a_clear_error(monkeypatch):
 
 # ---- Qwen3 and Llama 3 ------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="session")
 def qwen3_tokenizer(qwen_cache_root):
-    return _offline(qwen_cache_root, "qwen3-1.7b")
+    return offline_tokenizer(qwen_cache_root, "qwen3-1.7b")
 
 
 @pytest.fixture(scope="session")
 def llama_cache_root(tmp_path_factory):
-    return _cache_root(tmp_path_factory, "llama_models", "pip install llama-models", "pico-vllm-llama-cache")
+    return offline_cache_root(tmp_path_factory, "llama_models", "pip install llama-models", "pico-vllm-llama-cache")
 
 
 @pytest.fixture(scope="session")
 def llama_tokenizer(llama_cache_root):
-    return _offline(llama_cache_root, "llama-3.2-1b")
+    return offline_tokenizer(llama_cache_root, "llama-3.2-1b")
 
 
 def test_offline_qwen3_is_qwen25_plus_tool_response_and_think_tokens(qwen3_tokenizer, qwen_tokenizer):
     assert len(qwen3_tokenizer) == 151669 and qwen3_tokenizer.eos_token_id == 151645
-    assert qwen3_tokenizer.convert_tokens_to_ids(["<tool_response>", "</tool_response>", "<think>", "</think>"]) == \
-        [151665, 151666, 151667, 151668]
+    assert qwen3_tokenizer.convert_tokens_to_ids(["<tool_response>", "</tool_response>", "<think>", "</think>"]) == [
+        151665,
+        151666,
+        151667,
+        151668,
+    ]
     for text in PINNED:
         assert qwen3_tokenizer.encode(text) == PINNED[text]
     # Thinking markers are text the caller parses, not specials that decoding drops.
@@ -213,14 +256,17 @@ def test_offline_llama3_matches_tiktoken_and_puts_bos_first(llama_tokenizer):
     from frontend.tokenizer import LLAMA3_PATTERN, llama3_ranks_file
 
     assert llama_tokenizer.encode("Hello world") == [128000, 9906, 1917]
-    enc = tiktoken.Encoding("llama3", pat_str=LLAMA3_PATTERN, special_tokens={},
-                            mergeable_ranks=load_tiktoken_bpe(str(llama3_ranks_file())))
-    text = ("import numpy as np\n\n\nclass Foo:\n\tdef __init__(self):  # 初始化\n        self.x = 3.14159\r\n"
-            "Straße naïve — «quotes» 'll 's ПРИВЕТ 日本語 한국어 😀👍🏽🦀 \u00a0 end  \n\n 1234567 .:.:.:")
+    enc = tiktoken.Encoding(
+        "llama3", pat_str=LLAMA3_PATTERN, special_tokens={}, mergeable_ranks=load_tiktoken_bpe(str(llama3_ranks_file()))
+    )
+    text = (
+        "import numpy as np\n\n\nclass Foo:\n\tdef __init__(self):  # 初始化\n        self.x = 3.14159\r\n"
+        "Straße naïve — «quotes» 'll 's ПРИВЕТ 日本語 한국어 😀👍🏽🦀 \u00a0 end  \n\n 1234567 .:.:.:"
+    )
     assert llama_tokenizer.encode(text, add_special_tokens=False) == enc.encode_ordinary(text)
-    assert llama_tokenizer.convert_tokens_to_ids(["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
-                                                  "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"]) == \
-        [128000, 128001, 128006, 128008, 128009, 128010]
+    assert llama_tokenizer.convert_tokens_to_ids(
+        ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"]
+    ) == [128000, 128001, 128006, 128008, 128009, 128010]
     assert len(llama_tokenizer) == 128256 and llama_tokenizer.eos_token_id == 128009
 
 
@@ -233,50 +279,82 @@ def test_llama3_short_names_pick_eos_and_template_by_version_and_kind(llama_toke
 
 def test_qwen3_template_renders_thinking_switch_and_drops_old_reasoning(qwen3_tokenizer):
     turn = [{"role": "user", "content": "Hi!"}]
-    assert qwen3_tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=True) == \
-        "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n"
-    assert qwen3_tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=True,
-                                               enable_thinking=False) == \
-        "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
-    history = [{"role": "system", "content": "Be brief."}, *turn,
-               {"role": "assistant", "content": "<think>\nGreet back.\n</think>\n\nHello."},
-               {"role": "user", "content": "Bye!"}]
+    assert (
+        qwen3_tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=True)
+        == "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert (
+        qwen3_tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+        == "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    )
+    history = [
+        {"role": "system", "content": "Be brief."},
+        *turn,
+        {"role": "assistant", "content": "<think>\nGreet back.\n</think>\n\nHello."},
+        {"role": "user", "content": "Bye!"},
+    ]
     assert qwen3_tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True) == (
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\nHello."
-        "<|im_end|>\n<|im_start|>user\nBye!<|im_end|>\n<|im_start|>assistant\n")
+        "<|im_end|>\n<|im_start|>user\nBye!<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_llama3_template_renders_system_header_and_turns(llama_tokenizer):
-    messages = [{"role": "system", "content": "Be brief. "}, {"role": "user", "content": "Hi!"},
-                {"role": "assistant", "content": "Hello."}]
-    text = llama_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                               date_string="26 Jul 2024")
+    messages = [
+        {"role": "system", "content": "Be brief. "},
+        {"role": "user", "content": "Hi!"},
+        {"role": "assistant", "content": "Hello."},
+    ]
+    text = llama_tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, date_string="26 Jul 2024"
+    )
     assert text == (
         "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December 2023\n"
         "Today Date: 26 Jul 2024\n\nBe brief.<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nHi!<|eot_id|>"
         "<|start_header_id|>assistant<|end_header_id|>\n\nHello.<|eot_id|>"
-        "<|start_header_id|>assistant<|end_header_id|>\n\n")
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
     # The template writes BOS itself: encoding it adds no second one.
     assert llama_tokenizer.encode(text, add_special_tokens=False).count(128000) == 1
 
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi!"}],
-    [{"role": "system", "content": "You are a pirate."}, {"role": "user", "content": "Hi!"},
-     {"role": "assistant", "content": "Arr."}, {"role": "user", "content": "Where is the gold?"}],
-    [{"role": "user", "content": "Paris?"},
-     {"role": "assistant", "content": "", "tool_calls": [
-         {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
-     {"role": "tool", "content": "22C"}],
+    [
+        {"role": "system", "content": "You are a pirate."},
+        {"role": "user", "content": "Hi!"},
+        {"role": "assistant", "content": "Arr."},
+        {"role": "user", "content": "Where is the gold?"},
+    ],
+    [
+        {"role": "user", "content": "Paris?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+        },
+        {"role": "tool", "content": "22C"},
+    ],
 ]
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                           "parameters": {"type": "object", "properties": {}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather in a city",
+            "parameters": {"type": "object", "properties": {}},
+        },
+    }
+]
 
 
-@pytest.mark.parametrize("short,template", [("qwen3-1.7b", "qwen3"), ("qwen3-4b-base", "qwen3"),
-                                            ("llama-3.2-1b", "llama32"), ("llama-3.1-8b", "llama31")])
+@pytest.mark.parametrize(
+    "short,template",
+    [("qwen3-1.7b", "qwen3"), ("qwen3-4b-base", "qwen3"), ("llama-3.2-1b", "llama32"), ("llama-3.1-8b", "llama31")],
+)
 def test_short_name_tokenizers_render_their_stored_template_as_transformers_does(
-        short, template, qwen_cache_root, llama_cache_root, monkeypatch):
+    short, template, qwen_cache_root, llama_cache_root, monkeypatch
+):
     from frontend.tokenizer import chat_template
 
     monkeypatch.setenv("PICO_VLLM_CACHE", str(llama_cache_root if short.startswith("llama") else qwen_cache_root))
@@ -284,8 +362,9 @@ def test_short_name_tokenizers_render_their_stored_template_as_transformers_does
     for messages in CONVERSATIONS:
         for extra in ({}, {"tools": TOOLS}, {"enable_thinking": False}):
             kwargs = dict(tokenize=False, add_generation_prompt=True, date_string="26 Jul 2024", **extra)
-            assert tok.apply_chat_template(messages, **kwargs) == \
-                tok.apply_chat_template(messages, chat_template=chat_template(template), **kwargs)
+            assert tok.apply_chat_template(messages, **kwargs) == tok.apply_chat_template(
+                messages, chat_template=chat_template(template), **kwargs
+            )
 
 
 def test_text_prompts_start_with_bos_where_the_tokenizer_has_one(llama_tokenizer, qwen3_tokenizer):
@@ -295,8 +374,9 @@ def test_text_prompts_start_with_bos_where_the_tokenizer_has_one(llama_tokenizer
     from protocol.sampling import SamplingParams
 
     def prepare(tokenizer, vocab_size: int) -> list[int]:  # the engine client's prompt path, without an engine
-        client = SimpleNamespace(tokenizer=tokenizer, model_config=SimpleNamespace(vocab_size=vocab_size),
-                                 max_model_len=64)
+        client = SimpleNamespace(
+            tokenizer=tokenizer, model_config=SimpleNamespace(vocab_size=vocab_size), max_model_len=64
+        )
         return EngineClient.prepare(client, "Hello world", SamplingParams(max_tokens=4))[1]
 
     llama_ids, qwen_ids = prepare(llama_tokenizer, 128256), prepare(qwen3_tokenizer, 151936)
@@ -309,5 +389,7 @@ def test_chat_template_kwargs_reach_the_template(qwen3_tokenizer):
     messages = [ChatMessage(role="user", content="Hi!")]
     thinking = chat_prompt(messages, qwen3_tokenizer)
     plain = chat_prompt(messages, qwen3_tokenizer, template_kwargs={"enable_thinking": False})
-    assert plain[:len(thinking)] == thinking and qwen3_tokenizer.decode(plain[len(thinking):]) == \
-        "<think>\n\n</think>\n\n"
+    assert (
+        plain[: len(thinking)] == thinking
+        and qwen3_tokenizer.decode(plain[len(thinking) :]) == "<think>\n\n</think>\n\n"
+    )

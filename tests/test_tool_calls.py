@@ -1,4 +1,5 @@
 """Qwen-format tool calls: the parser on whole answers and on every split of a stream, and the request fields."""
+
 from __future__ import annotations
 
 import json
@@ -13,10 +14,15 @@ from protocol.config import InvalidParam
 from protocol.sampling import SamplingParams
 
 WEATHER = {"city": "Paris", "opts": {"units": "c", "days": [1, 2], "deep": {"x": {}}}}
-ANSWER = ('Let me check.\n\n<tool_call>\n{"name": "get_weather", "arguments": ' + json.dumps(WEATHER) +
-          '}\n</tool_call>\n<tool_call>\n{"name": "noop", "arguments": {}}\n</tool_call>')
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
-         {"type": "function", "function": {"name": "noop"}}]
+ANSWER = (
+    'Let me check.\n\n<tool_call>\n{"name": "get_weather", "arguments": '
+    + json.dumps(WEATHER)
+    + '}\n</tool_call>\n<tool_call>\n{"name": "noop", "arguments": {}}\n</tool_call>'
+)
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
+    {"type": "function", "function": {"name": "noop"}},
+]
 
 
 def _streamed(text: str, step: int) -> tuple[str, dict]:
@@ -40,8 +46,9 @@ def test_whole_answer_gives_content_and_calls_with_nested_and_empty_arguments():
     assert content == "Let me check."
     assert [c["function"]["name"] for c in calls] == ["get_weather", "noop"]
     assert [json.loads(c["function"]["arguments"]) for c in calls] == [WEATHER, {}]
-    assert len({c["id"] for c in calls}) == 2 and all(c["id"].startswith("call_") and c["type"] == "function"
-                                                      for c in calls)
+    assert len({c["id"] for c in calls}) == 2 and all(
+        c["id"].startswith("call_") and c["type"] == "function" for c in calls
+    )
 
 
 @pytest.mark.parametrize("step", [1, 2, 3, 5, 11, len(ANSWER)])
@@ -50,12 +57,17 @@ def test_stream_split_anywhere_joins_to_the_whole_answers_calls(step):
     assert content.strip() == "Let me check."
     whole = parse_tool_calls(ANSWER)[1]
     assert [(name, args) for _, name, args in calls.values()] == [
-        (c["function"]["name"], c["function"]["arguments"]) for c in whole]
+        (c["function"]["name"], c["function"]["arguments"]) for c in whole
+    ]
 
 
 def test_text_that_only_looks_like_a_call_stays_content():
-    for text in ("a <tool_call>not json</tool_call> b", "x < tool", "unfinished <tool_ca",
-                 '<tool_call>\n{"name": "f"}\n</tool_call>'):
+    for text in (
+        "a <tool_call>not json</tool_call> b",
+        "x < tool",
+        "unfinished <tool_ca",
+        '<tool_call>\n{"name": "f"}\n</tool_call>',
+    ):
         content, calls = parse_tool_calls(text)
         assert calls == [] and content == text.strip()
         assert _streamed(text, 2) == (text, {})
@@ -77,19 +89,23 @@ def test_required_and_named_tool_choice_become_one_grammar_and_auto_none():
     assert field == "tool_choice" and len(fmt["tags"]) == 2 and fmt["at_least_one"] and not fmt["stop_after_first"]
     named = {"type": "function", "function": {"name": "noop"}}
     fmt = json.loads(_request(tools=TOOLS, tool_choice=named).constraint()[1]["structural_tag"])["format"]
-    assert [t["begin"] for t in fmt["tags"]] == ['<tool_call>\n{"name": "noop", "arguments": '] and \
-        fmt["stop_after_first"]
+    assert [t["begin"] for t in fmt["tags"]] == ['<tool_call>\n{"name": "noop", "arguments": '] and fmt[
+        "stop_after_first"
+    ]
 
 
-@pytest.mark.parametrize("fields, param", [
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "missing"}}}, "tool_choice"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a+"}, "tool_choice"),
-    ({"response_format": {"type": "json_object"}, "guided_choice": ["a"]}, "guided_choice"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
-    ({"response_format": {"type": "xml"}}, "response_format"),
-    ({"structured_outputs": {"regex": "a", "json": {}}}, "structured_outputs"),
-])
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "missing"}}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a+"}, "tool_choice"),
+        ({"response_format": {"type": "json_object"}, "guided_choice": ["a"]}, "guided_choice"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"structured_outputs": {"regex": "a", "json": {}}}, "structured_outputs"),
+    ],
+)
 def test_bad_or_two_constraints_name_the_field(fields, param):
     with pytest.raises(Exception) as err:
         _request(**fields).sampling_params({})
@@ -98,8 +114,9 @@ def test_bad_or_two_constraints_name_the_field(fields, param):
 
 def test_response_format_maps_to_structured_outputs():
     assert response_format_spec({"type": "json_object"}) == {"json_object": True}
-    assert response_format_spec({"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}) == \
-        {"json": {"type": "object"}}
+    assert response_format_spec({"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}) == {
+        "json": {"type": "object"}
+    }
     assert response_format_spec(None) is None and response_format_spec({"type": "text"}) is None
     with pytest.raises(InvalidParam):
         response_format_spec({"type": "json_schema"})

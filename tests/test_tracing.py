@@ -1,4 +1,5 @@
 """--trace-dir: one timeline of every process, and a per-stage latency table."""
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,15 @@ def test_trace_has_spans_from_every_process_and_a_summary(tiny_ckpt, tmp_path):
     processes = {cat for cat, _ in spans}
     assert {"frontend", "scheduler", "worker0"} <= processes, processes
     names = {name for _, name in spans}
-    for stage in ("frontend.tokenize", "frontend.send", "frontend.receive", "frontend.detokenize",
-                  "scheduler.schedule", "scheduler.wait_result", "scheduler.on_result"):
+    for stage in (
+        "frontend.tokenize",
+        "frontend.send",
+        "frontend.receive",
+        "frontend.detokenize",
+        "scheduler.schedule",
+        "scheduler.wait_result",
+        "scheduler.on_result",
+    ):
         assert stage in names, (stage, sorted(names))
     assert any(name.startswith("worker.") for name in names), sorted(names)
     steps = {e["args"]["step"] for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] == "worker0"}

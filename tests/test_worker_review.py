@@ -1,5 +1,6 @@
 """The real Scheduler driving a ModelRunner with two plans in flight, as the engine runs them: rows freed and
 reused, prefix-cache hits, preemptions and an abort, every request still Hugging Face's greedy tokens."""
+
 from __future__ import annotations
 
 from collections import deque
@@ -56,18 +57,32 @@ def _serve(config: EngineConfig, prompts: list[list[int]], max_tokens: list[int]
 
 
 def _check_against_hf(tiny_ckpt, device: str, **kw) -> None:
-    config = resolve_config(EngineConfig(model=str(tiny_ckpt), device=device, dtype="float32", block_size=8,
-                                         num_kv_blocks=11, max_num_seqs=4, max_num_batched_tokens=12,
-                                         max_model_len=64, **kw))
+    config = resolve_config(
+        EngineConfig(
+            model=str(tiny_ckpt),
+            device=device,
+            dtype="float32",
+            block_size=8,
+            num_kv_blocks=11,
+            max_num_seqs=4,
+            max_num_batched_tokens=12,
+            max_model_len=64,
+            **kw,
+        )
+    )
     prompts, max_tokens = _workload()
     out, sched = _serve(config, prompts, max_tokens)
     assert sched.num_preemptions > 0 and sched.block_manager.num_cached_tokens > 0  # the workload did its job
     hf = AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32).to(device).eval()
     for i, prompt in enumerate(prompts):
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt], device=device), max_new_tokens=max_tokens[i],
-                              min_new_tokens=max_tokens[i], do_sample=False)[0, len(prompt):].tolist()
-        assert out[i] == (ref[:len(out[i])] if i == ABORTED else ref), f"request {i}"
+            ref = hf.generate(
+                torch.tensor([prompt], device=device),
+                max_new_tokens=max_tokens[i],
+                min_new_tokens=max_tokens[i],
+                do_sample=False,
+            )[0, len(prompt) :].tolist()
+        assert out[i] == (ref[: len(out[i])] if i == ABORTED else ref), f"request {i}"
 
 
 @pytest.fixture(params=["qwen2", "qwen3", "llama"])
@@ -94,6 +109,18 @@ def test_every_staged_field_starts_16_byte_aligned_whatever_the_step_sizes(sizes
     backend = AttentionBackend(torch.zeros(257, 8, dtype=torch.int32), num_kv_heads=2, gqa_group=6, max_batch=256)
     buffers = StepBuffers(8192, 256, 64, backend, torch.device("cpu"))
     buffers.stage(*sizes)
-    for name in ("rows", "positions", "slot_mapping", "context_lens", "cu_seqlens_q", "input_ids", "work",
-                 "sample_idx", "sample_rows", "sample_pos", "delta_idx", "delta_val"):
+    for name in (
+        "rows",
+        "positions",
+        "slot_mapping",
+        "context_lens",
+        "cu_seqlens_q",
+        "input_ids",
+        "work",
+        "sample_idx",
+        "sample_rows",
+        "sample_pos",
+        "delta_idx",
+        "delta_val",
+    ):
         assert buffers.view(name).data_ptr() % 16 == 0, name

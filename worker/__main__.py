@@ -1,4 +1,5 @@
 """`python -m worker`: one worker rank that frontend/launcher.py starts (arguments: msgpack on stdin)."""
+
 import logging
 import os
 import signal

@@ -1,5 +1,6 @@
 """The attention backend: a step's attention metadata and launch choices, and one layer's RoPE + KV-cache store +
 paged attention. The rest of the worker knows nothing of how the kernels want their inputs."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,8 +30,10 @@ class AttentionMetadata:
 
     def __post_init__(self) -> None:
         if self.table_rows is not None and self.work is not None:
-            raise ValueError("AttentionMetadata.table_rows is for decode steps (work None): a prompt step's "
-                             "block_tables must be its sequences' own rows")
+            raise ValueError(
+                "AttentionMetadata.table_rows is for decode steps (work None): a prompt step's "
+                "block_tables must be its sequences' own rows"
+            )
 
 
 class AttentionBackend:
@@ -52,12 +55,22 @@ class AttentionBackend:
         # keeps the many-rows kernel's registers low.
         through = few_rows_launch(rows.shape[0], self.num_kv_heads)
         tables = self.block_tables if through else self.block_tables[rows]
-        return AttentionMetadata(views["slot_mapping"], tables, views["context_lens"],
-                                 self._decode_cu[:rows.shape[0] + 1], table_rows=rows if through else None)
+        return AttentionMetadata(
+            views["slot_mapping"],
+            tables,
+            views["context_lens"],
+            self._decode_cu[: rows.shape[0] + 1],
+            table_rows=rows if through else None,
+        )
 
     def prefill_metadata(self, views: Views) -> AttentionMetadata:
-        return AttentionMetadata(views["slot_mapping"], self.block_tables[views["rows"]], views["context_lens"],
-                                 views["cu_seqlens_q"], views["work"])
+        return AttentionMetadata(
+            views["slot_mapping"],
+            self.block_tables[views["rows"]],
+            views["context_lens"],
+            views["cu_seqlens_q"],
+            views["work"],
+        )
 
 
 class Attention(nn.Module):
@@ -65,21 +78,31 @@ class Attention(nn.Module):
 
     def __init__(self, head_dim: int) -> None:
         super().__init__()
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim**-0.5
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                cos_sin: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    ) -> torch.Tensor:
         """qk_norm: (q weight, k weight, eps) of a per-head RMSNorm of q and k before RoPE (Qwen3)."""
         k_cache, v_cache = kv_cache
         if meta.work is None:  # the decode kernel norms, rotates and stores the step's K/V itself
             new_kv = NewTokenKV(k, v, positions, cos_sin, meta.slot_mapping, *(qk_norm or ()))
-            out = rope_store_decode_attention(q, new_kv, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                                              self.scale, meta.table_rows)
+            out = rope_store_decode_attention(
+                q, new_kv, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale, meta.table_rows
+            )
         else:
             if qk_norm is not None:
                 qk_rms_norm(q, k, *qk_norm)
             q = rope_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
-            out = paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
-                                          meta.context_lens, self.scale, meta.work)
+            out = paged_prefill_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens, self.scale, meta.work
+            )
         return out.flatten(1)

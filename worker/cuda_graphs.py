@@ -3,6 +3,7 @@ replays the smallest graph of its kind that holds it, staged padded to that size
 memory pool per kind, so smaller graphs reuse the largest one's memory. Padded lanes read and write a spare dummy row,
 store to slot -1 (skipped), attend to nothing (context length 0, no queries, no work items), and every op outside
 attention is row-wise, so they never reach the real rows."""
+
 from __future__ import annotations
 
 import bisect
@@ -43,8 +44,14 @@ class CudaGraphs:
         self._replays: dict[tuple[str, int], Callable[[], object]] = {}
         self.warmup_s = 0.0  # eager warm-ups before each capture: kernels' first launches, GEMV timing
 
-    def capture(self, kind: str, views: dict[int, Views], forward: Callable[[Views], object],
-                warmup: Callable[[Views], object] | None, bar: tqdm | None = None) -> None:
+    def capture(
+        self,
+        kind: str,
+        views: dict[int, Views],
+        forward: Callable[[Views], object],
+        warmup: Callable[[Views], object] | None,
+        bar: tqdm | None = None,
+    ) -> None:
         """warmup: an eager run before each capture (None: the kernels are ready); bar: advanced by one per graph."""
         self.sizes[kind], self.views[kind] = sorted(views), views
         pool = torch.cuda.graph_pool_handle() if self.graphs else None

@@ -1,6 +1,7 @@
 """The worker's static input buffers: a step's arrays, written with numpy into a pinned staging buffer, reach
 the device in one copy. The fields a graph reads come first, so their offsets depend on the graph's size alone
 and a graph reads the same addresses on every replay; a step run by a graph is staged padded to its size."""
+
 from __future__ import annotations
 
 import functools
@@ -35,8 +36,9 @@ FIELD_ALIGN = 16
 
 
 @functools.lru_cache(maxsize=4096)
-def _layout(tokens: int, seqs: int, samples: int, deltas: int,
-            work: int) -> tuple[dict[str, tuple[int, int, type]], int]:
+def _layout(
+    tokens: int, seqs: int, samples: int, deltas: int, work: int
+) -> tuple[dict[str, tuple[int, int, type]], int]:
     """Byte offset, byte length and dtype of every field, and the end; each field starts FIELD_ALIGN-aligned."""
     sizes = {"T": tokens, "B": seqs, "B1": seqs + 1, "S": samples, "D": deltas, "W2": 2 * work}
     out, offset = {}, 0
@@ -50,8 +52,9 @@ def _layout(tokens: int, seqs: int, samples: int, deltas: int,
 class StepBuffers:
     """Two pinned host staging buffers (alternating, so one may be in flight) and one device buffer."""
 
-    def __init__(self, max_tokens: int, max_seqs: int, max_deltas: int, attention: AttentionBackend,
-                 device: torch.device) -> None:
+    def __init__(
+        self, max_tokens: int, max_seqs: int, max_deltas: int, attention: AttentionBackend, device: torch.device
+    ) -> None:
         self.max_seqs, self.attention = max_seqs, attention
         work = attention.max_work_items(max_tokens, max_seqs)
         _, capacity = _layout(max_tokens, max_seqs, max_seqs, max_deltas, work)
@@ -66,8 +69,10 @@ class StepBuffers:
     def stage(self, tokens: int, seqs: int, samples: int, deltas: int, work: int) -> dict[str, np.ndarray]:
         layout, end = _layout(tokens, seqs, samples, deltas, work)
         if end > self.device_buf.numel():
-            raise ValueError(f"a step of {tokens} tokens over {seqs} rows is over the worker's buffers: the "
-                             f"scheduler must keep within max_num_batched_tokens and max_num_seqs")
+            raise ValueError(
+                f"a step of {tokens} tokens over {seqs} rows is over the worker's buffers: the "
+                f"scheduler must keep within max_num_batched_tokens and max_num_seqs"
+            )
         self._turn ^= 1
         self._layout, self._end = layout, end
         key = (self._turn, tokens, seqs, samples, deltas, work)
@@ -76,14 +81,20 @@ class StepBuffers:
             if len(self._host_views) > 4096:
                 self._host_views.clear()
             buf = self._host_np[self._turn]
-            views = self._host_views[key] = {name: buf[off:off + n].view(dt) for name, (off, n, dt) in layout.items()}
+            views = self._host_views[key] = {name: buf[off : off + n].view(dt) for name, (off, n, dt) in layout.items()}
         return views
 
     def upload(self) -> None:
-        self.device_buf[:self._end].copy_(self._host[self._turn][:self._end], non_blocking=True)
+        self.device_buf[: self._end].copy_(self._host[self._turn][: self._end], non_blocking=True)
 
-    def write(self, step: HostStep, host_ids: np.ndarray, deltas: tuple[np.ndarray, np.ndarray], dummy_row: int,
-              padded_to: int | None = None) -> None:
+    def write(
+        self,
+        step: HostStep,
+        host_ids: np.ndarray,
+        deltas: tuple[np.ndarray, np.ndarray],
+        dummy_row: int,
+        padded_to: int | None = None,
+    ) -> None:
         """Stage and upload a step, padded to the graph size that runs it; padded lanes store and attend nothing."""
         b, t = len(step.rows), len(step.positions)
         if step.is_decode:
@@ -100,7 +111,7 @@ class StepBuffers:
         _put(v["sample_pos"], step.sample_pos[sampled], 0)
         if work is not None:
             _put(v["cu_seqlens_q"], step.cu_seqlens_q, t)  # padded sequences have no queries
-            _put(v["input_ids"][step.num_device_tokens:], host_ids, 0)
+            _put(v["input_ids"][step.num_device_tokens :], host_ids, 0)
             for dst, items in zip(v["work"].reshape(2, -1), work):
                 _put(dst, items, -1)
             v["sample_idx"][:] = step.cu_seqlens_q[1:][sampled] - 1
@@ -135,12 +146,10 @@ class StepBuffers:
         return views
 
     def _device_view(self, off: int, nbytes: int, dt: type) -> torch.Tensor:
-        return self.device_buf[off:off + nbytes].view(_TORCH[dt])
+        return self.device_buf[off : off + nbytes].view(_TORCH[dt])
 
 
 def _put(dst: np.ndarray, values: np.ndarray, pad_value: int) -> None:
-    dst[:len(values)] = values
+    dst[: len(values)] = values
     if len(values) < len(dst):
-        dst[len(values):] = pad_value
-
-
+        dst[len(values) :] = pad_value

@@ -1,9 +1,10 @@
 """The paged KV cache of one worker rank: how many blocks fit, and the tensors that hold them."""
+
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -25,8 +26,9 @@ def cpu_num_kv_blocks(wanted: int, block_bytes: int) -> int:
     return max(2, min(wanted, _CPU_KV_CACHE_CAP // block_bytes))
 
 
-def profile_num_kv_blocks(gpu_memory_utilization: float, block_bytes: int, peak_step: Callable[[], None],
-                          kept_as: str | None = None) -> int:
+def profile_num_kv_blocks(
+    gpu_memory_utilization: float, block_bytes: int, peak_step: Callable[[], None], kept_as: str | None = None
+) -> int:
     """Blocks that fit in gpu_memory_utilization of the card after the peak of peak_step (the largest step the
     engine can run, against a cache of one block). kept_as: the key (peak_key) under which the step's transient bytes
     are kept on disk: a later start reads them instead of running the step."""
@@ -45,8 +47,10 @@ def profile_num_kv_blocks(gpu_memory_utilization: float, block_bytes: int, peak_
     available = total * gpu_memory_utilization - (total - free) - transient
     blocks = int(available // block_bytes)
     if blocks < 2:
-        raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} leaves {available / 2**30:.2f} GiB for "
-                         "the KV cache, under two blocks: raise it, or lower max_num_batched_tokens / max_num_seqs")
+        raise ValueError(
+            f"gpu_memory_utilization={gpu_memory_utilization} leaves {available / 2**30:.2f} GiB for "
+            "the KV cache, under two blocks: raise it, or lower max_num_batched_tokens / max_num_seqs"
+        )
     return blocks
 
 
@@ -57,10 +61,12 @@ def peak_key(config: EngineConfig, gpu: str, rank: int) -> str:
     return f"kv peak {hashlib.sha256(what.encode()).hexdigest()[:32]}"
 
 
-def allocate_kv_cache(mc: ModelConfig, num_blocks: int, kv_heads: int, block_size: int, dtype: torch.dtype,
-                      device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def allocate_kv_cache(
+    mc: ModelConfig, num_blocks: int, kv_heads: int, block_size: int, dtype: torch.dtype, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each layer's (K, V) cache, [num_blocks, kv_heads, block_size, head_dim], views of one allocation."""
     # Zeros, not empty: attention multiplies masked-out slots by 0, and 0 * NaN garbage is NaN.
-    cache = torch.zeros(2, mc.num_hidden_layers, num_blocks, kv_heads, block_size, mc.head_dim, dtype=dtype,
-                        device=device)
+    cache = torch.zeros(
+        2, mc.num_hidden_layers, num_blocks, kv_heads, block_size, mc.head_dim, dtype=dtype, device=device
+    )
     return [(cache[0, i], cache[1, i]) for i in range(mc.num_hidden_layers)]

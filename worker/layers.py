@@ -6,6 +6,7 @@ model under them). Linears run kernels.linear: for a few rows on the GPU, a Trit
 cuBLAS, with the RMSNorm before it (FusedRMSNorm) and SwiGLU after gate_up (GateUpSwiGLU) folded in. With FP8 (a
 linear's fp8_block) its weight is e4m3 beside weight_scale, one float32 per block, loaded through the same
 weight_loader: a scale's shard is its weight's, in whole blocks."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -35,14 +36,16 @@ def _param(*shape: int, loader: Callable, shard_ids: tuple = (None,), dtype: tor
     return p
 
 
-def _linear_weight(module: nn.Module, out: int, in_: int, loader: Callable, block: tuple[int, int] | None,
-                   shard_ids: tuple = (None,)) -> None:
+def _linear_weight(
+    module: nn.Module, out: int, in_: int, loader: Callable, block: tuple[int, int] | None, shard_ids: tuple = (None,)
+) -> None:
     """module.weight [out, in_] in the default dtype, or e4m3 beside module.weight_scale (one float32 per block)."""
     module.fp8_block = block
     module.weight = _param(out, in_, loader=loader, shard_ids=shard_ids, dtype=FP8 if block else None)
     if block:
-        module.weight_scale = _param(*scale_shape((out, in_), block), loader=loader, shard_ids=shard_ids,
-                                     dtype=torch.float32)
+        module.weight_scale = _param(
+            *scale_shape((out, in_), block), loader=loader, shard_ids=shard_ids, dtype=torch.float32
+        )
         module.weight_scale.block = block
 
 
@@ -55,19 +58,24 @@ def _check_shape(param: nn.Parameter, loaded: torch.Tensor, expected: tuple[int,
     if hasattr(param, "block"):
         expected = scale_shape(expected, param.block)
     if tuple(loaded.shape) != tuple(expected):
-        raise ValueError(f"checkpoint shape {tuple(loaded.shape)} does not match the model's {tuple(expected)}: "
-                         "use the config.json that came with these weights")
+        raise ValueError(
+            f"checkpoint shape {tuple(loaded.shape)} does not match the model's {tuple(expected)}: "
+            "use the config.json that came with these weights"
+        )
 
 
-def _load_slice(param: torch.Tensor, dst_start: int, loaded: torch.Tensor, src_start: int, size: int,
-                dim: int = 0) -> None:
+def _load_slice(
+    param: torch.Tensor, dst_start: int, loaded: torch.Tensor, src_start: int, size: int, dim: int = 0
+) -> None:
     """Copy loaded[src_start : src_start + size] (along dim) into param at dst_start; for a scale these are the
     weight's rows or columns, taken in whole blocks (a per-channel scale's one column: all of it)."""
     if hasattr(param, "block"):
         b = param.block[dim]
         if b and (dst_start % b or src_start % b):
-            raise ValueError(f"a shard of FP8 scale blocks of {b} starts at {src_start} (packed at {dst_start}), "
-                             f"inside a block: use a tensor_parallel_size whose shards are multiples of {b}")
+            raise ValueError(
+                f"a shard of FP8 scale blocks of {b} starts at {src_start} (packed at {dst_start}), "
+                f"inside a block: use a tensor_parallel_size whose shards are multiples of {b}"
+            )
         dst_start, src_start, size = (dst_start // b, src_start // b, -(-size // b)) if b else (0, 0, 1)
     param.data.narrow(dim, dst_start, size).copy_(loaded.narrow(dim, src_start, size))
 
@@ -81,8 +89,17 @@ class QKVParallelLinear(nn.Module):
     """Column-parallel q|k|v projection (with or without bias), this rank's heads packed as [q heads, k heads, v heads];
     returns q [T, heads, D], k and v [T, kv heads, D], views of one output."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, tp_rank: int = 0,
-                 tp_size: int = 1, bias: bool = True, fp8_block: tuple[int, int] | None = None) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        bias: bool = True,
+        fp8_block: tuple[int, int] | None = None,
+    ) -> None:
         super().__init__()
         self.head_dim, self.hidden_size = head_dim, hidden_size
         self.total = {"q": num_heads, "k": num_kv_heads, "v": num_kv_heads}
@@ -98,7 +115,7 @@ class QKVParallelLinear(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
         d = self.head_dim
-        _check_shape(param, loaded, (self.total[shard_id] * d, self.hidden_size)[:param.dim()])  # or the bias
+        _check_shape(param, loaded, (self.total[shard_id] * d, self.hidden_size)[: param.dim()])  # or the bias
         local = self.num_heads if shard_id == "q" else self.num_kv_heads
         _load_slice(param, self.offset[shard_id] * d, loaded, self.first_head[shard_id] * d, local * d)
 
@@ -111,8 +128,14 @@ class GateUpSwiGLU(nn.Module):
     """silu(x @ gate^T) * (x @ up^T), column-parallel, [gate | up] in one weight (shard 0 gate_proj, 1 up_proj):
     SwiGLU runs in the GEMV's stores where that is faster."""
 
-    def __init__(self, in_features: int, out_features: int, tp_rank: int = 0, tp_size: int = 1,
-                 fp8_block: tuple[int, int] | None = None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        fp8_block: tuple[int, int] | None = None,
+    ) -> None:
         super().__init__()
         self.full, self.local, self.tp_rank = out_features, out_features // tp_size, tp_rank
         self.in_features = in_features
@@ -129,8 +152,14 @@ class GateUpSwiGLU(nn.Module):
 class RowParallelLinear(nn.Module):
     """Row-parallel projection (no bias): each rank holds a slice of the input dim; outputs are summed."""
 
-    def __init__(self, in_features: int, out_features: int, tp_rank: int = 0, tp_size: int = 1,
-                 fp8_block: tuple[int, int] | None = None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        fp8_block: tuple[int, int] | None = None,
+    ) -> None:
         super().__init__()
         self.full_in, self.out_features, self.tp_rank, self.tp_size = in_features, out_features, tp_rank, tp_size
         _linear_weight(self, out_features, in_features // tp_size, self.weight_loader, fp8_block)
@@ -176,7 +205,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Vocab-parallel lm_head: each rank computes its vocab slice of the logits; all ranks get all logits."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return all_gather_last_dim(linear(hidden, self.weight), self.tp_size)[:, :self.vocab_size]
+        return all_gather_last_dim(linear(hidden, self.weight), self.tp_size)[:, : self.vocab_size]
 
 
 class RMSNorm(nn.Module):

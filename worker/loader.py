@@ -2,6 +2,7 @@
 weight_loader cuts its TP shard and packs q/k/v and gate/up; this file maps checkpoint names onto parameters and checks
 that each was filled and no tensor left over. An FP8 linear takes an FP8 checkpoint's e4m3 weight and weight_scale_inv
 as they are, or quantizes a float weight whole (a row's scale the same at every TP size) before its shard is cut."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,13 @@ from tqdm import tqdm
 from kernels.fp8 import FP8, quantize
 
 # Checkpoint module name -> (our packed module, shard id).
-_PACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+_PACKED = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
 _UNPACKED = {packed: hf for hf, packed in _PACKED.items()}
 _SCALE_LEAF = {"weight_scale_inv": "weight_scale"}  # an FP8 checkpoint's name -> ours (w = value * scale)
 _HF_SCALE_LEAF = {ours: hf for hf, ours in _SCALE_LEAF.items()}
@@ -39,8 +45,10 @@ def load_weights(model: nn.Module, model_dir: str, tp_rank: int = 0, tp_size: in
                     bar.update()
     missing = sorted(_hf_name(n, s) for n, s in expected - loaded)
     if missing:
-        raise ValueError(f"checkpoint {model_dir} lacks {len(missing)} tensor(s) the model needs: "
-                         f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+        raise ValueError(
+            f"checkpoint {model_dir} lacks {len(missing)} tensor(s) the model needs: "
+            f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}"
+        )
 
 
 def _load_tensor(params: dict, expected: set, model: nn.Module, name: str, f, file: str) -> set:
@@ -49,13 +57,17 @@ def _load_tensor(params: dict, expected: set, model: nn.Module, name: str, f, fi
         return set()  # a tied head is the embedding; old checkpoints store a RoPE table we recompute
     target, shard = _our_name(name)
     if (target, shard) not in expected:
-        raise ValueError(f"unexpected tensor {name!r} in {file}: the {type(model).__name__} model has no such "
-                         "parameter (is the config.json beside the checkpoint the one that came with it?)")
+        raise ValueError(
+            f"unexpected tensor {name!r} in {file}: the {type(model).__name__} model has no such "
+            "parameter (is the config.json beside the checkpoint the one that came with it?)"
+        )
     param, tensor = params[target], f.get_tensor(name)
     if tensor.dtype not in _FLOAT_DTYPES and not (tensor.dtype == FP8 == param.dtype):
-        raise ValueError(f"tensor {name!r} in {file} is {str(tensor.dtype).removeprefix('torch.')}: Pico-vLLM loads "
-                         "float32 / float16 / bfloat16 weights, and e4m3 ones of linears in an FP8 checkpoint (with "
-                         "quantization_config in its config.json): use the unquantized checkpoint")
+        raise ValueError(
+            f"tensor {name!r} in {file} is {str(tensor.dtype).removeprefix('torch.')}: Pico-vLLM loads "
+            "float32 / float16 / bfloat16 weights, and e4m3 ones of linears in an FP8 checkpoint (with "
+            "quantization_config in its config.json): use the unquantized checkpoint"
+        )
     loads = {target: tensor}
     if param.dtype == FP8 and tensor.dtype != FP8:  # quantized at load, per block of the full tensor
         scale_name = target + "_scale"
@@ -78,8 +90,10 @@ def _checkpoint_files(model_dir: Path) -> dict[str, list[str]]:
         return files
     paths = sorted(model_dir.glob("*.safetensors"))
     if not paths:
-        raise ValueError(f"no *.safetensors in {model_dir}: pass a directory with safetensors weights, "
-                         "or use --load-format dummy for random weights")
+        raise ValueError(
+            f"no *.safetensors in {model_dir}: pass a directory with safetensors weights, "
+            "or use --load-format dummy for random weights"
+        )
     files = {}
     for path in paths:
         with safe_open(path, framework="pt") as f:

@@ -2,6 +2,7 @@
 
 A decode row's input is the token it sampled last, still on the device (last_token[row]): no token crosses
 back from the host, so step N+1 can be launched before step N is collected."""
+
 from __future__ import annotations
 
 import functools
@@ -55,16 +56,20 @@ def check_fp8_gpu(device: torch.device) -> None:
     """FP8 weights need FP8 conversions in hardware: compute capability 8.9 (Ada) or later."""
     capability = torch.cuda.get_device_capability(device)
     if capability < (8, 9):
-        raise ValueError(f"quantization='fp8' needs a GPU with FP8 (compute capability 8.9 or later, e.g. L4, H100); "
-                         f"{torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}: leave quantization "
-                         "unset and use an unquantized checkpoint on this GPU")
+        raise ValueError(
+            f"quantization='fp8' needs a GPU with FP8 (compute capability 8.9 or later, e.g. L4, H100); "
+            f"{torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}: leave quantization "
+            "unset and use an unquantized checkpoint on this GPU"
+        )
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, rank: int = 0, tp_size: int = 1) -> None:
         if config.model_config is None or config.max_model_len is None:
-            raise ValueError(f"EngineConfig for {config.model!r} is not resolved: pass it through "
-                             "frontend.model_resolution.resolve_config first")
+            raise ValueError(
+                f"EngineConfig for {config.model!r} is not resolved: pass it through "
+                "frontend.model_resolution.resolve_config first"
+            )
         self.config, self.rank, self.tp_size = config, rank, tp_size
         self.model_config, model_dir = config.model_config, config.model_path
         self.device = select_device(config.device, rank)
@@ -85,8 +90,10 @@ class ModelRunner:
             self.model = self._build_model(model_dir)
             self._mark("weights_loaded")
             self._init_step_state(max_batch, max(sizes + [config.max_num_batched_tokens]))
-            views = {"decode": {s: self.buffers.decode_views(s) for s in sizes},
-                     "prefill": {b: self.buffers.prefill_views(b) for b in buckets}}
+            views = {
+                "decode": {s: self.buffers.decode_views(s) for s in sizes},
+                "prefill": {b: self.buffers.prefill_views(b) for b in buckets},
+            }
             dry = self._precompile(views) if use_graphs else DryRun()
             self._mark("kernels_compiled")
             self._init_kv_cache()
@@ -98,12 +105,15 @@ class ModelRunner:
     def _stage_seconds(self, kernels: int) -> dict:
         """Each start-up stage's seconds, for the worker's Ready (compile_s holds the step buffers' allocation too)."""
         c = self.clock
-        return {"weights_s": c["weights_loaded"] - c["runner_started"], "kernels_compiled": kernels,
-                "compile_s": c["kernels_compiled"] - c["weights_loaded"],
-                "kv_cache_s": c["kv_cache_ready"] - c["kernels_compiled"],
-                "graph_capture_s": c["prefill_graphs_captured"] - c["kv_cache_ready"],
-                "prefill_capture_s": c["prefill_graphs_captured"] - c["decode_graphs_captured"],
-                "graph_warmup_s": self.graphs.warmup_s}
+        return {
+            "weights_s": c["weights_loaded"] - c["runner_started"],
+            "kernels_compiled": kernels,
+            "compile_s": c["kernels_compiled"] - c["weights_loaded"],
+            "kv_cache_s": c["kv_cache_ready"] - c["kernels_compiled"],
+            "graph_capture_s": c["prefill_graphs_captured"] - c["kv_cache_ready"],
+            "prefill_capture_s": c["prefill_graphs_captured"] - c["decode_graphs_captured"],
+            "graph_warmup_s": self.graphs.warmup_s,
+        }
 
     def _mark(self, name: str) -> None:
         self.clock[name] = time.time()
@@ -116,8 +126,9 @@ class ModelRunner:
         block_tables = torch.zeros(self.max_rows + 1, self.max_blocks, dtype=torch.int32, device=self.device)
         self.attention = AttentionBackend(block_tables, self._local_kv_heads(), self._gqa_group(), max_batch)
         self.buffers = StepBuffers(max_tokens, max_batch, self.max_rows * self.max_blocks, self.attention, self.device)
-        self._host_tokens = [torch.zeros(self.max_rows, dtype=torch.int64, pin_memory=self.device.type == "cuda")
-                             for _ in range(2)]
+        self._host_tokens = [
+            torch.zeros(self.max_rows, dtype=torch.int64, pin_memory=self.device.type == "cuda") for _ in range(2)
+        ]
         self._done_events = [torch.cuda.Event() for _ in range(2)] if self.device.type == "cuda" else []
         self._out_turn = 0
 
@@ -125,8 +136,14 @@ class ModelRunner:
         self.num_kv_blocks = self._num_kv_blocks()
         self._mark("kv_profiled")
         self.mirror = RowMirror(self.max_rows, self.max_blocks, self.config.block_size, self.num_kv_blocks)
-        self.kv_caches = allocate_kv_cache(self.model_config, self.num_kv_blocks, self._local_kv_heads(),
-                                           self.config.block_size, self.dtype, self.device)
+        self.kv_caches = allocate_kv_cache(
+            self.model_config,
+            self.num_kv_blocks,
+            self._local_kv_heads(),
+            self.config.block_size,
+            self.dtype,
+            self.device,
+        )
 
     def _precompile(self, views: dict[str, dict[int, Views]]) -> DryRun:
         """The Triton kernels of the KV profiling and the captures, compiled and loaded in parallel by a dry run of
@@ -142,8 +159,12 @@ class ModelRunner:
 
     def _capture(self, views: dict[str, dict[int, Views]], warm_up: bool) -> None:
         """Every graph of both kinds, under one progress bar; warm_up: an eager run of a few layers before each."""
-        with tqdm(total=sum(map(len, views.values())), desc="Capturing CUDA graphs", unit="graph",
-                  disable=not self.graphs.graphs) as bar:
+        with tqdm(
+            total=sum(map(len, views.values())),
+            desc="Capturing CUDA graphs",
+            unit="graph",
+            disable=not self.graphs.graphs,
+        ) as bar:
             for kind, forward in (("decode", self._decode_forward), ("prefill", self._prefill_forward)):
                 if views[kind]:
                     warmup = functools.partial(forward, layers=WARMUP_LAYERS) if warm_up else None
@@ -179,8 +200,12 @@ class ModelRunner:
         block_bytes = kv_block_bytes(self.model_config, self._local_kv_heads(), self.config.block_size, self.dtype)
         if self.device.type == "cpu":
             return cpu_num_kv_blocks(-(-self.max_model_len * self.max_rows // self.config.block_size), block_bytes)
-        return profile_num_kv_blocks(self.config.gpu_memory_utilization, block_bytes, self._profile_forward,
-                                     peak_key(self.config, torch.cuda.get_device_name(self.device), self.rank))
+        return profile_num_kv_blocks(
+            self.config.gpu_memory_utilization,
+            block_bytes,
+            self._profile_forward,
+            peak_key(self.config, torch.cuda.get_device_name(self.device), self.rank),
+        )
 
     def _one_block_cache(self, layers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         shape = (1, self._local_kv_heads(), self.config.block_size, self.model_config.head_dim)
@@ -197,11 +222,16 @@ class ModelRunner:
         positions = torch.arange(tokens, device=self.device) - cu[:-1].repeat_interleave(lens).long()
         work = torch.from_numpy(self.attention.work_items(np.diff(cu_host))).to(self.device)
         blocks = -(-seq // self.config.block_size)
-        meta = AttentionMetadata(torch.full((tokens,), -1, dtype=torch.int64, device=self.device),
-                                 torch.zeros(len(lens), blocks, dtype=torch.int32, device=self.device), lens, cu, work)
+        meta = AttentionMetadata(
+            torch.full((tokens,), -1, dtype=torch.int64, device=self.device),
+            torch.zeros(len(lens), blocks, dtype=torch.int32, device=self.device),
+            lens,
+            cu,
+            work,
+        )
         cache = self._one_block_cache(layers or self.model_config.num_hidden_layers)
         hidden = self.model(torch.zeros(tokens, dtype=torch.int64, device=self.device), positions, meta, cache)
-        logits = self.model.compute_logits(hidden[:min(self.max_rows, tokens)])
+        logits = self.model.compute_logits(hidden[: min(self.max_rows, tokens)])
         if layers is None:
             self.sampler.profile(logits)
 
@@ -235,13 +265,16 @@ class ModelRunner:
             launched.trace = (start_ns, time.perf_counter_ns(), events, step.is_decode)
         return launched
 
-    def _masked_rows(self, plan: StepPlan, step: HostStep,
-                     wait_mask: Callable[[int], np.ndarray] | None) -> tuple[np.ndarray, np.ndarray]:
+    def _masked_rows(
+        self, plan: StepPlan, step: HostStep, wait_mask: Callable[[int], np.ndarray] | None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """(indices into the step's sampled rows, bitmask [k, words]) of its masked rows."""
         indices = plan.masked.astype(np.int64)
         if wait_mask is None or indices.min() < 0 or indices.max() >= len(step.rows) or not step.samples[indices].all():
-            raise ValueError(f"StepPlan {plan.step} masks rows {indices.tolist()}: each must index a sampling row, "
-                             "and the caller must pass wait_mask")
+            raise ValueError(
+                f"StepPlan {plan.step} masks rows {indices.tolist()}: each must index a sampling row, "
+                "and the caller must pass wait_mask"
+            )
         mask = wait_mask(plan.step)
         if len(mask) != len(indices):
             raise ValueError(f"GrammarMask for step {plan.step} has {len(mask)} rows, not its {len(indices)} masked")
@@ -265,11 +298,13 @@ class ModelRunner:
         self._out_turn ^= 1
         launched = Launched(step_no, samples)
         if out is not None:
-            launched.tokens = self._host_tokens[self._out_turn][:out.token_ids.shape[0]]
+            launched.tokens = self._host_tokens[self._out_turn][: out.token_ids.shape[0]]
             launched.tokens.copy_(out.token_ids, non_blocking=True)
             if out.logprobs is not None:  # rare: fresh host tensors are fine here
-                launched.logprobs = tuple(None if t is None else t.to("cpu", non_blocking=True)
-                                          for t in (out.logprobs, out.top_ids, out.top_logprobs))
+                launched.logprobs = tuple(
+                    None if t is None else t.to("cpu", non_blocking=True)
+                    for t in (out.logprobs, out.top_ids, out.top_logprobs)
+                )
         if self.device.type == "cuda":
             launched.done = self._done_events[self._out_turn]
             launched.done.record()
@@ -286,8 +321,12 @@ class ModelRunner:
         for new in plan.new_rows:
             self.mirror.add(new)
             tokens = np.asarray(new.token_ids)
-            self.sampler.add_row(new.row, SamplingParams.from_plan(new.params), tokens[:new.num_prompt_tokens],
-                                 tokens[new.num_prompt_tokens:])
+            self.sampler.add_row(
+                new.row,
+                SamplingParams.from_plan(new.params),
+                tokens[: new.num_prompt_tokens],
+                tokens[new.num_prompt_tokens :],
+            )
         for row, block_ids in plan.block_appends:
             self.mirror.append_blocks(int(row), block_ids)
 
@@ -326,12 +365,14 @@ class ModelRunner:
             # The decode graph's draw again under the masks, as a graph of its own per size: once the mask has
             # come, the host launches one replay, not a handful of kernels.
             self.sampler.stage_masks(*masked())
-            draw = functools.partial(self.sampler.masked_draw, logits, views["rows"], views["sample_pos"],
-                                     self.last_token)
+            draw = functools.partial(
+                self.sampler.masked_draw, logits, views["rows"], views["sample_pos"], self.last_token
+            )
             return SamplerOutput((self.graphs.replay_or_capture(("masked_draw", size), draw) if size else draw())[:b])
         # Some row needs more than the captured draw: sample the step's logits again, eagerly.
-        return self.sampler(logits[:b], views["rows"][:b], views["sample_pos"][:b], step.rows, self.last_token,
-                            masked and masked())
+        return self.sampler(
+            logits[:b], views["rows"][:b], views["sample_pos"][:b], step.rows, self.last_token, masked and masked()
+        )
 
     def _run_mixed(self, step: HostStep, size: int | None, masked: MaskedRows | None = None) -> SamplerOutput | None:
         """A step with prompt chunks; its decode rows take their input tokens from the device."""
@@ -343,5 +384,11 @@ class ModelRunner:
         if not step.samples.any():
             return None
         logits = self.model.compute_logits(hidden[self.buffers.view("sample_idx")])
-        return self.sampler(logits, self.buffers.view("sample_rows"), self.buffers.view("sample_pos"),
-                            step.rows[step.samples], self.last_token, masked and masked())
+        return self.sampler(
+            logits,
+            self.buffers.view("sample_rows"),
+            self.buffers.view("sample_pos"),
+            step.rows[step.samples],
+            self.last_token,
+            masked and masked(),
+        )

@@ -1,5 +1,6 @@
 """Tensor-parallel process group: joining it, and the two collectives the model needs. One group: every worker rank is a
 TP rank, so torch.distributed's default group is the TP group."""
+
 from __future__ import annotations
 
 import torch

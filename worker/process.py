@@ -1,5 +1,6 @@
 """The worker process of one rank: StepPlans in, StepResults out (rank 0 answers for all ranks). Plans come only
 from our scheduler, so a bad frame is fatal: the worker says why (WorkerError) and exits non-zero."""
+
 from __future__ import annotations
 
 import contextlib
@@ -64,11 +65,16 @@ def run_worker(config_dict: dict, addresses_dict: dict, rank: int, parent_pid: i
 
 def startup_summary(parts: dict, clock: dict[str, float]) -> str:
     """One line: the seconds to ready, and each stage's."""
-    stages = {"importing torch": clock["torch_imported"] - clock["worker_entered"], "weights": parts["weights_s"],
-              f"compiling {parts['kernels_compiled']} Triton kernels": parts["compile_s"],
-              "KV cache": parts["kv_cache_s"], "CUDA graphs": parts["graph_capture_s"]}
-    return (f"worker ready in {clock['worker_ready'] - clock['worker_entered']:.2f} s: "
-            + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in stages.items()))
+    stages = {
+        "importing torch": clock["torch_imported"] - clock["worker_entered"],
+        "weights": parts["weights_s"],
+        f"compiling {parts['kernels_compiled']} Triton kernels": parts["compile_s"],
+        "KV cache": parts["kv_cache_s"],
+        "CUDA graphs": parts["graph_capture_s"],
+    }
+    return f"worker ready in {clock['worker_ready'] - clock['worker_entered']:.2f} s: " + ", ".join(
+        f"{name} {seconds:.2f} s" for name, seconds in stages.items()
+    )
 
 
 def _build_runner(config: EngineConfig, addresses: Addresses, rank: int, clock: dict[str, float]):
@@ -178,6 +184,7 @@ def _finish(runner, launched, results: zmq.Socket, rank: int, tracer: Tracer) ->
 
 def _exit_with_parent(parent: int) -> None:
     """A worker outliving its launcher would hold the GPU forever: exit when the parent is gone."""
+
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(1.0)

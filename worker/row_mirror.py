@@ -1,5 +1,6 @@
 """The worker's row mirror: per row, the tokens, computed count and block table the scheduler sent, kept in
 step with it by the plans' deltas; a StepPlan becomes the host arrays of one step (HostStep)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -50,8 +51,10 @@ class RowMirror:
         row, tokens = new.row, np.asarray(new.token_ids, np.int32)
         self._check_row(row, "NewRow.row")
         if not 0 <= new.num_computed < len(tokens):
-            raise ValueError(f"NewRow for row {row}: num_computed={new.num_computed} must be in "
-                             f"[0, {len(tokens)}) so that at least one token is computed")
+            raise ValueError(
+                f"NewRow for row {row}: num_computed={new.num_computed} must be in "
+                f"[0, {len(tokens)}) so that at least one token is computed"
+            )
         self.tokens[row] = tokens
         self.num_host[row] = self.total[row] = len(tokens)
         self.computed[row] = new.num_computed
@@ -66,14 +69,18 @@ class RowMirror:
             raise ValueError(f"blocks appended to row {row}, which holds no request: add it with a NewRow first")
         start = int(self.num_blocks[row])
         if start + len(ids) > self.max_blocks:
-            raise ValueError(f"row {row} would hold {start + len(ids)} blocks, over max_model_len's "
-                             f"{self.max_blocks}: the scheduler must not grow a row past max_model_len")
+            raise ValueError(
+                f"row {row} would hold {start + len(ids)} blocks, over max_model_len's "
+                f"{self.max_blocks}: the scheduler must not grow a row past max_model_len"
+            )
         if len(ids) and (ids.min() < 0 or ids.max() >= self.num_kv_blocks):
             # The kernels do not check: a stray id would read or write another block's (or layer's) KV.
             bad = int(ids[(ids < 0) | (ids >= self.num_kv_blocks)][0])
-            raise ValueError(f"block id {bad} appended to row {row} is outside the KV cache's {self.num_kv_blocks} "
-                             f"blocks: the scheduler must hand out ids in [0, {self.num_kv_blocks})")
-        self.block_table[row, start:start + len(ids)] = ids
+            raise ValueError(
+                f"block id {bad} appended to row {row} is outside the KV cache's {self.num_kv_blocks} "
+                f"blocks: the scheduler must hand out ids in [0, {self.num_kv_blocks})"
+            )
+        self.block_table[row, start : start + len(ids)] = ids
         self.num_blocks[row] = start + len(ids)
         self._deltas.append((row * self.max_blocks + np.arange(start, start + len(ids), dtype=np.int64), ids))
 
@@ -106,7 +113,7 @@ class RowMirror:
         b = len(rows)
         nd = np.count_nonzero(start >= self.num_host[rows])
         if not np.count_nonzero(n != 1):  # single tokens only (every decode step): no repeat, no cumsum
-            tok_rows, positions, cu = rows, start, self._arange[:b + 1]
+            tok_rows, positions, cu = rows, start, self._arange[: b + 1]
         else:
             cu = np.zeros(b + 1, np.int64)
             np.cumsum(n, out=cu[1:])
@@ -117,8 +124,10 @@ class RowMirror:
         short = ctx > self.num_blocks[rows] * self.block_size
         if np.count_nonzero(short):
             row = int(rows[np.argmax(short)])
-            raise ValueError(f"row {row} has {self.num_blocks[row]} blocks, too few for its tokens after this "
-                             f"step: append its blocks first")
+            raise ValueError(
+                f"row {row} has {self.num_blocks[row]} blocks, too few for its tokens after this "
+                f"step: append its blocks first"
+            )
         slots = self.block_table[tok_rows, positions // self.block_size] * self.block_size + positions % self.block_size
         return HostStep(rows, n, positions, slots, ctx, cu, ctx == total, total, int(nd))
 
@@ -127,23 +136,32 @@ class RowMirror:
         b = len(rows)
         # Viewed unsigned, a negative row is huge: one comparison checks both ends.
         if b == 0 or n.shape != rows.shape or np.count_nonzero(rows.view(np.uint64) >= self.max_rows):
-            raise ValueError(f"StepPlan rows {rows.tolist()} with num_tokens {n.tolist()}: give one count per "
-                             f"row, rows in [0, {self.max_rows})")
+            raise ValueError(
+                f"StepPlan rows {rows.tolist()} with num_tokens {n.tolist()}: give one count per "
+                f"row, rows in [0, {self.max_rows})"
+            )
         start, total = self.computed[rows], self.total[rows]
         self._mark[rows] = self._arange[:b]  # a row listed twice keeps only its last index here
         # An inactive row has total 0, so asking it for any token fails the known-tokens check too.
         if np.count_nonzero((n < 1) | (start + n > total) | (self._mark[rows] != self._arange[:b])):
-            raise ValueError(f"StepPlan rows {rows.tolist()} / num_tokens {n.tolist()} do not fit the mirror "
-                             f"(computed {start.tolist()}, known {total.tolist()}): rows must be active, "
-                             f"unique, and ask for at least one and at most their known tokens")
+            raise ValueError(
+                f"StepPlan rows {rows.tolist()} / num_tokens {n.tolist()} do not fit the mirror "
+                f"(computed {start.tolist()}, known {total.tolist()}): rows must be active, "
+                f"unique, and ask for at least one and at most their known tokens"
+            )
         return start, total
 
     def host_input_ids(self, step: HostStep) -> np.ndarray:
         """Token ids of the rows after the decode prefix, which the host holds (prompt chunks)."""
         nd = step.num_device_tokens
-        parts = [self.tokens[r][s:s + k] for r, s, k in
-                 zip(step.rows[nd:].tolist(), (step.context_lens - step.num_tokens)[nd:].tolist(),
-                     step.num_tokens[nd:].tolist())]
+        parts = [
+            self.tokens[r][s : s + k]
+            for r, s, k in zip(
+                step.rows[nd:].tolist(),
+                (step.context_lens - step.num_tokens)[nd:].tolist(),
+                step.num_tokens[nd:].tolist(),
+            )
+        ]
         return np.concatenate(parts) if parts else np.zeros(0, np.int32)
 
     def finish(self, step: HostStep) -> None:

@@ -3,6 +3,7 @@
 Per-row params live in device tables indexed by row, written once when the row is added; host counts of the
 rows using each feature let a stage no row needs cost nothing. Random rows draw hashed Gumbel noise, so a
 request samples the same tokens alone or in any batch, and again after a preemption."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -69,19 +70,32 @@ class Sampler:
         by the scheduler: a seed, and stop_token_ids with the EOS ids unless ignore_eos."""
         self.remove_row(row)
         top_k = params.top_k if params.top_k > 0 else 0
-        self._floats[row] = (params.temperature, params.top_p, params.min_p, params.presence_penalty,
-                             params.frequency_penalty, params.repetition_penalty)
+        self._floats[row] = (
+            params.temperature,
+            params.top_p,
+            params.min_p,
+            params.presence_penalty,
+            params.frequency_penalty,
+            params.repetition_penalty,
+        )
         # vLLM bans the stop tokens until min_tokens outputs; ids past the vocabulary never come.
-        banned = [t for t in params.stop_token_ids if t < self.vocab_size] if params.min_tokens > len(output_ids) \
-            else []
+        banned = (
+            [t for t in params.stop_token_ids if t < self.vocab_size] if params.min_tokens > len(output_ids) else []
+        )
         self._ints[row] = (top_k, seed_to_i64(params.seed or 0), len(prompt_ids) + params.min_tokens if banned else 0)
-        penalties = (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
-                     or params.repetition_penalty != 1.0)
-        flags = {"random": params.temperature > 0.0, "penalties": penalties,
-                 "top_k_top_p": params.temperature > 0.0 and (top_k > 0 or params.top_p < 1.0),
-                 "min_p": params.temperature > 0.0 and params.min_p > 0.0,
-                 "logprobs": params.logprobs is not None, "min_tokens": bool(banned),
-                 "logit_bias": bool(params.logit_bias), "grammar": params.structured_outputs is not None}
+        penalties = (
+            params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 or params.repetition_penalty != 1.0
+        )
+        flags = {
+            "random": params.temperature > 0.0,
+            "penalties": penalties,
+            "top_k_top_p": params.temperature > 0.0 and (top_k > 0 or params.top_p < 1.0),
+            "min_p": params.temperature > 0.0 and params.min_p > 0.0,
+            "logprobs": params.logprobs is not None,
+            "min_tokens": bool(banned),
+            "logit_bias": bool(params.logit_bias),
+            "grammar": params.structured_outputs is not None,
+        }
         for name, on in flags.items():
             self._feature[name][row] = on
             self._count[name] += int(on)
@@ -116,9 +130,19 @@ class Sampler:
     def profile(self, logits: torch.Tensor) -> None:
         """Every stage once on logits[N], so a memory profile sees the sampler's peak (rows 0..N-1 borrowed)."""
         n = logits.shape[0]
-        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, seed=0, logprobs=20,
-                                repetition_penalty=1.1, presence_penalty=0.1, min_tokens=1, stop_token_ids=[0],
-                                logit_bias={0: 1.0})
+        params = SamplingParams(
+            temperature=1.0,
+            top_k=50,
+            top_p=0.9,
+            min_p=0.05,
+            seed=0,
+            logprobs=20,
+            repetition_penalty=1.1,
+            presence_penalty=0.1,
+            min_tokens=1,
+            stop_token_ids=[0],
+            logit_bias={0: 1.0},
+        )
         empty = np.zeros(0, np.int32)
         for row in range(n):
             self.add_row(row, params, empty, empty)
@@ -146,17 +170,24 @@ class Sampler:
 
     # ---- sampling -----------------------------------------------------------------------------------
 
-    def __call__(self, logits: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
-                 rows_host: np.ndarray | None, last_token: torch.Tensor,
-                 grammar: tuple[np.ndarray, np.ndarray] | None = None) -> SamplerOutput:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        rows: torch.Tensor,
+        positions: torch.Tensor,
+        rows_host: np.ndarray | None,
+        last_token: torch.Tensor,
+        grammar: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> SamplerOutput:
         """Sample logits[N, V] for rows[N] and store each token at last_token[row]; positions[N] are the tokens'
         indices in their sequences (the seeds hash them); rows_host is read only for top-k/top-p; grammar is
         (indices into N, their packed bitmasks [k, words]) of the constrained rows."""
         self.sync_params()
         out = SamplerOutput(token_ids=None)
         if self.plain:
-            out.token_ids = gumbel_argmax(logits, self.floats[:, _TEMP], self.ints[:, _SEED], positions, rows,
-                                          last_token)
+            out.token_ids = gumbel_argmax(
+                logits, self.floats[:, _TEMP], self.ints[:, _SEED], positions, rows, last_token
+            )
             return out
         if self._count["logprobs"]:
             self._raw_logprobs(logits, out)
@@ -172,8 +203,9 @@ class Sampler:
             logits = self._apply_penalties(logits, rows)
         out.token_ids = self._sample(logits, rows, positions, rows_host, last_token)
         if self._count["penalties"]:
-            self.output_counts.index_put_((rows, out.token_ids), torch.ones_like(rows, dtype=torch.int32),
-                                          accumulate=True)
+            self.output_counts.index_put_(
+                (rows, out.token_ids), torch.ones_like(rows, dtype=torch.int32), accumulate=True
+            )
         if out.logprobs is not None:
             out.logprobs = out.logprobs.gather(1, out.token_ids[:, None]).squeeze(1)
         return out
@@ -189,18 +221,19 @@ class Sampler:
         host = self._lanes_host.numpy()
         host[:] = -1
         host[lanes] = np.arange(k)
-        self._mask[:self.max_lanes].copy_(self._lanes_host, non_blocking=True)
+        self._mask[: self.max_lanes].copy_(self._lanes_host, non_blocking=True)
         rows = torch.from_numpy(bitmask).view(-1)
-        self._mask[self.max_lanes:self.max_lanes + len(rows)].copy_(rows, non_blocking=True)
+        self._mask[self.max_lanes : self.max_lanes + len(rows)].copy_(rows, non_blocking=True)
 
-    def masked_draw(self, logits: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
-                    last_token: torch.Tensor) -> torch.Tensor:
+    def masked_draw(
+        self, logits: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, last_token: torch.Tensor
+    ) -> torch.Tensor:
         """The plain draw (see __call__) under the staged masks: what a masked draw's graph captures."""
         apply_token_bitmask_(logits, *self._staged_masks())
         return gumbel_argmax(logits, self.floats[:, _TEMP], self.ints[:, _SEED], positions, rows, last_token)
 
     def _staged_masks(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._mask[:self.max_lanes], self._mask[self.max_lanes:].view(self.max_lanes, -1)
+        return self._mask[: self.max_lanes], self._mask[self.max_lanes :].view(self.max_lanes, -1)
 
     def _raw_logprobs(self, logits: torch.Tensor, out: SamplerOutput) -> None:
         """log_softmax of the raw logits (vLLM's default); the sampled gather happens after sampling."""
@@ -215,14 +248,20 @@ class Sampler:
         params = self.floats[rows]
         counts = self.output_counts[rows]
         seen = counts > 0
-        rep = params[:, _REPETITION:_REPETITION + 1]
+        rep = params[:, _REPETITION : _REPETITION + 1]
         penalty = torch.where(seen | self.prompt_mask[rows], rep, torch.ones_like(rep))
         logits = torch.where(logits > 0, logits / penalty, logits * penalty)
-        logits = logits - params[:, _FREQUENCY:_FREQUENCY + 1] * counts
-        return logits - params[:, _PRESENCE:_PRESENCE + 1] * seen
+        logits = logits - params[:, _FREQUENCY : _FREQUENCY + 1] * counts
+        return logits - params[:, _PRESENCE : _PRESENCE + 1] * seen
 
-    def _sample(self, logits: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
-                rows_host: np.ndarray, last_token: torch.Tensor) -> torch.Tensor:
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        rows: torch.Tensor,
+        positions: torch.Tensor,
+        rows_host: np.ndarray,
+        last_token: torch.Tensor,
+    ) -> torch.Tensor:
         """Random rows draw, greedy rows (temperature 0) take the argmax, in one pass over the logits."""
         if not (self._count["min_p"] or self._count["top_k_top_p"]):
             return gumbel_argmax(logits, self.floats[:, _TEMP], self.ints[:, _SEED], positions, rows, last_token)

@@ -1,4 +1,5 @@
 """What a launched step leaves behind: its host copies in flight, and the StepResult they become."""
+
 from __future__ import annotations
 
 import time

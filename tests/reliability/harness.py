@@ -4,6 +4,7 @@
 Every server runs the tiny checkpoint on the CPU under test_server.py's model name, key and context
 length, so that its bad-input table applies unchanged.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,8 +27,21 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 def running_server(ckpt: Path, workdir: Path, *flags: str, ready: bool = True) -> Iterator[ServerProcess]:
     """launch.py with TMPDIR=workdir/tmp (its ipc directory lands there); stopped and reaped on exit."""
     (workdir / "tmp").mkdir(parents=True)
-    args = ["--model", str(ckpt), "--device", "cpu", "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks",
-            "1024", "--served-model-name", MODEL, "--api-key", KEY, *flags]
+    args = [
+        "--model",
+        str(ckpt),
+        "--device",
+        "cpu",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--num-kv-blocks",
+        "1024",
+        "--served-model-name",
+        MODEL,
+        "--api-key",
+        KEY,
+        *flags,
+    ]
     server = launch(args, workdir / "server.log", env={"TMPDIR": str(workdir / "tmp")})
     try:
         if ready:
@@ -84,8 +98,11 @@ def engine_stats(server: ServerProcess) -> dict[str, float]:
     """The engine gauges of /metrics (a fresh round trip to the scheduler): running, waiting, kv usage."""
     text = httpx.get(f"{server.url}/metrics", headers=AUTH, timeout=10).text
     out = {}
-    for key, name in (("running", "num_requests_running"), ("waiting", "num_requests_waiting"),
-                      ("kv_usage", "kv_cache_usage_perc")):
+    for key, name in (
+        ("running", "num_requests_running"),
+        ("waiting", "num_requests_waiting"),
+        ("kv_usage", "kv_cache_usage_perc"),
+    ):
         match = re.search(rf'^vllm:{name}{{model_name="{MODEL}"}} (\S+)$', text, re.M)
         assert match, f"vllm:{name} not in /metrics"
         out[key] = float(match.group(1))
@@ -94,13 +111,17 @@ def engine_stats(server: ServerProcess) -> dict[str, float]:
 
 def wait_idle(server: ServerProcess, timeout: float) -> float:
     """Seconds until no request runs or waits and every KV block is free."""
-    return wait_until(lambda: engine_stats(server) == {"running": 0.0, "waiting": 0.0, "kv_usage": 0.0}, timeout,
-                      "the engine still holds requests or KV blocks", interval=0.2)
+    return wait_until(
+        lambda: engine_stats(server) == {"running": 0.0, "waiting": 0.0, "kv_usage": 0.0},
+        timeout,
+        "the engine still holds requests or KV blocks",
+        interval=0.2,
+    )
 
 
-def completion(server: ServerProcess, prompt: str | list[int], max_tokens: int, timeout: float = 60,
-               **fields) -> httpx.Response:
+def completion(
+    server: ServerProcess, prompt: str | list[int], max_tokens: int, timeout: float = 60, **fields
+) -> httpx.Response:
     """A greedy /v1/completions request that runs to max_tokens (EOS ignored)."""
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            **fields}
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, **fields}
     return httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=timeout)

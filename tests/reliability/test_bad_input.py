@@ -3,6 +3,7 @@
 The case table is test_server.py's (one case each, checked with a good request after it there); this
 module adds kinds it lacks, the API-key cases, and checks that issue 9's list is covered in full.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,13 @@ MORE_BAD_INPUTS = [  # (name, path, body, status, param): kinds the server test 
     ("min_tokens negative", C, {**OK_C, "min_tokens": -1}, 400, "min_tokens"),
     ("stop_token_ids negative", C, {**OK_C, "stop_token_ids": [-3]}, 400, "stop_token_ids"),
     ("chat max_tokens zero", CHAT, {**OK_CHAT, "max_tokens": 0}, 400, "max_tokens"),
-    ("chat prompt over max_model_len", CHAT,
-     {**OK_CHAT, "messages": [{"role": "user", "content": "Hello world! " * MAX_MODEL_LEN}]}, 400, "messages"),
+    (
+        "chat prompt over max_model_len",
+        CHAT,
+        {**OK_CHAT, "messages": [{"role": "user", "content": "Hello world! " * MAX_MODEL_LEN}]},
+        400,
+        "messages",
+    ),
     ("token id outside the vocabulary in a batch", C, {**OK_C, "prompt": [[1, 2], [3, 10**9]]}, 400, "prompt"),
     ("message without a role", CHAT, {**OK_CHAT, "messages": [{"content": "x"}]}, 400, "messages"),
     ("max_tokens fractional", C, {**OK_C, "max_tokens": 2.5}, 400, "max_tokens"),
@@ -54,8 +60,12 @@ ISSUE_KINDS = {  # issue 9's list -> the cases that cover each kind
     "top_p 0 or > 1": ["top_p zero", "top_p over one"],
     "top_k < -1": ["top_k below -1"],
     "min_p outside [0, 1]": ["min_p negative", "min_p over one"],
-    "penalties outside [-2, 2]": ["presence_penalty over 2", "presence_penalty under -2", "frequency_penalty over 2",
-                                  "frequency_penalty under -2"],
+    "penalties outside [-2, 2]": [
+        "presence_penalty over 2",
+        "presence_penalty under -2",
+        "frequency_penalty over 2",
+        "frequency_penalty under -2",
+    ],
     "repetition_penalty <= 0": ["repetition_penalty zero", "repetition_penalty negative"],
     "n too large": ["n too large", "chat n too large"],
     "logprobs > 20": ["logprobs over 20", "top_logprobs over 20"],
@@ -94,8 +104,14 @@ def test_every_bad_input_gets_its_error_while_a_stream_beside_it_is_undisturbed(
     chunks: list[str] = []
 
     def stream() -> None:
-        body = {"model": MODEL, "prompt": "Hello", "max_tokens": 240, "temperature": 0, "ignore_eos": True,
-                "stream": True}
+        body = {
+            "model": MODEL,
+            "prompt": "Hello",
+            "max_tokens": 240,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
         with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=120) as resp:
             chunks.extend(resp.iter_lines())
 
@@ -110,7 +126,7 @@ def test_every_bad_input_gets_its_error_while_a_stream_beside_it_is_undisturbed(
     beside.join(120)
     assert not failures, failures
     lines = [line for line in chunks if line]
-    events = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+    events = [json.loads(line[len("data: ") :]) for line in lines[:-1]]
     assert "".join(e["choices"][0]["text"] for e in events) == alone and lines[-1] == "data: [DONE]"
     wait_idle(server, 10)  # no refused request holds a block
 

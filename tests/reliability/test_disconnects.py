@@ -1,4 +1,5 @@
 """Disconnects: 200 clients that give up after 0.5 s leave no request and no KV block behind."""
+
 from __future__ import annotations
 
 import asyncio
@@ -18,16 +19,22 @@ ARRIVAL_GAP = 0.01  # 200 arrivals over 2 s: about 50 in flight, as a busy serve
 
 def _aborted(server) -> float:
     text = httpx.get(f"{server.url}/metrics", headers=AUTH).text
-    match = re.search(rf'^vllm:request_success_total{{finished_reason="abort",model_name="{MODEL}"}} (\S+)$', text,
-                      re.M)
+    match = re.search(
+        rf'^vllm:request_success_total{{finished_reason="abort",model_name="{MODEL}"}} (\S+)$', text, re.M
+    )
     return float(match.group(1)) if match else 0.0
 
 
 async def _give_up(client: httpx.AsyncClient, i: int) -> bool:
     """One request of four kinds (plain or streamed, completion or chat) abandoned after 0.5 s in all."""
     stream, chat = i % 2 == 0, i % 4 >= 2
-    body = {"model": MODEL, "max_tokens": 200, "ignore_eos": True, "stream": stream,
-            **({"messages": MESSAGES} if chat else {"prompt": PROMPTS[i % len(PROMPTS)]})}
+    body = {
+        "model": MODEL,
+        "max_tokens": 200,
+        "ignore_eos": True,
+        "stream": stream,
+        **({"messages": MESSAGES} if chat else {"prompt": PROMPTS[i % len(PROMPTS)]}),
+    }
 
     async def request() -> None:
         async with client.stream("POST", "/v1/chat/completions" if chat else "/v1/completions", json=body) as resp:

@@ -1,5 +1,6 @@
 """Load: 256 concurrent streams all complete with the right tokens; a consumer slower than the engine
 still gets every token and the finish; a full waiting queue answers 503."""
+
 from __future__ import annotations
 
 import asyncio
@@ -21,8 +22,9 @@ async def _request(client: httpx.AsyncClient, body: dict) -> tuple[int, list[dic
     async with client.stream("POST", "/v1/completions", json=body) as resp:
         if resp.status_code != 200 or not body.get("stream"):
             return resp.status_code, [json.loads(await resp.aread())]
-        return 200, [json.loads(line[len("data: "):]) async for line in resp.aiter_lines()
-                     if line.startswith("data: {")]
+        return 200, [
+            json.loads(line[len("data: ") :]) async for line in resp.aiter_lines() if line.startswith("data: {")
+        ]
 
 
 def _run_all(url: str, bodies: list[dict]) -> list[tuple[int, list[dict]]]:
@@ -30,12 +32,21 @@ def _run_all(url: str, bodies: list[dict]) -> list[tuple[int, list[dict]]]:
         limits = httpx.Limits(max_connections=len(bodies) + 8)
         async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=120, limits=limits) as client:
             return await asyncio.gather(*(_request(client, body) for body in bodies))
+
     return asyncio.run(main())
 
 
 def _body(prompt: str, max_tokens: int, stream: bool, **fields) -> dict:
-    return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": stream, **({"stream_options": {"include_usage": True}} if stream else {}), **fields}
+    return {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+        **({"stream_options": {"include_usage": True}} if stream else {}),
+        **fields,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +76,9 @@ def test_a_consumer_slower_than_the_engine_still_gets_every_token_and_the_finish
 
     async def slowly() -> list:
         outs = []
-        async for out in engine.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
-                                                                    ignore_eos=True)):
+        async for out in engine.generate(
+            PROMPTS[0], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        ):
             outs.append(out)
             await asyncio.sleep(0.5)  # the engine finishes meanwhile
         return outs

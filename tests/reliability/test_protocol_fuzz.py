@@ -9,6 +9,7 @@ scheduler's PUSH inside the 0700 ipc directory, and a foreign PUSH cannot talk t
 A well-formed WorkerError on the PULL is left out, as it is not malformed (a worker's report of its death).
 A Shutdown on the ROUTER is sent: from this foreign client it is refused, and the engine goes on.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -21,7 +22,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from protocol.codec import MAX_FRAME_BYTES, ProtocolError, decode, encode
-from protocol.messages import MESSAGE_TYPES, AddRequest, Abort, GetStats, Ready, Shutdown, WorkerError
+from protocol.messages import MESSAGE_TYPES, Abort, AddRequest, GetStats, Ready, Shutdown, WorkerError
 from tests.reliability.harness import completion, gone, running_server, tmp_of, wait_idle, wait_until
 from tests.test_protocol import SAMPLES, _mutate, _mutation, _values
 
@@ -66,8 +67,10 @@ FRAMES = st.one_of(
     st.binary(max_size=200),
     st.builds(_mutated, st.sampled_from(SAMPLES), st.lists(_mutation, min_size=1, max_size=4)),
     st.builds(lambda value: msgpack.packb(value, use_bin_type=True), _values),
-    st.builds(_tagged, st.sampled_from(sorted(MESSAGE_TYPES)), st.dictionaries(st.text(max_size=16), _values,
-                                                                                max_size=6)))
+    st.builds(
+        _tagged, st.sampled_from(sorted(MESSAGE_TYPES)), st.dictionaries(st.text(max_size=16), _values, max_size=6)
+    ),
+)
 
 
 def _decoded(frame: bytes):
@@ -103,12 +106,17 @@ def _assert_unharmed(server, reference: str) -> None:
     assert _text(server) == reference
 
 
-@pytest.mark.parametrize("name, kind, forbidden, quiet, source", [
-    ("engine", zmq.DEALER, (), (*FRONTEND_MESSAGES, Shutdown), "a frontend"),
-    ("results", zmq.PUSH, (WorkerError,), (), "a worker"),
-], ids=["engine", "results"])
-def test_fuzzed_frames_are_logged_and_dropped_and_the_engine_is_unharmed(server, reference, name, kind, forbidden,
-                                                                          quiet, source):
+@pytest.mark.parametrize(
+    "name, kind, forbidden, quiet, source",
+    [
+        ("engine", zmq.DEALER, (), (*FRONTEND_MESSAGES, Shutdown), "a frontend"),
+        ("results", zmq.PUSH, (WorkerError,), (), "a worker"),
+    ],
+    ids=["engine", "results"],
+)
+def test_fuzzed_frames_are_logged_and_dropped_and_the_engine_is_unharmed(
+    server, reference, name, kind, forbidden, quiet, source
+):
     before = _warnings(server.log, source)
     with zmq.Context() as ctx, ctx.socket(kind) as sock:
         sock.setsockopt(zmq.LINGER, 5000)

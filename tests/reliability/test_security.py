@@ -1,5 +1,6 @@
 """Security: no pickle in the source, private ipc sockets, TCP only on loopback unless asked, SHA-256
 prefix-cache keys, and an API key on every route but /health and /version, compared in constant time."""
+
 from __future__ import annotations
 
 import ast
@@ -30,6 +31,7 @@ PICKLING_ATTRIBUTES = {"send_pyobj", "recv_pyobj"}  # pyzmq's pickle over a sock
 
 # ---- no pickle -------------------------------------------------------------------------------------------
 
+
 def pickle_uses(source: str) -> list[str]:
     """What in `source` can unpickle: imports of pickling modules, torch.load, pyzmq's *_pyobj,
     allow_pickle=True, weights_only=False."""
@@ -38,12 +40,14 @@ def pickle_uses(source: str) -> list[str]:
         if isinstance(node, ast.Import):
             found += [a.name for a in node.names if a.name.split(".")[0] in PICKLING_MODULES]
         elif isinstance(node, ast.ImportFrom) and node.module:
-            if node.module.split(".")[0] in PICKLING_MODULES or (node.module == "torch" and any(
-                    a.name == "load" for a in node.names)):
+            if node.module.split(".")[0] in PICKLING_MODULES or (
+                node.module == "torch" and any(a.name == "load" for a in node.names)
+            ):
                 found.append(node.module)
         elif isinstance(node, ast.Attribute):
-            if node.attr in PICKLING_ATTRIBUTES or (node.attr == "load" and isinstance(node.value, ast.Name)
-                                                    and node.value.id == "torch"):
+            if node.attr in PICKLING_ATTRIBUTES or (
+                node.attr == "load" and isinstance(node.value, ast.Name) and node.value.id == "torch"
+            ):
                 found.append(node.attr)
         elif isinstance(node, ast.keyword) and isinstance(node.value, ast.Constant):
             if (node.arg, node.value.value) in (("allow_pickle", True), ("weights_only", False)):
@@ -51,22 +55,36 @@ def pickle_uses(source: str) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("source", ["import pickle", "import dill as d", "from cloudpickle import loads",
-                                    "torch.load(f)", "from torch import load", "sock.recv_pyobj()",
-                                    "np.load(f, allow_pickle=True)", "torch.load(f, weights_only=False)"])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "import pickle",
+        "import dill as d",
+        "from cloudpickle import loads",
+        "torch.load(f)",
+        "from torch import load",
+        "sock.recv_pyobj()",
+        "np.load(f, allow_pickle=True)",
+        "torch.load(f, weights_only=False)",
+    ],
+)
 def test_the_pickle_scan_finds_each_way_to_unpickle(source):
     assert pickle_uses(source)
 
 
 def test_no_source_outside_tests_can_unpickle():
-    files = [p for p in REPO.rglob("*.py") if not any(part.startswith(".") or part == "tests"
-                                                     for part in p.relative_to(REPO).parts)]
+    files = [
+        p
+        for p in REPO.rglob("*.py")
+        if not any(part.startswith(".") or part == "tests" for part in p.relative_to(REPO).parts)
+    ]
     assert len(files) > 30
     uses = {str(p.relative_to(REPO)): u for p in files if (u := pickle_uses(p.read_text()))}
     assert uses == {}
 
 
 # ---- sockets ---------------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def server(tiny_ckpt, tmp_path_factory):
@@ -79,8 +97,11 @@ def test_ipc_sockets_live_in_a_fresh_private_directory(server):
     info = ipc_dir.stat()
     assert ipc_dir.name.startswith("pico-vllm-") and stat.S_IMODE(info.st_mode) == 0o700
     assert info.st_uid == os.getuid()
-    assert sorted(p.name for p in ipc_dir.iterdir() if stat.S_ISSOCK(p.stat().st_mode)) == ["engine", "plan0",
-                                                                                            "results"]
+    assert sorted(p.name for p in ipc_dir.iterdir() if stat.S_ISSOCK(p.stat().st_mode)) == [
+        "engine",
+        "plan0",
+        "results",
+    ]
     first, second = make_addresses(1), make_addresses(1)
     try:
         assert first.ipc_dir != second.ipc_dir
@@ -105,7 +126,7 @@ def _tcp_listeners(pids: list[int]) -> set[tuple[str, int]]:
             if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
                 address, port = fields[1].split(":")
                 words = bytes.fromhex(address)
-                raw = b"".join(words[i:i + 4][::-1] for i in range(0, len(words), 4))  # host-order words
+                raw = b"".join(words[i : i + 4][::-1] for i in range(0, len(words), 4))  # host-order words
                 found.add((str(ipaddress.ip_address(raw)), int(port, 16)))
     return found
 
@@ -132,6 +153,7 @@ def test_a_tcp_engine_address_binds_loopback_unless_a_host_is_named(tiny_ckpt, t
 
 # ---- prefix-cache keys -----------------------------------------------------------------------------------
 
+
 def test_prefix_cache_keys_are_chained_sha256_of_the_token_ids():
     tokens = list(range(100, 112))  # three full blocks of four
     bm = BlockManager(num_blocks=8, block_size=4)
@@ -140,7 +162,7 @@ def test_prefix_cache_keys_are_chained_sha256_of_the_token_ids():
     bm.cache_blocks(req, len(tokens))
     expected, key = [], b""
     for i in range(0, len(tokens), 4):
-        key = hashlib.sha256(key + np.asarray(tokens[i:i + 4], dtype="<i4").tobytes()).digest()
+        key = hashlib.sha256(key + np.asarray(tokens[i : i + 4], dtype="<i4").tobytes()).digest()
         expected.append(key)
     assert req.block_hashes == expected
     same_prefix = Request("b", b"client", tokens + [7], len(tokens) + 1, SamplingParams(), 1, 4, frozenset())
@@ -148,6 +170,7 @@ def test_prefix_cache_keys_are_chained_sha256_of_the_token_ids():
 
 
 # ---- the API key -----------------------------------------------------------------------------------------
+
 
 def test_the_api_key_is_compared_in_constant_time():
     source = inspect.getsource(ServerState.check_key)

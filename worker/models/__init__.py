@@ -1,4 +1,5 @@
 """Model definitions, by the architecture name config.json gives (its architectures[0])."""
+
 from __future__ import annotations
 
 from torch import nn
@@ -8,8 +9,9 @@ from worker.models.qwen2 import Qwen2ForCausalLM
 from worker.models.qwen3 import Qwen3ForCausalLM
 
 # Keyed as protocol.config.ARCHITECTURES, which resolution (no torch there) checks config.json against.
-MODELS: dict[str, type[nn.Module]] = {cls.__name__: cls for cls in (Qwen2ForCausalLM, Qwen3ForCausalLM,
-                                                                     LlamaForCausalLM)}
+MODELS: dict[str, type[nn.Module]] = {
+    cls.__name__: cls for cls in (Qwen2ForCausalLM, Qwen3ForCausalLM, LlamaForCausalLM)
+}
 
 
 def model_class(architecture: str) -> type[nn.Module]:

@@ -1,6 +1,7 @@
 """Qwen2ForCausalLM over a paged KV cache: a flat batch of tokens from many sequences, TP-sharded. Parameter names are
 Hugging Face's, with q/k/v packed into qkv_proj and gate/up into gate_up_proj. Each norm of a layer is computed by the
 linear after it (FusedRMSNorm), which also writes the new residual."""
+
 from __future__ import annotations
 
 import torch
@@ -9,8 +10,17 @@ from torch import nn
 from kernels.linear import Input
 from protocol.config import ModelConfig, check_tp_size
 from worker.attention import Attention, AttentionMetadata
-from worker.layers import (FusedRMSNorm, GateUpSwiGLU, ParallelLMHead, QKVParallelLinear, RMSNorm, RotaryEmbedding,
-                           RowParallelLinear, VocabParallelEmbedding, fp8_block)
+from worker.layers import (
+    FusedRMSNorm,
+    GateUpSwiGLU,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    fp8_block,
+)
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -21,13 +31,22 @@ class Qwen2Attention(nn.Module):
     def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int) -> None:
         super().__init__()
         d, block = config.head_dim, fp8_block(config)
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, d, config.num_attention_heads,
-                                          config.num_key_value_heads, tp_rank, tp_size, self.qkv_bias, block)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            d,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            tp_rank,
+            tp_size,
+            self.qkv_bias,
+            block,
+        )
         self.o_proj = RowParallelLinear(config.num_attention_heads * d, config.hidden_size, tp_rank, tp_size, block)
         self.attn = Attention(d)
 
-    def forward(self, positions: torch.Tensor, hidden: Input, cos_sin: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, hidden: Input, cos_sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden)
         return self.o_proj(self.attn(q, k, v, positions, cos_sin, kv_cache, meta))
 
@@ -51,8 +70,15 @@ class Qwen2DecoderLayer(nn.Module):
         self.input_layernorm = FusedRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = FusedRMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
-                cos_sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos_sin: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, cos_sin, kv_cache, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
@@ -64,18 +90,26 @@ class Qwen2Model(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_rank, tp_size)
-        self.layers = nn.ModuleList(Qwen2DecoderLayer(config, tp_rank, tp_size, attention_cls)
-                                    for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            Qwen2DecoderLayer(config, tp_rank, tp_size, attention_cls) for _ in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
-                                      config.rope_scaling)
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[KVCache], input_rows: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[KVCache],
+        input_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """input_rows: the step's tokens are input_ids[input_rows] (a decode step's, by mirror row)."""
         hidden, residual = self.embed_tokens(input_ids, input_rows), None
         # Fewer caches than layers run the first layers alone: a graph's warm-up (worker/cuda_graphs.py).
-        for layer, kv_cache in zip(self.layers[:len(kv_caches)], kv_caches, strict=True):
+        for layer, kv_cache in zip(self.layers[: len(kv_caches)], kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, self.rotary.cos_sin, kv_cache, meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
@@ -97,8 +131,14 @@ class Qwen2ForCausalLM(nn.Module):
             # One Parameter object: named_parameters() then lists only model.embed_tokens.weight.
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[KVCache], input_rows: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[KVCache],
+        input_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         return self.model(input_ids, positions, meta, kv_caches, input_rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

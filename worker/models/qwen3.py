@@ -1,6 +1,7 @@
 """Qwen3ForCausalLM (dense): Llama's decoder with an RMSNorm over each head of q and of k before RoPE. Its head_dim
 comes from config.json and is not always hidden / heads (Qwen3-0.6B: 16 heads of 128 on a hidden of 1,024). q_norm and
 k_norm hold one weight of head_dim each, per head, so every TP rank loads the same ones."""
+
 from __future__ import annotations
 
 import torch
@@ -19,8 +20,9 @@ class Qwen3Attention(LlamaAttention):
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden: Input, cos_sin: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, hidden: Input, cos_sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden)
         qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)  # applied inside the attention kernels
         return self.o_proj(self.attn(q, k, v, positions, cos_sin, kv_cache, meta, qk_norm))
