@@ -60,7 +60,7 @@ class NormedInput:
 Input = torch.Tensor | NormedInput
 Weight = torch.Tensor | Fp8Weight
 
-# Tiles timed per shape (worker/linear_plan.py): dot (block_n, block_k, warps, per_sm: sets split-K); one-row + max_regs.
+# Tiles the linear plan times per shape: dot (block_n, block_k, warps, per_sm: sets split-K); one-row + max_regs.
 _DOT_TILES = ((64, 128, 4, 2), (32, 256, 4, 2), (128, 128, 8, 2))
 _ONE_ROW_TILES = (
     (8, 512, 4, 0, 0),
