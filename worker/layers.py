@@ -2,7 +2,7 @@
 
 Every parameter carries weight_loader(param, loaded, shard_id=None): it checks the full checkpoint tensor's shape
 and copies this rank's TP shard of it into place. Parameters take torch's default dtype and device (build the
-model under them). Linears run kernels.linear: for a few rows on the GPU, a Triton GEMV where timed faster than
+model under them). Linears run worker.linear: for a few rows on the GPU, a Triton GEMV where timed faster than
 cuBLAS, with the RMSNorm before it (FusedRMSNorm) and SwiGLU after gate_up (GateUpSwiGLU) folded in. With FP8 (a
 linear's fp8_block) its weight is e4m3 beside weight_scale, one float32 per block, loaded through the same
 weight_loader: a scale's shard is its weight's, in whole blocks."""
@@ -17,8 +17,9 @@ from torch import nn
 
 from kernels import add_rms_norm, embed_rows, make_cos_sin, rms_norm
 from kernels.fp8 import FP8, PER_CHANNEL, Fp8Weight, scale_shape
-from kernels.linear import Input, NormedInput, Weight, linear
+from kernels.gemv import Input, NormedInput, Weight
 from protocol.config import ModelConfig
+from worker.linear import linear
 from worker.parallel import all_gather_last_dim, all_reduce, local_kv_heads
 
 

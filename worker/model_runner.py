@@ -13,7 +13,6 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from kernels.precompile import DryRun, compile_only
 from protocol.config import EngineConfig, ModelConfig
 from protocol.messages import StepPlan, StepResult
 from protocol.sampling import SamplingParams
@@ -24,6 +23,7 @@ from worker.kv_cache import allocate_kv_cache, cpu_num_kv_blocks, kv_block_bytes
 from worker.loader import init_dummy_weights, load_weights
 from worker.models import model_class
 from worker.parallel import local_kv_heads
+from worker.precompile import DryRun, compile_only
 from worker.row_mirror import HostStep, RowMirror
 from worker.sampler import Sampler, SamplerOutput
 from worker.step_output import Launched, step_result
