@@ -8,7 +8,7 @@ from itertools import accumulate
 
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from frontend.api_models import Job
+from frontend.api_params import Job
 from frontend.output_processor import CompletionOutput, RequestOutput
 from frontend.tool_calls import ToolCallStream, parse_tool_calls
 

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from frontend.api_models import APIError, ChatCompletionRequest, CompletionRequest, parse_request
+from frontend.api_errors import APIError, parse_request
+from frontend.openai_requests import ChatCompletionRequest, CompletionRequest
 from frontend.output_processor import CompletionOutput, OutputProcessor
 from protocol.messages import TokenBatch, i32
 from protocol.sampling import SamplingParams
