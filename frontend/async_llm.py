@@ -133,7 +133,8 @@ class AsyncLLM:
 
     def _wake(self, states: list[RequestState]) -> None:
         for state in states:
-            if (event := self._events.get(state.output.request_id)) is not None:
+            event = self._events.get(state.output.request_id)
+            if event is not None:
                 event.set()
 
     @property
@@ -150,7 +151,7 @@ class AsyncLLM:
         with tracer.span("frontend.tokenize"):
             params = params or SamplingParams()
             text, ids = self.client.prepare(prompt, params)
-        state, msgs = self.processor.add(request_id, text, ids, params)
+        state, msgs = self.processor.register(request_id, text, ids, params)
         event = self._events[request_id] = asyncio.Event()
         try:
             with tracer.span("frontend.send"):
@@ -188,7 +189,8 @@ class AsyncLLM:
 
     async def abort(self, request_id: str) -> None:
         self._abort_now(request_id)
-        if (event := self._events.get(request_id)) is not None:
+        event = self._events.get(request_id)
+        if event is not None:
             event.set()
 
     def abort_all(self) -> None:

@@ -236,16 +236,7 @@ def _routes(state: ServerState) -> APIRouter:
             ]
         except InvalidParam as exc:
             raise from_invalid_param(exc, kind.prompt_field, req.max_tokens_field) from None
-        renderer = render(
-            rid,
-            state.names[0],
-            jobs,
-            engine.tokenizer,
-            req.echo,
-            bool(req.return_tokens_as_token_ids),
-            req.continuous_usage,
-            req.parses_tool_calls,
-        )
+        renderer = render(rid, state.names[0], jobs, engine.tokenizer, req)
         return await respond(request, state.ready_engine(), state.metrics, renderer, req.stream, req.include_usage)
 
     return router

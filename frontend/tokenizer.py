@@ -122,7 +122,8 @@ def load_tokenizer(model: str, model_dir: str | None) -> PreTrainedTokenizerBase
 def _from_pretrained(path, **kwargs) -> PreTrainedTokenizerBase:
     """AutoTokenizer's pick, Qwen2's class imported directly: AutoTokenizer imports torch, which delays launches."""
     try:
-        declared = json.loads((Path(path) / "tokenizer_config.json").read_text()).get("tokenizer_class")
+        config = json.loads((Path(path) / "tokenizer_config.json").read_text())
+        declared = config.get("tokenizer_class")
     except (OSError, ValueError, AttributeError):  # no or odd config: AutoTokenizer decides, as it would anyway
         declared = None
     if declared in ("Qwen2Tokenizer", "Qwen2TokenizerFast"):

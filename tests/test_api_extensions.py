@@ -35,7 +35,7 @@ def generate(
     """Feed one sample's engine tokens (and finish reasons) through the OutputProcessor; its output. `texts`
     gets the text after each step (what a stream has sent by then)."""
     processor = OutputProcessor(ByteTokenizer())
-    state, (msg,) = processor.add("r", None, [0], params)
+    state, (msg,) = processor.register("r", None, [0], params)
     for token, reason in steps:
         processor.process(TokenBatch(0, [msg.request_id], i32([token]), {msg.request_id: reason} if reason else {}))
         if texts is not None:
