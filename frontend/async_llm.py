@@ -162,18 +162,8 @@ class AsyncLLM:
                 event.clear()
                 if state.output.error is not None:
                     raise (EngineRequestError if self.dead_reason is None else EngineDeadError)(state.output.error)
-                with tracer.span("frontend.stream"):  # a copy the caller may keep while the live output grows
-                    out = dataclasses.replace(
-                        state.output,
-                        outputs=[
-                            dataclasses.replace(
-                                o,
-                                token_ids=list(o.token_ids),
-                                logprobs=None if o.logprobs is None else list(o.logprobs),
-                            )
-                            for o in state.output.outputs
-                        ],
-                    )
+                with tracer.span("frontend.stream"):
+                    out = dataclasses.replace(state.output, outputs=[o.snapshot() for o in state.output.outputs])
                 yield out
                 if out.finished:  # not state.finished: it may have finished while the caller held `out`
                     return

@@ -24,7 +24,15 @@ class LLM:
     """Offline batches: `LLM(model, ...)`, then `generate(prompts, SamplingParams(...))`; a context manager.
 
     model: a local Hugging Face directory, a Hugging Face repo id, or a short name such as "qwen2.5-1.5b". The keywords
-    are EngineConfig's fields, each launch.py's flag in snake_case (`python launch.py --help` says what each does)."""
+    are EngineConfig's fields (launch.py's flags in snake_case): device "auto" | "cpu" | "cuda"; dtype "auto" (the
+    checkpoint's) | "float32" | "float16" | "bfloat16"; load_format "auto" | "safetensors" | "dummy" (random weights);
+    seed of dummy weights and sampling; max_model_len: longest prompt + output (default: the model's); max_num_seqs:
+    most requests in a batch; max_num_batched_tokens: token budget of one step; block_size: tokens per KV block
+    (8..128); num_kv_blocks: a fixed KV cache size (default: from gpu_memory_utilization, the GPU's share to use);
+    enable_prefix_caching: reuse the KV of shared prompt prefixes; tensor_parallel_size: GPUs to shard over;
+    enforce_eager: no CUDA graphs; trace_dir: write a Perfetto trace there; max_waiting_requests: bound of the waiting
+    queue; step_timeout: seconds without progress before the engine counts as dead; quantization "fp8": linear weights
+    in float8 e4m3, one scale per output channel (an FP8 checkpoint sets it)."""
 
     def __init__(
         self,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 
@@ -23,6 +24,11 @@ class CompletionOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def snapshot(self) -> CompletionOutput:
+        """A copy the caller may keep while the live output grows."""
+        logprobs = None if self.logprobs is None else list(self.logprobs)
+        return dataclasses.replace(self, token_ids=list(self.token_ids), logprobs=logprobs)
 
 
 @dataclass(slots=True)

@@ -292,17 +292,8 @@ def build_llama3_tokenizer() -> Tokenizer:
 
 
 def _added_tokens_decoder(added: list[tuple[str, bool]], first_id: int) -> dict:
-    return {
-        str(first_id + i): {
-            "content": t,
-            "lstrip": False,
-            "normalized": False,
-            "rstrip": False,
-            "single_word": False,
-            "special": s,
-        }
-        for i, (t, s) in enumerate(added)
-    }
+    unset = dict.fromkeys(("lstrip", "normalized", "rstrip", "single_word"), False)
+    return {str(first_id + i): {"content": t, **unset, "special": s} for i, (t, s) in enumerate(added)}
 
 
 def _tokenizer_config(added: list[tuple[str, bool]] = QWEN25_ADDED_TOKENS, template: str | None = None) -> dict:
