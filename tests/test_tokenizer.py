@@ -384,7 +384,7 @@ def test_text_prompts_start_with_bos_where_the_tokenizer_has_one(llama_tokenizer
 
 
 def test_chat_template_kwargs_reach_the_template(qwen3_tokenizer):
-    from frontend.api_models import ChatMessage, chat_prompt
+    from frontend.chat_prompt import ChatMessage, chat_prompt
 
     messages = [ChatMessage(role="user", content="Hi!")]
     thinking = chat_prompt(messages, qwen3_tokenizer)
