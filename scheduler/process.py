@@ -219,7 +219,7 @@ class SchedulerServer:
             self._send(identity, Ready(role="engine", info=self.info))
         sched = self.scheduler
         if isinstance(msg, AddRequest):
-            replies = sched.add(msg, identity)
+            replies = sched.add_request(msg, identity)
         elif isinstance(msg, Abort):
             replies = sched.abort(msg.request_ids, identity)
         elif isinstance(msg, GetStats):

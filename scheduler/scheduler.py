@@ -10,7 +10,6 @@ import itertools
 import random
 import time
 from collections import deque
-from concurrent.futures import Future
 from operator import attrgetter
 
 import numpy as np
@@ -19,8 +18,8 @@ from protocol.config import EngineConfig, InvalidParam
 from protocol.messages import OVERLOADED, AddRequest, Error, GrammarMask, NewRow, StepPlan, StepResult, TokenBatch, i32
 from protocol.sampling import SamplingParams, check_length, check_prompt
 from scheduler.block_manager import BlockManager
-from scheduler.grammar import COMPILE_TIMEOUT_S, Grammars
 from scheduler.request import Request, Status
+from scheduler.structured_outputs import StructuredOutputs
 
 _NO_REQUEST_STATS: dict = {}  # the request_stats of every batch without a first token: encoded, never mutated
 
@@ -28,10 +27,7 @@ _NO_REQUEST_STATS: dict = {}  # the request_stats of every batch without a first
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, masks_path: str | None = None) -> None:
         if (mc := config.model_config) is None or config.max_model_len is None:
-            raise ValueError(
-                "EngineConfig.model_config or max_model_len is None: resolve the config first "
-                "(frontend.model_resolution.resolve_config)"
-            )
+            raise ValueError("EngineConfig.model_config or max_model_len is None: resolve the config first")
         self.config = config
         self.vocab_size, self.max_model_len = mc.vocab_size, config.max_model_len
         self.eos_token_ids = frozenset(mc.eos_token_ids)
@@ -46,13 +42,11 @@ class Scheduler:
         self._arrivals = itertools.count()
         self._rng = random.Random(config.seed)
         self._first_stats: dict[bytes, dict] = {}  # client -> request id -> request_stats, for this result's batch
-        self.grammars = Grammars(
-            config.model, config.model_path, self.vocab_size, self.eos_token_ids, masks_path, config.max_num_seqs
+        self.structured = StructuredOutputs(
+            config.tokenizer_dir, self.vocab_size, self.eos_token_ids, masks_path, config.max_num_seqs
         )
-        self.compiling: dict[Request, Future] = {}  # -> its grammar's compile
-        self._masks: dict[int, list] = {}  # step -> its masked rows' (request, num_preemptions then)
 
-    def add(self, msg: AddRequest, client: bytes) -> list[tuple[bytes, TokenBatch | Error]]:
+    def add_request(self, msg: AddRequest, client: bytes) -> list[tuple[bytes, TokenBatch | Error]]:
         """Queue a request; a bad one is answered at once (see refuse)."""
         if (client, msg.request_id) in self.requests:
             return self.refuse(
@@ -66,49 +60,37 @@ class Scheduler:
         except Exception as e:  # untrusted input, checked before any state changes: it fails alone
             return self.refuse(client, msg.request_id, str(e))
         self.requests[req.client, req.request_id] = req
-        if (spec := req.params.structured_outputs) is not None:
+        if req.params.structured_outputs is not None:
             req.status = Status.COMPILING
-            self.compiling[req] = self.grammars.compile(spec)
+            self.structured.start(req)
         else:
             self.waiting.append(req)
         return []
 
     def admit_compiled(self) -> list[tuple[bytes, TokenBatch]]:
         """Requests whose grammar compiled start waiting; one whose grammar failed or is late ends with an error."""
+        ready, failed = self.structured.take_compiled()
+        for req in ready:
+            req.status = Status.WAITING
+            self.waiting.append(req)
         replies = []
-        for req, future in list(self.compiling.items()):
-            if future.done() and future.exception() is None:
-                del self.compiling[req]
-                req.matcher, req.status = self.grammars.matcher(future.result()), Status.WAITING
-                self.waiting.append(req)
-            elif future.done() or self.grammars.late(future):
-                reason = (
-                    str(future.exception())
-                    if future.done()
-                    else f"structured_outputs took over "
-                    f"{COMPILE_TIMEOUT_S:.0f} s to compile: simplify the schema or grammar"
-                )
-                self._finish(req)
-                replies.append((req.client, self._batch([(req.request_id, -1, "error", reason, None)])))
+        for req, reason in failed:
+            self._finish(req)
+            replies += self.refuse(req.client, req.request_id, reason)
         return replies
+
+    @property
+    def compiling(self) -> bool:
+        return bool(self.structured.compiling)
 
     @property
     def mask_waits(self) -> bool:
         """A step in flight has masked rows: its mask is filled once the step before it returns."""
-        return bool(self._masks)
+        return self.structured.mask_waits
 
     def take_mask(self) -> GrammarMask | None:
-        """The mask of the oldest step in flight, if it has masked rows: every step before it has its result, so
-        each matcher has seen every token before this step's."""
-        step = next(iter(self._in_flight), None)
-        if (rows := self._masks.pop(step, None)) is None:
-            return None
-        live = [
-            req.matcher if req.status is Status.RUNNING and req.num_preemptions == epoch else None
-            for req, epoch in rows
-        ]
-        self.grammars.fill(step, live)
-        return GrammarMask(step, len(live))
+        """The mask of the oldest step in flight, if it has masked rows (StructuredOutputs.take_mask)."""
+        return self.structured.take_mask(next(iter(self._in_flight), None))
 
     def refuse(self, client: bytes, request_id: str | None, reason: str) -> list[tuple[bytes, TokenBatch | Error]]:
         """A request the engine will not run: it finishes with "error", unless no id or a live request's id names
@@ -149,7 +131,7 @@ class Scheduler:
 
     def _make_request(self, msg: AddRequest, client: bytes) -> Request:
         """The wire's one check of a request; its seed, stop ids and max_tokens are resolved here, for every row."""
-        if (waiting := len(self.waiting) + len(self.compiling)) >= self.config.max_waiting_requests:
+        if (waiting := len(self.waiting) + len(self.structured.compiling)) >= self.config.max_waiting_requests:
             raise InvalidParam(
                 "request_id",
                 f"{OVERLOADED}: {waiting} requests are waiting "
@@ -197,7 +179,7 @@ class Scheduler:
         elif req.status is Status.WAITING:
             self.waiting.remove(req)
         elif req.status is Status.COMPILING:
-            del self.compiling[req]
+            self.structured.cancel(req)
         req.status = Status.FINISHED
         del self.requests[req.client, req.request_id]
 
@@ -221,9 +203,7 @@ class Scheduler:
         self.step += 1
         scheduled = [(req, 1) for req in decodes] + chunks
         self._in_flight[self.step] = [(req, req.num_preemptions, not req.is_prefill) for req, _ in scheduled]
-        masked = [i for i, (req, _) in enumerate(scheduled) if req.matcher is not None and not req.is_prefill]
-        if masked:
-            self._masks[self.step] = [(scheduled[i][0], scheduled[i][0].num_preemptions) for i in masked]
+        masked = self.structured.plan_masks(self.step, scheduled)
         plan = StepPlan(
             self.step,
             i32([req.row for req, _ in scheduled]),
@@ -343,9 +323,8 @@ class Scheduler:
                 if generated >= req.max_tokens or req.num_tokens >= self.max_model_len
                 else None
             )
-            matcher = req.matcher
-            if reason is None and matcher is not None and (not matcher.accept_token(token) or matcher.is_terminated()):
-                reason = "stop"  # the grammar is complete (its stop token came despite ignore_eos) or broken
+            if reason is None and req.matcher is not None and self.structured.advance(req, token):
+                reason = "stop"
             if reason is not None:
                 self._finish(req)
             lp = logprobs(i, req.params.logprobs) if logprobs and req.params.logprobs is not None else None
