@@ -82,7 +82,8 @@ class EngineConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> EngineConfig:
-        return cls(**{**d, "model_config": ModelConfig.from_dict(mc) if (mc := d.get("model_config")) else None})
+        model_config = d.get("model_config")
+        return cls(**{**d, "model_config": ModelConfig.from_dict(model_config) if model_config else None})
 
 
 _ENGINE_RULES = (  # field, valid, fix

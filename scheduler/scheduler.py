@@ -26,7 +26,8 @@ _NO_REQUEST_STATS: dict = {}  # the request_stats of every batch without a first
 
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, masks_path: str | None = None) -> None:
-        if (mc := config.model_config) is None or config.max_model_len is None:
+        mc = config.model_config
+        if mc is None or config.max_model_len is None:
             raise ValueError("EngineConfig.model_config or max_model_len is None: resolve the config first")
         self.config = config
         self.vocab_size, self.max_model_len = mc.vocab_size, config.max_model_len
@@ -49,12 +50,8 @@ class Scheduler:
     def add_request(self, msg: AddRequest, client: bytes) -> list[tuple[bytes, TokenBatch | Error]]:
         """Queue a request; a bad one is answered at once (see refuse)."""
         if (client, msg.request_id) in self.requests:
-            return self.refuse(
-                client,
-                msg.request_id,
-                f"request_id {msg.request_id!r} is already in use by a "
-                "live request of this connection, which goes on: use a unique id",
-            )
+            reason = f"request_id {msg.request_id!r} is already in use by a live request of this connection"
+            return self.refuse(client, msg.request_id, f"{reason}, which goes on: use a unique id")
         try:
             req = self._make_request(msg, client)
         except Exception as e:  # untrusted input, checked before any state changes: it fails alone
@@ -131,7 +128,8 @@ class Scheduler:
 
     def _make_request(self, msg: AddRequest, client: bytes) -> Request:
         """The wire's one check of a request; its seed, stop ids and max_tokens are resolved here, for every row."""
-        if (waiting := len(self.waiting) + len(self.structured.compiling)) >= self.config.max_waiting_requests:
+        waiting = len(self.waiting) + len(self.structured.compiling)
+        if waiting >= self.config.max_waiting_requests:
             raise InvalidParam(
                 "request_id",
                 f"{OVERLOADED}: {waiting} requests are waiting "
@@ -314,17 +312,17 @@ class Scheduler:
         for i, (req, epoch, samples) in enumerate(scheduled):
             if not samples or req.status is not Status.RUNNING or req.num_preemptions != epoch:
                 continue  # a chunk, or finished, aborted or preempted since this step was planned
-            req.token_ids.append(token := int(tokens[i]))
+            token = int(tokens[i])
+            req.token_ids.append(token)
             generated = req.num_tokens - req.num_prompt_tokens
-            reason = (
-                "stop"
-                if generated >= req.params.min_tokens and token in req.stop_ids
-                else "length"
-                if generated >= req.max_tokens or req.num_tokens >= self.max_model_len
-                else None
-            )
-            if reason is None and req.matcher is not None and self.structured.advance(req, token):
+            if generated >= req.params.min_tokens and token in req.stop_ids:
                 reason = "stop"
+            elif generated >= req.max_tokens or req.num_tokens >= self.max_model_len:
+                reason = "length"
+            elif req.matcher is not None and self.structured.advance(req, token):
+                reason = "stop"
+            else:
+                reason = None
             if reason is not None:
                 self._finish(req)
             lp = logprobs(i, req.params.logprobs) if logprobs and req.params.logprobs is not None else None
@@ -359,12 +357,9 @@ def _split_logprobs(lp: dict | None, n: int):
     k = lp.get("k")
     if not isinstance(k, int) or isinstance(k, bool) or k < 0:
         raise ValueError(f"StepResult.logprobs['k'] must be an int >= 0, got {k!r}")
-    sampled, top_ids, top_lps = (
-        np.frombuffer(v, dtype)
-        if isinstance(v := lp.get(name), bytes)  # ValueError
-        else np.asarray([] if v is None else v, dtype).reshape(-1)  # unless whole
-        for name, dtype in (("sampled", "<f4"), ("top_ids", "<i4"), ("top_logprobs", "<f4"))
-    )
+    sampled = _array(lp.get("sampled"), "<f4")
+    top_ids = _array(lp.get("top_ids"), "<i4")
+    top_lps = _array(lp.get("top_logprobs"), "<f4")
     if sampled.shape != (n,) or top_ids.shape != (n * k,) or top_lps.shape != (n * k,):
         raise ValueError(
             f"StepResult.logprobs does not fit {n} rows of k={k}: {sampled.shape}, {top_ids.shape}, {top_lps.shape}"
@@ -374,3 +369,10 @@ def _split_logprobs(lp: dict | None, n: int):
         top_ids[i * k : i * k + min(want, k)].tolist(),
         top_lps[i * k : i * k + min(want, k)].tolist(),
     ]
+
+
+def _array(value: object, dtype: str) -> np.ndarray:
+    """A StepResult array: raw bytes off the wire, or a runner's own array in process (None: empty)."""
+    if isinstance(value, bytes):
+        return np.frombuffer(value, dtype)  # ValueError unless whole
+    return np.asarray([] if value is None else value, dtype).reshape(-1)

@@ -24,8 +24,7 @@ LOOP_ROWS = 4  # fewer rows fill in the loop: handing them to threads costs more
 
 
 class StructuredOutputs:
-    """Compiles SamplingParams.structured_outputs against the vocabulary in `tokenizer_dir` (the model's tokenizer
-    files, EngineConfig.tokenizer_dir), gives each constrained request its matcher and fills the steps' masks."""
+    """Compiles SamplingParams.structured_outputs against the tokenizer in `tokenizer_dir`."""
 
     def __init__(
         self,
@@ -45,16 +44,15 @@ class StructuredOutputs:
         self._mask_rows: dict[int, list[tuple[Request, int]]] = {}  # step -> its masked rows' (request, epoch)
 
     def start(self, req: Request) -> None:
-        """Compile the request's grammar; take_compiled hands the request back."""
+        """Compile the request's grammar; take_compiled hands it back."""
         self.compiling[req] = self.compile(req.params.structured_outputs)
 
     def cancel(self, req: Request) -> None:
-        """A compiling request that finished (aborted): its compile runs on, for the cache, and nobody waits."""
+        """A compiling request that finished: its compile runs on, for the cache."""
         self.compiling.pop(req, None)
 
     def take_compiled(self) -> tuple[list[Request], list[tuple[Request, str]]]:
-        """The requests whose grammar compiled, each with its matcher; and those whose compile failed or is late,
-        with the reason. Neither is compiling any more."""
+        """The requests whose grammar compiled, each with its matcher; those whose compile failed or is late, and why."""
         ready, failed = [], []
         for req, future in list(self.compiling.items()):
             if future.done():
@@ -66,12 +64,10 @@ class StructuredOutputs:
                     ready.append(req)
                 else:
                     failed.append((req, str(future.exception())))
-            elif self._late(future):
+            elif time.monotonic() - getattr(future, "started", float("inf")) > COMPILE_TIMEOUT_S:
                 del self.compiling[req]
-                why = (
-                    f"structured_outputs took over {COMPILE_TIMEOUT_S:.0f} s to compile: simplify the schema or grammar"
-                )
-                failed.append((req, why))
+                late = f"structured_outputs took over {COMPILE_TIMEOUT_S:.0f} s to compile"
+                failed.append((req, f"{late}: simplify the schema or grammar"))
         return ready, failed
 
     def compile(self, spec: dict) -> Future:
@@ -87,8 +83,7 @@ class StructuredOutputs:
         return future
 
     def advance(self, req: Request, token: int) -> bool:
-        """Feed a constrained request the token it kept; True when that ends it (the grammar is complete, its stop
-        token came despite ignore_eos, or the grammar rejects the token)."""
+        """Feed a constrained request the token it kept; True when that ends it (the grammar is complete or broken)."""
         return not req.matcher.accept_token(token) or req.matcher.is_terminated()
 
     def plan_masks(self, step: int, scheduled: list[tuple[Request, int]]) -> list[int]:
@@ -105,7 +100,7 @@ class StructuredOutputs:
 
     def take_mask(self, step: int | None) -> GrammarMask | None:
         """The mask of `step`, the oldest step in flight, if it has masked rows: every step before it has its result,
-        so each matcher has seen every token before this step's. A row finished or preempted since allows all."""
+        so each matcher has seen every token before this step's."""
         rows = self._mask_rows.pop(step, None)
         if rows is None:
             return None
@@ -134,15 +129,10 @@ class StructuredOutputs:
                 self._batch = xgr.BatchGrammarMatcher(FILL_THREADS)
             self._batch.batch_fill_next_token_bitmask([matchers[i] for i in rows], mask, rows)
 
-    def _late(self, future: Future) -> bool:
-        """The compile has run past COMPILE_TIMEOUT_S (loading xgrammar and the tokenizer first does not count)."""
-        started = getattr(future, "started", None)
-        return started is not None and time.monotonic() - started > COMPILE_TIMEOUT_S
-
     def _compile_to(self, future: Future, spec: dict) -> None:
         try:
             compiler = self._get_compiler()
-            future.started = time.monotonic()
+            future.started = time.monotonic()  # the time limit starts here: loading xgrammar and the tokenizer is free
             future.set_result(compiler.compile_grammar(build_grammar(spec)))
         except Exception as e:  # the request's error: InvalidParam for a bad spec, else why the compiler failed
             future.set_exception(e)
@@ -151,10 +141,7 @@ class StructuredOutputs:
         with self._lock:
             if self._compiler is None:
                 if self._tokenizer_dir is None:
-                    raise ValueError(
-                        "structured_outputs needs the model's tokenizer, and the engine has none: use a model "
-                        "directory with tokenizer files or a short name such as qwen2.5-1.5b"
-                    )
+                    raise ValueError("structured_outputs needs the model's tokenizer files, and this engine has none")
                 import torch
                 import xgrammar as xgr
                 from transformers import AutoTokenizer
