@@ -126,8 +126,8 @@ class EngineProcesses:
 def run_headless(config: EngineConfig, address: str) -> int:
     """Serve the engine at `address` without HTTP until SIGINT/SIGTERM (0) or a child's death (1)."""
     procs = EngineProcesses(resolve_config(config), address)
-    if procs.config.tokenizer_dir is not None and not has_tokenizer_files(procs.config.tokenizer_dir):
-        load_tokenizer(config.model, config.model_path)  # builds the offline cache the scheduler's grammars read
+    if config.tokenizer_dir is not None and not has_tokenizer_files(config.tokenizer_dir):
+        load_tokenizer(config.model, config.model_path)  # builds the offline files the grammars read, once a machine
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
