@@ -43,9 +43,7 @@ class Scheduler:
         self._arrivals = itertools.count()
         self._rng = random.Random(config.seed)
         self._first_stats: dict[bytes, dict] = {}  # client -> request id -> request_stats, for this result's batch
-        self.structured = StructuredOutputs(
-            config.tokenizer_dir, self.vocab_size, self.eos_token_ids, masks_path, config.max_num_seqs
-        )
+        self.structured = StructuredOutputs(config, masks_path)
 
     def add_request(self, msg: AddRequest, client: bytes) -> list[tuple[bytes, TokenBatch | Error]]:
         """Queue a request; a bad one is answered at once (see refuse)."""

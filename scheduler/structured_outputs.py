@@ -12,6 +12,7 @@ import threading
 import time
 from concurrent.futures import Future
 
+from protocol.config import EngineConfig
 from protocol.grammar import build_grammar
 from protocol.messages import GrammarMask
 from protocol.shared_masks import SharedMasks
@@ -24,18 +25,12 @@ LOOP_ROWS = 4  # fewer rows fill in the loop: handing them to threads costs more
 
 
 class StructuredOutputs:
-    """Compiles SamplingParams.structured_outputs against the tokenizer in `tokenizer_dir`."""
+    """Compiles SamplingParams.structured_outputs against the tokenizer in config.tokenizer_dir."""
 
-    def __init__(
-        self,
-        tokenizer_dir: str | None,
-        vocab_size: int,
-        eos_token_ids: frozenset[int],
-        masks_path: str | None = None,
-        max_rows: int = 1,
-    ) -> None:
-        self._tokenizer_dir, self.vocab_size, self._eos = tokenizer_dir, vocab_size, sorted(eos_token_ids)
-        self._masks_path, self._max_rows = masks_path, max_rows  # the shared mask file, made at the first fill
+    def __init__(self, config: EngineConfig, masks_path: str | None = None) -> None:
+        self._tokenizer_dir, self.vocab_size = config.tokenizer_dir, config.model_config.vocab_size
+        self._eos = sorted(config.model_config.eos_token_ids)
+        self._masks_path, self._max_rows = masks_path, config.max_num_seqs  # the shared mask file, made at first fill
         self._cache: dict[str, Future] = {}  # the spec's canonical text -> its compile
         self._lock = threading.Lock()
         self._compiler = None
