@@ -119,6 +119,20 @@ def load_tokenizer(model: str, model_dir: str | None) -> PreTrainedTokenizerBase
     )
 
 
+def tokenizer_dir(model: str, model_dir: str | None) -> str | None:
+    """The directory load_tokenizer reads: the model's own, else a short name's offline cache (which load_tokenizer
+    builds there); None when there is neither."""
+    if model_dir is not None and has_tokenizer_files(model_dir):
+        return model_dir
+    if (short := short_model(model)) is None:
+        return None
+    if short[0].startswith("meta-llama/"):
+        return str(cache_root() / "llama3-tokenizer-v1")
+    if short[0].startswith("Qwen/Qwen3-"):
+        return str(cache_root() / "qwen3-tokenizer-v1")
+    return str(default_cache_dir())
+
+
 def _from_pretrained(path, **kwargs) -> PreTrainedTokenizerBase:
     """AutoTokenizer's pick, Qwen2's class imported directly: AutoTokenizer imports torch, which delays launches."""
     try:

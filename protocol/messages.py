@@ -122,14 +122,16 @@ class WorkerError:
     reason: str
 
 
-_KINDS = {
+_KINDS = {  # annotation -> the codec's check
     "np.ndarray": I32,
     "int": int,
     "str": str,
     "bool": bool,
     "dict": dict,
-    "list": list,  # annotation -> check
-    **{f"{t.__name__} | None": (t, type(None)) for t in (dict, list, str)},
+    "list": list,
+    "dict | None": (dict, type(None)),
+    "list | None": (list, type(None)),
+    "str | None": (str, type(None)),
 }
 MESSAGE_TYPES: dict[str, type] = {
     cls.__name__: cls

@@ -13,7 +13,7 @@ import pytest
 from conftest import offline_cache_root, offline_tokenizer
 from transformers import AutoTokenizer
 
-from frontend.tokenizer import QWEN2_PATTERN, load_tokenizer, read_qwen_ranks
+from frontend.tokenizer import QWEN2_PATTERN, load_tokenizer, read_qwen_ranks, tokenizer_dir
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -203,6 +203,22 @@ def test_checkpoint_directory_tokenizer_is_loaded_from_its_files(tiny_ckpt):
         tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
         == "<|im_start|>user\nhi<|im_end|>\n"
     )
+
+
+def test_tokenizer_dir_names_the_files_load_tokenizer_read(
+    tiny_ckpt, qwen_tokenizer, qwen3_tokenizer, llama_tokenizer, qwen_cache_root, llama_cache_root, monkeypatch
+):
+    """What the scheduler's grammars load: the model's own files, else the short name's offline build."""
+    assert tokenizer_dir("qwen2.5-0.5b", str(tiny_ckpt)) == str(tiny_ckpt)
+    assert tokenizer_dir("my-model", None) is None
+    for short, tok, root in [
+        ("qwen2.5-1.5b", qwen_tokenizer, qwen_cache_root),
+        ("qwen3-1.7b", qwen3_tokenizer, qwen_cache_root),
+        ("llama-3.2-1b", llama_tokenizer, llama_cache_root),
+    ]:
+        monkeypatch.setenv("PICO_VLLM_CACHE", str(root))
+        assert tokenizer_dir(short, None) == str(tok.name_or_path)
+        assert AutoTokenizer.from_pretrained(tokenizer_dir(short, None)).encode("Hi there") == tok.encode("Hi there")
 
 
 @pytest.mark.parametrize("model_dir", [None, "empty"])
