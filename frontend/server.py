@@ -52,6 +52,7 @@ class ServerOptions:
     served_model_name: list[str] | None = None  # names the API answers to; the first is reported
     api_key: str | None = None
     shutdown_timeout: float = 10.0  # on SIGTERM, in-flight requests may take this long, then are aborted
+    reasoning_parser: str | None = None  # vLLM's --reasoning-parser: thoughts apart from the answer (qwen3)
 
 
 class ServerState:
@@ -223,6 +224,7 @@ def _routes(state: ServerState) -> APIRouter:
         kind, render = GENERATION_ROUTES[request.scope["route"].path]
         req, engine = await state.accept(request, kind)
         rid = f"{kind.id_prefix}-{uuid.uuid4().hex}"
+        req.bind(engine.tokenizer, state.options.reasoning_parser)
         params = req.sampling_params(state.defaults)
         if params.structured_outputs is not None:  # a bad schema, regex or grammar is a 400 before the engine
             try:  # in a thread: the first one imports xgrammar (seconds), and the loop keeps serving

@@ -18,17 +18,24 @@ def build_grammar(spec: dict) -> object:
     """xgrammar.Grammar of a checked SamplingParams.structured_outputs; InvalidParam naming the kind if it is bad."""
     import xgrammar as xgr
 
-    kind = next(k for k in spec if k != "any_whitespace")
+    kind = next(k for k in spec if k not in ("any_whitespace", "after"))
     try:
         grammar = _grammar(xgr, kind, spec[kind], spec["any_whitespace"])
-        if kind not in _JSON_KINDS:
-            return grammar
-        text = str(grammar)
-        safe = _LENGTH_CHARS.sub(r"\g<1>\\0-\\x1f\g<2>", text)
-        return grammar if safe == text else xgr.Grammar.from_ebnf(safe)
+        if kind in _JSON_KINDS:
+            grammar = _json_safe(xgr, grammar)
+        if spec.get("after"):  # free text up to the first `after`, then the grammar
+            free = {"type": "tag", "begin": "", "content": {"type": "any_text"}, "end": spec["after"]}
+            grammar = xgr.Grammar.concat(xgr.Grammar.from_structural_tag(json.dumps({"format": free})), grammar)
+        return grammar
     except Exception as e:  # xgrammar raises RuntimeError, ValueError or its own types; the message says what
         reason = re.sub(r"^\[[\d:]+\] \S+: ", "", str(e).strip())  # its C++ prefix: time and source line
         raise InvalidParam("structured_outputs", f"structured_outputs.{kind} is invalid: {reason}") from None
+
+
+def _json_safe(xgr, grammar: object) -> object:
+    text = str(grammar)
+    safe = _LENGTH_CHARS.sub(r"\g<1>\\0-\\x1f\g<2>", text)
+    return grammar if safe == text else xgr.Grammar.from_ebnf(safe)
 
 
 def _grammar(xgr, kind: str, value: object, any_whitespace: bool) -> object:
