@@ -89,9 +89,7 @@ class ChatCompletionRequest(SamplingRequest):
 
     @property
     def reasoning_parser(self) -> str | None:
-        """The parser, unless chat_template_kwargs.enable_thinking is false: then the answer has no thoughts."""
-        thinks = (self.chat_template_kwargs or {}).get("enable_thinking", True) is not False
-        return self._reasoning_parser if thinks else None
+        return self._reasoning_parser
 
     @property
     def parses_tool_calls(self) -> bool:
@@ -102,9 +100,11 @@ class ChatCompletionRequest(SamplingRequest):
         return [("tool_choice", tool_choice_spec(tools, self.tool_choice, self._tool_format))]
 
     def constraint(self) -> tuple[str | None, dict | None]:
-        """The output constraint; after the thoughts' end where a reasoning parser reads them."""
+        """The output constraint; after the thoughts' end where a reasoning parser reads them, unless
+        chat_template_kwargs.enable_thinking is false (the template closes an empty block in the prompt)."""
         field, spec = super().constraint()
-        if spec is not None and self.reasoning_parser is not None:
+        thinks = (self.chat_template_kwargs or {}).get("enable_thinking", True) is not False
+        if spec is not None and self._reasoning_parser is not None and thinks:
             spec = {**spec, "after": END}
         return field, spec
 
