@@ -130,7 +130,7 @@ class ChatCompletionRequest(SamplingRequest):
                 raise bad_request(
                     "this model's chat template does not show tools to the model, so tool_choice auto would never "
                     'call one: send tool_choice "required" or a named function (a grammar writes the call)',
-                    "tool_choice",
+                    "tools",
                 )
             tools = None  # required and named calls need no template; none has nothing to call
         return [

@@ -11,14 +11,13 @@ from frontend.tool_calls import OPEN, ToolCallStream, parse_tool_calls, tool_gra
 
 
 class ToolFormat(NamedTuple):
-    name: str
     grammar: Callable[[list[dict], list[str], bool], dict]  # (tools, names, only one) -> structured_outputs
     parse: Callable[[str], tuple[str | None, list[dict]]]  # a whole answer -> (content, calls)
     stream: Callable[[], object]  # -> an object with update(text, final) -> (content, deltas) and .called
 
 
-HERMES = ToolFormat("hermes", tool_grammar, parse_tool_calls, ToolCallStream)
-LLAMA3_JSON = ToolFormat("llama3_json", llama_tool_grammar, parse_llama_tool_calls, LlamaToolCallStream)
+HERMES = ToolFormat(tool_grammar, parse_tool_calls, ToolCallStream)
+LLAMA3_JSON = ToolFormat(llama_tool_grammar, parse_llama_tool_calls, LlamaToolCallStream)
 
 
 def tool_format(chat_template: str | None) -> tuple[ToolFormat, bool]:

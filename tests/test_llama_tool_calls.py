@@ -156,7 +156,7 @@ def test_auto_needs_a_template_that_shows_tools_and_llamas_render_tool_results(c
     if template is None:
         with pytest.raises(openai.BadRequestError) as err:
             client.chat.completions.create(model="x", messages=messages, tools=TOOLS, max_tokens=4)
-        assert err.value.body["param"] == "tool_choice" and "required" in err.value.body["message"]
+        assert err.value.body["param"] == "tools" and "required" in err.value.body["message"]
     else:
         answer = client.chat.completions.create(model="x", messages=messages, tools=TOOLS, max_tokens=4)
         assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
