@@ -73,6 +73,25 @@ class Error:
 
 
 @dataclass(slots=True)
+class RowSampling:
+    """What a worker samples a row with: the numbers it uses of the request's resolved SamplingParams."""
+
+    temperature: float  # 0: greedy
+    top_p: float
+    top_k: int  # 0: off
+    min_p: float
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    seed: int  # int64
+    logprobs: int  # how many top logprobs; -1: none
+    min_tokens: int
+    stop_token_ids: list  # banned until min_tokens outputs (empty when min_tokens is 0)
+    logit_bias: dict  # token id -> added to its logit
+    grammar: bool  # the row samples under a GrammarMask
+
+
+@dataclass(slots=True)
 class NewRow:
     """A request entering the worker's mirror at `row`: its known tokens, once."""
 
@@ -81,7 +100,7 @@ class NewRow:
     num_prompt_tokens: int
     num_computed: int  # tokens already in the KV cache (prefix-cache hits): prefill starts there
     block_table: np.ndarray
-    params: dict
+    sampling: RowSampling
 
 
 @dataclass(slots=True)
@@ -125,10 +144,12 @@ class WorkerError:
 _KINDS = {
     "np.ndarray": I32,
     "int": int,
+    "float": float,
     "str": str,
     "bool": bool,
     "dict": dict,
     "list": list,  # annotation -> check
+    "RowSampling": RowSampling,  # a nested message
     **{f"{t.__name__} | None": (t, type(None)) for t in (dict, list, str)},
 }
 MESSAGE_TYPES: dict[str, type] = {
@@ -142,6 +163,7 @@ MESSAGE_TYPES: dict[str, type] = {
         Ready,
         EngineDead,
         Error,
+        RowSampling,
         NewRow,
         StepPlan,
         GrammarMask,

@@ -12,17 +12,12 @@ import numpy as np
 import torch
 
 from kernels import apply_token_bitmask_, gumbel_argmax
-from protocol.sampling import SamplingParams
+from protocol.messages import RowSampling
 
 # Column order of the float and int parameter tables.
 _TEMP, _TOP_P, _MIN_P, _PRESENCE, _FREQUENCY, _REPETITION = range(6)
 _TOP_K, _SEED, _MIN_UNTIL = range(3)
 _FEATURES = ("random", "penalties", "top_k_top_p", "min_p", "logprobs", "min_tokens", "logit_bias", "grammar")
-
-
-def seed_to_i64(seed: int) -> int:
-    """Any Python int seed (SamplingParams allows -2**63 .. 2**64-1) as int64 bits."""
-    return ((seed + (1 << 63)) % (1 << 64)) - (1 << 63)
 
 
 @dataclass(slots=True)
@@ -65,11 +60,9 @@ class Sampler:
 
     # ---- rows ---------------------------------------------------------------------------------------
 
-    def add_row(self, row: int, params: SamplingParams, prompt_ids: np.ndarray, output_ids: np.ndarray) -> None:
-        """output_ids: tokens generated before a preemption (they count for penalties). params come resolved
-        by the scheduler: a seed, and stop_token_ids with the EOS ids unless ignore_eos."""
+    def add_row(self, row: int, params: RowSampling, prompt_ids: np.ndarray, output_ids: np.ndarray) -> None:
+        """output_ids: tokens generated before a preemption (they count for penalties)."""
         self.remove_row(row)
-        top_k = params.top_k if params.top_k > 0 else 0
         self._floats[row] = (
             params.temperature,
             params.top_p,
@@ -82,27 +75,32 @@ class Sampler:
         banned = (
             [t for t in params.stop_token_ids if t < self.vocab_size] if params.min_tokens > len(output_ids) else []
         )
-        self._ints[row] = (top_k, seed_to_i64(params.seed or 0), len(prompt_ids) + params.min_tokens if banned else 0)
+        self._ints[row] = (params.top_k, params.seed, len(prompt_ids) + params.min_tokens if banned else 0)
         penalties = (
             params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 or params.repetition_penalty != 1.0
         )
         flags = {
             "random": params.temperature > 0.0,
             "penalties": penalties,
-            "top_k_top_p": params.temperature > 0.0 and (top_k > 0 or params.top_p < 1.0),
+            "top_k_top_p": params.temperature > 0.0 and (params.top_k > 0 or params.top_p < 1.0),
             "min_p": params.temperature > 0.0 and params.min_p > 0.0,
-            "logprobs": params.logprobs is not None,
+            "logprobs": params.logprobs >= 0,
             "min_tokens": bool(banned),
             "logit_bias": bool(params.logit_bias),
-            "grammar": params.structured_outputs is not None,
+            "grammar": params.grammar,
         }
         for name, on in flags.items():
             self._feature[name][row] = on
             self._count[name] += int(on)
-        self._logprobs_k[row] = -1 if params.logprobs is None else params.logprobs
+        self._logprobs_k[row] = params.logprobs
         self._dirty = True
         if penalties:
-            self._reset_penalty_state(row, prompt_ids, output_ids)
+            self.output_counts[row].zero_()
+            self.prompt_mask[row].zero_()
+            self.prompt_mask[row, _upload(np.asarray(prompt_ids, np.int64), self.device)] = True
+            if len(output_ids):
+                out = _upload(np.asarray(output_ids, np.int64), self.device)
+                self.output_counts[row].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
         if banned:
             self.banned[row].zero_()
             self.banned[row, _upload(np.asarray(banned, np.int64), self.device)] = True
@@ -118,30 +116,23 @@ class Sampler:
             self._feature[name][row] = False
         self._logprobs_k[row] = -1
 
-    def _reset_penalty_state(self, row: int, prompt_ids: np.ndarray, output_ids: np.ndarray) -> None:
-        self.output_counts[row].zero_()
-        self.prompt_mask[row].zero_()
-        prompt = _upload(np.asarray(prompt_ids, np.int64), self.device)
-        self.prompt_mask[row, prompt] = True
-        if len(output_ids):
-            out = _upload(np.asarray(output_ids, np.int64), self.device)
-            self.output_counts[row].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
-
     def profile(self, logits: torch.Tensor) -> None:
         """Every stage once on logits[N], so a memory profile sees the sampler's peak (rows 0..N-1 borrowed)."""
         n = logits.shape[0]
-        params = SamplingParams(
+        params = RowSampling(
             temperature=1.0,
-            top_k=50,
             top_p=0.9,
+            top_k=50,
             min_p=0.05,
+            presence_penalty=0.1,
+            frequency_penalty=0.0,
+            repetition_penalty=1.1,
             seed=0,
             logprobs=20,
-            repetition_penalty=1.1,
-            presence_penalty=0.1,
             min_tokens=1,
             stop_token_ids=[0],
             logit_bias={0: 1.0},
+            grammar=False,
         )
         empty = np.zeros(0, np.int32)
         for row in range(n):

@@ -1,14 +1,35 @@
-"""What a launched step leaves behind: its host copies in flight, and the StepResult they become."""
+"""What a step leaves behind: its logits before the draw, its host copies in flight, and the StepResult they become."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from protocol.messages import StepResult
+from worker.sampler import SamplerOutput
+
+NO_LANES = np.zeros(0, np.int64)
+
+
+@dataclass(slots=True)
+class Forwarded:
+    """A step whose forward is queued; ModelRunner.sample draws its tokens (its masked rows' under their mask)."""
+
+    samples: np.ndarray  # [B] bool: rows whose token is real
+    logits: torch.Tensor | None = None  # None: drawn already (out), or no row samples
+    rows: torch.Tensor | None = None  # the sampler's inputs: each lane's mirror row and position
+    positions: torch.Tensor | None = None
+    rows_host: np.ndarray | None = None
+    lanes: int = 0  # real lanes: a decode graph's logits are padded past them
+    decode: bool = False
+    graph_size: int | None = None  # the decode graph that ran (None: eager)
+    out: SamplerOutput | None = None  # the decode graph's own draw
+    step: int = 0
+    masked: np.ndarray = field(default_factory=lambda: NO_LANES)  # the lane of each masked row
+    trace: tuple | None = None  # (start_ns, GPU events, is decode) when the plan asks for timings
 
 
 @dataclass(slots=True)
