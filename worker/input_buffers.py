@@ -84,9 +84,6 @@ class StepBuffers:
             views = self._host_views[key] = {name: buf[off : off + n].view(dt) for name, (off, n, dt) in layout.items()}
         return views
 
-    def upload(self) -> None:
-        self.device_buf[: self._end].copy_(self._host[self._turn][: self._end], non_blocking=True)
-
     def write(
         self,
         step: HostStep,
@@ -119,7 +116,7 @@ class StepBuffers:
         if len(deltas[0]):
             v["delta_idx"][:] = deltas[0]
             v["delta_val"][:] = deltas[1]
-        self.upload()
+        self.device_buf[: self._end].copy_(self._host[self._turn][: self._end], non_blocking=True)
 
     def view(self, name: str) -> torch.Tensor:
         return self._device_view(*self._layout[name])

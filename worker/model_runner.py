@@ -17,7 +17,9 @@ from worker.cuda_graphs import CudaGraphs
 from worker.input_buffers import StepBuffers
 from worker.row_mirror import HostStep, RowMirror
 from worker.sampler import Sampler, SamplerOutput
-from worker.step_output import NO_LANES, Forwarded, Launched, step_result
+from worker.step_output import Draw, Launched, step_result
+
+NO_LANES = np.zeros(0, np.int64)  # a step without masked rows
 
 
 class ModelRunner:
@@ -63,43 +65,50 @@ class ModelRunner:
         return self.sample(self.forward(plan))
 
     @torch.inference_mode()
-    def forward(self, plan: StepPlan) -> Forwarded:
-        """Apply the plan's deltas and queue its forward. At most one launched step may stay uncollected: staging and
-        output buffers alternate between two. A step with masked rows samples once its GrammarMask has come."""
+    def forward(self, plan: StepPlan) -> Launched:
+        """Apply the plan's deltas and queue its forward; sample() then draws. At most one launched step may stay
+        uncollected: staging and output buffers alternate between two."""
         if plan.step != self.step + 1:
             raise ValueError(f"StepPlan step {plan.step} after step {self.step}: plans must come one by one")
         self.step = plan.step
         start_ns = time.perf_counter_ns()
-        events = self._start_gpu_timer() if plan.trace else None
+        events = None
+        if plan.trace and self.device.type == "cuda":
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record()
         # Rows freed by earlier steps go first: none of them is scheduled here, and a new row may reuse one.
-        self._free_rows(plan.free_rows)
+        self.mirror.free(plan.free_rows)
+        for row in plan.free_rows.tolist():
+            self.sampler.remove_row(row)
         self._apply_row_deltas(plan)
         step = self.mirror.plan(plan)
         masked = self._mask_lanes(plan, step)
-        size = self._padded_size(step)
+        size = self.graphs.size_for("decode" if step.is_decode else "prefill", len(step.positions))
         self.buffers.write(step, self.mirror.host_input_ids(step), self.mirror.take_deltas(), self.dummy_row, size)
-        self._apply_block_table_deltas()
-        forwarded = self._run_decode(step, size) if step.is_decode else self._run_mixed(step, size)
-        forwarded.step, forwarded.masked = plan.step, masked
-        if plan.trace:
-            forwarded.trace = (start_ns, events, step.is_decode)
+        idx = self.buffers.view("delta_idx")
+        if idx.numel():
+            self.attention.block_tables.view(-1).index_copy_(0, idx, self.buffers.view("delta_val"))
+        draw = self._run_decode(step, size) if step.is_decode else self._run_mixed(step, size)
         self.mirror.finish(step)
-        return forwarded
+        launched = Launched(plan.step, step.samples, draw, masked)
+        if plan.trace:
+            launched.trace = (start_ns, events, step.is_decode)
+        return launched
 
     @torch.inference_mode()
-    def sample(self, forwarded: Forwarded, mask: np.ndarray | None = None) -> Launched:
+    def sample(self, launched: Launched, mask: np.ndarray | None = None) -> Launched:
         """Draw the step's tokens (mask: its masked rows' GrammarMask rows) and queue their copy to the host."""
-        if len(forwarded.masked) != (0 if mask is None else len(mask)):
+        if len(launched.masked) != (0 if mask is None else len(mask)):
             rows = 0 if mask is None else len(mask)
-            raise ValueError(f"step {forwarded.step} has {len(forwarded.masked)} masked rows and {rows} mask rows")
-        out = forwarded.out if forwarded.logits is None else self._draw(forwarded, mask)
-        launched = Launched(forwarded.step, forwarded.samples)
-        if forwarded.trace is not None:
-            start_ns, events, decode = forwarded.trace
+            raise ValueError(f"step {launched.step} has {len(launched.masked)} masked rows and {rows} mask rows")
+        out = launched.draw(None if mask is None else (launched.masked, mask))
+        if launched.trace is not None:
+            _, events, _ = launched.trace
             if events is not None:
-                events[1].record()
-            launched.trace = (start_ns, time.perf_counter_ns(), events, decode)
-        return self._copy_out(launched, out)
+                events[1].record()  # the GPU timer stops after the draw
+        self._copy_out(launched, out)
+        launched.launched_ns = time.perf_counter_ns()
+        return launched
 
     def _mask_lanes(self, plan: StepPlan, step: HostStep) -> np.ndarray:
         """The index among the step's sampled rows of each masked row."""
@@ -110,11 +119,6 @@ class ModelRunner:
             raise ValueError(f"StepPlan {plan.step} masks rows {indices.tolist()}: each must index a sampling row")
         return np.cumsum(step.samples)[indices] - 1
 
-    def _padded_size(self, step: HostStep) -> int | None:
-        if step.is_decode:
-            return self.graphs.size_for("decode", len(step.rows))
-        return self.graphs.size_for("prefill", len(step.positions))
-
     def is_done(self, launched: Launched) -> bool:
         return launched.done is None or launched.done.query()
 
@@ -124,7 +128,7 @@ class ModelRunner:
             launched.done.synchronize()
         return step_result(launched)
 
-    def _copy_out(self, launched: Launched, out: SamplerOutput | None) -> Launched:
+    def _copy_out(self, launched: Launched, out: SamplerOutput | None) -> None:
         self._out_turn ^= 1
         if out is not None:
             launched.tokens = self._host_tokens[self._out_turn][: out.token_ids.shape[0]]
@@ -137,14 +141,6 @@ class ModelRunner:
         if self.device.type == "cuda":
             launched.done = self._done_events[self._out_turn]
             launched.done.record()
-        return launched
-
-    def _start_gpu_timer(self) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
-        if self.device.type != "cuda":
-            return None
-        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-        events[0].record()
-        return events
 
     def _apply_row_deltas(self, plan: StepPlan) -> None:
         for new in plan.new_rows:
@@ -154,16 +150,6 @@ class ModelRunner:
             self.sampler.add_row(new.row, new.sampling, tokens[:prompt], tokens[prompt:])
         for row, block_ids in plan.block_appends:
             self.mirror.append_blocks(int(row), block_ids)
-
-    def _apply_block_table_deltas(self) -> None:
-        idx = self.buffers.view("delta_idx")
-        if idx.numel():
-            self.attention.block_tables.view(-1).index_copy_(0, idx, self.buffers.view("delta_val"))
-
-    def _free_rows(self, rows: np.ndarray) -> None:
-        self.mirror.free(rows)
-        for row in np.asarray(rows).tolist():
-            self.sampler.remove_row(row)
 
     def decode_forward(self, views: Views, layers: int | None = None) -> tuple[torch.Tensor, SamplerOutput | None]:
         """The body a decode graph captures (static views only); `layers` < all is a warm-up."""
@@ -179,18 +165,30 @@ class ModelRunner:
         meta = self.attention.prefill_metadata(views)
         return self.model(views["input_ids"], views["positions"], meta, self.kv_caches[:layers])
 
-    def _run_decode(self, step: HostStep, size: int | None) -> Forwarded:
+    def _run_decode(self, step: HostStep, size: int | None) -> Draw:
+        """Queue a decode step's forward; the draw it returns samples the logits (graph `size`, or eagerly)."""
         b = len(step.rows)
         views = self.graphs.views["decode"][size] if size else self.buffers.decode_views(b)
         self.sampler.sync_params()  # before the graph: its draw reads the rows' temperatures and seeds
         logits, out = self.graphs.replay("decode", size) if size else self.decode_forward(views)
-        if self.sampler.plain:
-            return Forwarded(step.samples, out=SamplerOutput(out.token_ids[:b]))
-        return Forwarded(
-            step.samples, logits, views["rows"], views["sample_pos"], step.rows, b, decode=True, graph_size=size
-        )
+        rows, positions = views["rows"], views["sample_pos"]
 
-    def _run_mixed(self, step: HostStep, size: int | None) -> Forwarded:
+        def draw(grammar: tuple[np.ndarray, np.ndarray] | None) -> SamplerOutput:
+            if self.sampler.plain:
+                return SamplerOutput(out.token_ids[:b])
+            if grammar is not None and self.sampler.plain_but_masks:
+                # The decode graph's draw again under the masks, as a graph of its own per size: once the mask has
+                # come, the host launches one replay, not a handful of kernels.
+                self.sampler.stage_masks(*grammar)
+                body = functools.partial(self.sampler.masked_draw, logits, rows, positions, self.last_token)
+                tokens = self.graphs.replay_or_capture(("masked_draw", size), body) if size else body()
+                return SamplerOutput(tokens[:b])
+            # Some row needs more than the captured draw: sample the step's logits again, eagerly.
+            return self.sampler(logits[:b], rows[:b], positions[:b], step.rows, self.last_token, grammar)
+
+        return draw
+
+    def _run_mixed(self, step: HostStep, size: int | None) -> Draw:
         """A step with prompt chunks; its decode rows take their input tokens from the device."""
         views = self.graphs.views["prefill"][size] if size else self.buffers.prefill_views()
         num_device = step.num_device_tokens
@@ -198,21 +196,11 @@ class ModelRunner:
             views["input_ids"][:num_device] = self.last_token[views["rows"][:num_device]]
         hidden = self.graphs.replay("prefill", size) if size else self.prefill_forward(views)
         if not step.samples.any():
-            return Forwarded(step.samples)
+            return _no_draw
         logits = self.model.compute_logits(hidden[self.buffers.view("sample_idx")])
-        rows_host = step.rows[step.samples]
         rows, positions = self.buffers.view("sample_rows"), self.buffers.view("sample_pos")
-        return Forwarded(step.samples, logits, rows, positions, rows_host, len(rows_host))
+        return functools.partial(self.sampler, logits, rows, positions, step.rows[step.samples], self.last_token)
 
-    def _draw(self, f: Forwarded, mask: np.ndarray | None) -> SamplerOutput:
-        grammar = None if mask is None else (f.masked, mask)
-        b = f.lanes
-        if grammar is not None and f.decode and self.sampler.plain_but_masks:
-            # The decode graph's draw again under the masks, as a graph of its own per size: once the mask has
-            # come, the host launches one replay, not a handful of kernels.
-            self.sampler.stage_masks(*grammar)
-            draw = functools.partial(self.sampler.masked_draw, f.logits, f.rows, f.positions, self.last_token)
-            size = f.graph_size
-            return SamplerOutput((self.graphs.replay_or_capture(("masked_draw", size), draw) if size else draw())[:b])
-        # Some row needs more than the captured draw: sample the step's logits again, eagerly.
-        return self.sampler(f.logits[:b], f.rows[:b], f.positions[:b], f.rows_host, self.last_token, grammar)
+
+def _no_draw(grammar: None) -> None:
+    """The draw of a step in which no row samples."""

@@ -116,8 +116,8 @@ def _serve(runner, plans: zmq.Socket, results: zmq.Socket, rank: int, tracer: Tr
             return
         if not isinstance(msg, StepPlan):
             raise ValueError(f"worker received a {type(msg).__name__}: only StepPlan and Shutdown are expected")
-        forwarded, mask = runner.forward(msg), None
-        if len(forwarded.masked):  # step N's result goes out first: step N + 1's masks need it
+        launched, mask = runner.forward(msg), None
+        if len(launched.masked):  # step N's result goes out first: step N + 1's masks need it
             if pending is not None:
                 _finish(runner, pending, results, rank, tracer)
                 pending = None
@@ -127,7 +127,7 @@ def _serve(runner, plans: zmq.Socket, results: zmq.Socket, rank: int, tracer: Tr
             if masks is None:  # the scheduler made the file before its first GrammarMask
                 masks = _map_masks(mask_file, runner)
             mask = masks.slot(msg.step, rows)
-        launched = runner.sample(forwarded, mask)
+        runner.sample(launched, mask)
         if pending is not None:
             _finish(runner, pending, results, rank, tracer)
         pending = launched

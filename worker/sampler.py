@@ -1,8 +1,6 @@
-"""The sampler: logits -> token ids on the device, every row with its own params, no host sync.
-
-Per-row params live in device tables indexed by row, written once when the row is added; host counts of the
-rows using each feature let a stage no row needs cost nothing. Random rows draw hashed Gumbel noise, so a
-request samples the same tokens alone or in any batch, and again after a preemption."""
+"""The sampler: logits -> token ids on the device, every row with its own params, no host sync. Host counts of the
+rows using each feature let a stage no row needs cost nothing; hashed Gumbel noise makes a seeded row sample the
+same tokens alone or in any batch, and again after a preemption."""
 
 from __future__ import annotations
 
@@ -174,12 +172,7 @@ class Sampler:
         indices in their sequences (the seeds hash them); rows_host is read only for top-k/top-p; grammar is
         (indices into N, their packed bitmasks [k, words]) of the constrained rows."""
         self.sync_params()
-        out = SamplerOutput(token_ids=None)
-        if self.plain:
-            out.token_ids = gumbel_argmax(
-                logits, self.floats[:, _TEMP], self.ints[:, _SEED], positions, rows, last_token
-            )
-            return out
+        out = SamplerOutput(token_ids=None)  # a plain step skips every stage below but the draw
         if self._count["logprobs"]:
             self._raw_logprobs(logits, out)
         if grammar is not None:
@@ -221,7 +214,7 @@ class Sampler:
     ) -> torch.Tensor:
         """The plain draw (see __call__) under the staged masks: what a masked draw's graph captures."""
         apply_token_bitmask_(logits, *self._staged_masks())
-        return gumbel_argmax(logits, self.floats[:, _TEMP], self.ints[:, _SEED], positions, rows, last_token)
+        return self._sample(logits, rows, positions, None, last_token)
 
     def _staged_masks(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self._mask[: self.max_lanes], self._mask[self.max_lanes :].view(self.max_lanes, -1)

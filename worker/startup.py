@@ -21,7 +21,6 @@ from worker.models import model_class
 
 WARMUP_LAYERS = 2  # the first layer (no residual yet) and one like every later one: every kernel variant
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def select_device(device: str, rank: int) -> torch.device:
@@ -178,7 +177,7 @@ def _capture(runner: ModelRunner, views: dict[str, dict[int, Views]], warm_up: b
             clock[f"{kind}_graphs_captured"] = time.time()
 
 
-def _one_block_cache(runner: ModelRunner, dtype: torch.dtype, layers: int) -> KVCache:
+def _one_block_cache(runner: ModelRunner, dtype: torch.dtype, layers: int) -> list[tuple[torch.Tensor, ...]]:
     shape = (1, runner.num_kv_heads, runner.config.block_size, runner.model_config.head_dim)
     return [(torch.zeros(shape, dtype=dtype, device=runner.device),) * 2 for _ in range(layers)]
 
