@@ -56,8 +56,6 @@ class Sampler:
         self.bias = torch.zeros((max_rows, vocab_size), dtype=torch.float32, device=device)  # logit_bias
         self._lanes_host = self._mask = None  # grammar masks: the lane map's pinned copy; on the device [lanes, rows]
 
-    # ---- rows ---------------------------------------------------------------------------------------
-
     def add_row(self, row: int, params: RowSampling, prompt_ids: np.ndarray, output_ids: np.ndarray) -> None:
         """output_ids: tokens generated before a preemption (they count for penalties)."""
         self.remove_row(row)
@@ -157,8 +155,6 @@ class Sampler:
             self.ints.copy_(_upload(self._ints, self.device))
             self._dirty = False
 
-    # ---- sampling -----------------------------------------------------------------------------------
-
     def __call__(
         self,
         logits: torch.Tensor,
@@ -173,8 +169,11 @@ class Sampler:
         (indices into N, their packed bitmasks [k, words]) of the constrained rows."""
         self.sync_params()
         out = SamplerOutput(token_ids=None)  # a plain step skips every stage below but the draw
-        if self._count["logprobs"]:
-            self._raw_logprobs(logits, out)
+        if self._count["logprobs"]:  # of the raw logits (vLLM's default); the sampled one is gathered after the draw
+            out.logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+            k = int(self._logprobs_k.max())
+            if k > 0:
+                out.top_logprobs, out.top_ids = out.logprobs.topk(k, dim=-1)
         if grammar is not None:
             self.stage_masks(*grammar)
             apply_token_bitmask_(logits, *self._staged_masks())
@@ -219,14 +218,6 @@ class Sampler:
     def _staged_masks(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self._mask[: self.max_lanes], self._mask[self.max_lanes :].view(self.max_lanes, -1)
 
-    def _raw_logprobs(self, logits: torch.Tensor, out: SamplerOutput) -> None:
-        """log_softmax of the raw logits (vLLM's default); the sampled gather happens after sampling."""
-        logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
-        k = int(self._logprobs_k.max())
-        if k > 0:
-            out.top_logprobs, out.top_ids = logprobs.topk(k, dim=-1)
-        out.logprobs = logprobs
-
     def _apply_penalties(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Repetition as HF/vLLM (prompt or output tokens), frequency and presence as OpenAI (output only)."""
         params = self.floats[rows]
@@ -252,8 +243,10 @@ class Sampler:
         # The filters work on the tempered logits; the draw then only adds noise (temperature 1).
         temps = self.floats[rows, _TEMP]
         logits = logits / torch.where(temps > 0, temps, torch.ones_like(temps))[:, None]
-        if self._count["min_p"]:
-            logits = _apply_min_p(logits, self.floats[rows, _MIN_P])
+        if self._count["min_p"]:  # drop tokens less likely than min_p times the top token
+            probs = torch.softmax(logits, dim=-1)
+            threshold = probs.amax(dim=-1, keepdim=True) * self.floats[rows, _MIN_P, None]
+            logits = logits.masked_fill(probs < threshold, float("-inf"))
         if self._count["top_k_top_p"]:
             logits = self._apply_top_k_top_p(logits, rows, rows_host)
         tokens = gumbel_argmax(logits, (temps > 0).to(temps.dtype), self.ints[rows, _SEED], positions)
@@ -272,13 +265,6 @@ class Sampler:
         logits = logits.clone()
         logits[idx] = _top_k_top_p(logits[idx], self.ints[sel_rows, _TOP_K], self.floats[sel_rows, _TOP_P])
         return logits
-
-
-def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Drop tokens whose probability is below min_p times the top token's."""
-    probs = torch.softmax(logits, dim=-1)
-    threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
-    return logits.masked_fill(probs < threshold, float("-inf"))
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

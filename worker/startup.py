@@ -11,7 +11,7 @@ import torch
 from tqdm import tqdm
 
 from kernels.precompile import DryRun, compile_only
-from protocol.config import EngineConfig, ModelConfig
+from protocol.config import EngineConfig
 from worker.attention import AttentionMetadata, Views
 from worker.cuda_graphs import CudaGraphs, graph_batch_sizes, prefill_buckets
 from worker.kv_cache import allocate_kv_cache, cpu_num_kv_blocks, kv_block_bytes, peak_key, profile_num_kv_blocks
@@ -35,24 +35,6 @@ def select_device(device: str, rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def select_dtype(dtype: str, model_config: ModelConfig, device: torch.device) -> torch.dtype:
-    """'auto' is the checkpoint's dtype on CUDA and float32 on CPU."""
-    if dtype == "auto":
-        return _DTYPES.get(model_config.torch_dtype, torch.bfloat16) if device.type == "cuda" else torch.float32
-    return _DTYPES[dtype]
-
-
-def check_fp8_gpu(device: torch.device) -> None:
-    """FP8 weights need FP8 conversions in hardware: compute capability 8.9 (Ada) or later."""
-    capability = torch.cuda.get_device_capability(device)
-    if capability < (8, 9):
-        raise ValueError(
-            f"quantization='fp8' needs a GPU with FP8 (compute capability 8.9 or later, e.g. L4, H100); "
-            f"{torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}: leave quantization "
-            "unset and use an unquantized checkpoint on this GPU"
-        )
-
-
 def build_runner(config: EngineConfig, rank: int = 0, tp_size: int = 1, clock: dict | None = None) -> ModelRunner:
     """A ready runner: weights, dry run, KV cache, graphs. clock: wall-clock marks of each stage go in it."""
     if config.model_config is None or config.max_model_len is None:
@@ -63,7 +45,9 @@ def build_runner(config: EngineConfig, rank: int = 0, tp_size: int = 1, clock: d
     clock = {} if clock is None else clock
     clock["runner_started"] = time.time()
     device = select_device(config.device, rank)
-    dtype = select_dtype(config.dtype, config.model_config, device)
+    dtype = _DTYPES.get(config.dtype)  # 'auto': the checkpoint's on CUDA, float32 on the CPU
+    if dtype is None:
+        dtype = _DTYPES.get(config.model_config.torch_dtype, torch.bfloat16) if device.type == "cuda" else torch.float32
     use_graphs = device.type == "cuda" and not config.enforce_eager
     # On CUDA a prompt step is padded to its bucket even eagerly: cuBLAS picks kernels by shape, so eager
     # and graphs give the same tokens.
@@ -114,7 +98,13 @@ def _build_model(
     config: EngineConfig, device: torch.device, dtype: torch.dtype, rank: int, tp_size: int
 ) -> torch.nn.Module:
     if config.model_config.quantization and device.type == "cuda":
-        check_fp8_gpu(device)
+        capability = torch.cuda.get_device_capability(device)
+        if capability < (8, 9):  # FP8 conversions in hardware: Ada or later
+            raise ValueError(
+                f"quantization='fp8' needs a GPU with FP8 (compute capability 8.9 or later, e.g. L4, H100); "
+                f"{torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}: leave quantization "
+                "unset and use an unquantized checkpoint on this GPU"
+            )
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # the layers create their parameters in the default dtype
     try:
