@@ -74,21 +74,21 @@ class Error:
 
 @dataclass(slots=True)
 class RowSampling:
-    """What a worker samples a row with: the numbers it uses of the request's resolved SamplingParams."""
+    """What a worker samples a row with: the numbers it uses of the request's resolved SamplingParams (defaults: off)."""
 
-    temperature: float  # 0: greedy
-    top_p: float
-    top_k: int  # 0: off
-    min_p: float
-    presence_penalty: float
-    frequency_penalty: float
-    repetition_penalty: float
-    seed: int  # int64
-    logprobs: int  # how many top logprobs; -1: none
-    min_tokens: int
-    stop_token_ids: list  # banned until min_tokens outputs (empty when min_tokens is 0)
-    logit_bias: dict  # token id -> added to its logit
-    grammar: bool  # the row samples under a GrammarMask
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int = 0  # int64
+    logprobs: int = -1  # how many top logprobs; -1: none
+    min_tokens: int = 0
+    stop_token_ids: list = field(default_factory=list)  # banned until min_tokens outputs (empty without them)
+    logit_bias: dict = field(default_factory=dict)  # token id -> added to its logit
+    grammar: bool = False  # the row samples under a GrammarMask
 
 
 @dataclass(slots=True)

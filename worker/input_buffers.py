@@ -35,10 +35,11 @@ _PREFILL_READS = ("rows", "positions", "slot_mapping", "context_lens", "cu_seqle
 FIELD_ALIGN = 16
 
 
+Layout = dict[str, tuple[int, int, type]]  # field -> byte offset, byte length, dtype
+
+
 @functools.lru_cache(maxsize=4096)
-def _layout(
-    tokens: int, seqs: int, samples: int, deltas: int, work: int
-) -> tuple[dict[str, tuple[int, int, type]], int]:
+def _layout(tokens: int, seqs: int, samples: int, deltas: int, work: int) -> tuple[Layout, int]:
     """Byte offset, byte length and dtype of every field, and the end; each field starts FIELD_ALIGN-aligned."""
     sizes = {"T": tokens, "B": seqs, "B1": seqs + 1, "S": samples, "D": deltas, "W2": 2 * work}
     out, offset = {}, 0
@@ -62,7 +63,7 @@ class StepBuffers:
         self._host_np = [h.numpy() for h in self._host]
         self.device_buf = torch.zeros(capacity, dtype=torch.uint8, device=device)
         self._turn = 0
-        self._layout: dict = {}
+        self._layout: Layout = {}
         self._end = 0
         self._host_views: dict[tuple, dict[str, np.ndarray]] = {}
 

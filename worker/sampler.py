@@ -12,8 +12,9 @@ import torch
 from kernels import apply_token_bitmask_, gumbel_argmax
 from protocol.messages import RowSampling
 
-# Column order of the float and int parameter tables.
-_TEMP, _TOP_P, _MIN_P, _PRESENCE, _FREQUENCY, _REPETITION = range(6)
+# Column order of the float and int parameter tables: the float one holds these RowSampling fields.
+_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+_TEMP, _TOP_P, _MIN_P, _PRESENCE, _FREQUENCY, _REPETITION = range(len(_FLOATS))
 _TOP_K, _SEED, _MIN_UNTIL = range(3)
 _FEATURES = ("random", "penalties", "top_k_top_p", "min_p", "logprobs", "min_tokens", "logit_bias", "grammar")
 
@@ -59,14 +60,7 @@ class Sampler:
     def add_row(self, row: int, params: RowSampling, prompt_ids: np.ndarray, output_ids: np.ndarray) -> None:
         """output_ids: tokens generated before a preemption (they count for penalties)."""
         self.remove_row(row)
-        self._floats[row] = (
-            params.temperature,
-            params.top_p,
-            params.min_p,
-            params.presence_penalty,
-            params.frequency_penalty,
-            params.repetition_penalty,
-        )
+        self._floats[row] = [getattr(params, name) for name in _FLOATS]
         # vLLM bans the stop tokens until min_tokens outputs; ids past the vocabulary never come.
         banned = (
             [t for t in params.stop_token_ids if t < self.vocab_size] if params.min_tokens > len(output_ids) else []
@@ -116,19 +110,15 @@ class Sampler:
         """Every stage once on logits[N], so a memory profile sees the sampler's peak (rows 0..N-1 borrowed)."""
         n = logits.shape[0]
         params = RowSampling(
-            temperature=1.0,
             top_p=0.9,
             top_k=50,
             min_p=0.05,
             presence_penalty=0.1,
-            frequency_penalty=0.0,
             repetition_penalty=1.1,
-            seed=0,
             logprobs=20,
             min_tokens=1,
             stop_token_ids=[0],
             logit_bias={0: 1.0},
-            grammar=False,
         )
         empty = np.zeros(0, np.int32)
         for row in range(n):
