@@ -43,7 +43,7 @@ def us_per_token(tokenizer, args: argparse.Namespace) -> float:
     vocab = len(tokenizer)
     processor, ids = OutputProcessor(tokenizer), []
     for i in range(args.rows):
-        _, msgs = processor.add(
+        _, msgs = processor.register(
             f"r{i}", None, random_ids(rng, 100, vocab), SamplingParams(max_tokens=args.steps + 1, ignore_eos=True)
         )
         ids.append(msgs[0].request_id)

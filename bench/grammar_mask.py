@@ -14,10 +14,12 @@ import tempfile
 import time
 
 import numpy as np
+import xgrammar as xgr
 
 from frontend.model_resolution import resolve_model
-from frontend.tokenizer import load_tokenizer
-from scheduler.grammar import Grammars
+from frontend.tokenizer import load_tokenizer, tokenizer_dir
+from protocol.config import EngineConfig
+from scheduler.structured_outputs import StructuredOutputs
 
 SCHEMA = {
     "type": "object",
@@ -46,25 +48,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="qwen2.5-1.5b")
     p.add_argument("--rounds", type=int, default=20, help="passes over the answer")
     args = p.parse_args(argv)
-    config, model_path = resolve_model(args.model, "dummy")
+    model_config, model_path = resolve_model(args.model, "dummy")
+    ids = load_tokenizer(args.model, model_path).encode(json.dumps(ANSWER))  # builds an offline tokenizer's files
     tmp = tempfile.TemporaryDirectory()  # for the shared mask file, as the scheduler's ipc directory holds it
-    grammars = Grammars(
-        args.model,
-        model_path,
-        config.vocab_size,
-        frozenset(config.eos_token_ids),
-        os.path.join(tmp.name, "grammar-masks"),
-    )
+    config = EngineConfig(args.model, model_config=model_config, tokenizer_dir=tokenizer_dir(args.model, model_path))
+    grammars = StructuredOutputs(config, os.path.join(tmp.name, "grammar-masks"))
     start = time.perf_counter()
     compiled = grammars.compile({"json": json.dumps(SCHEMA), "any_whitespace": False}).result()
     print(f"first compile (xgrammar and tokenizer load included): {time.perf_counter() - start:.2f} s")
     start = time.perf_counter()
     grammars.compile({"json": json.dumps({**SCHEMA, "title": "x"}), "any_whitespace": False}).result()
     print(f"compile of a new schema: {(time.perf_counter() - start) * 1e3:.1f} ms")
-    ids = load_tokenizer(args.model, model_path).encode(json.dumps(ANSWER))
     fill, accept = [], []
     for _ in range(args.rounds):
-        matcher = grammars.matcher(compiled)
+        matcher = xgr.GrammarMatcher(compiled)
         for token in ids:
             t0 = time.perf_counter()
             grammars.fill(0, [matcher])

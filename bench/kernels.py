@@ -1,9 +1,9 @@
 """Decode kernels at a model's shapes, each timed in a CUDA graph as a decode step runs it: every layer linear
 at a few row counts, alone and with the norm or SwiGLU before it folded in: the unfused path (cuBLAS alone, or
-that op's kernel then linear()'s pick) beside what kernels.linear picks, and paged decode attention at
+that op's kernel then linear()'s pick) beside what worker.linear picks, and paged decode attention at
 (batch, context, max_model_len) cases, max_model_len setting the grid as in the engine's graphs. One device
 call checks a kernel change before the engine's A/B (bench/PERF.md). With --fp8, the layers' linears again with
-FP8 weights (per output channel, or Qwen's 128 x 128 blocks), once per scaled_mm variant of kernels/linear.py
+FP8 weights (per output channel, or Qwen's 128 x 128 blocks), once per scaled_mm variant of worker/linear.py
 (SCALED_MM): the unfused time past 16 rows is that variant's, so the rows 32..256 pick FP8_GEMM.
 
     python -m bench.kernels --rows 1 8 --attention 1:32:32768 256:512:2048
@@ -73,7 +73,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def linear_shapes(c: ModelConfig) -> dict[str, tuple[int, int, bool, tuple[str, ...]]]:
-    """(out features, in features, has bias, the folds timed: kernels.linear's "" and the ops a decode step
+    """(out features, in features, has bias, the folds timed: worker.linear's "" and the ops a decode step
     folds into it) of each linear of a decode step, unsharded."""
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     return {
@@ -86,7 +86,7 @@ def linear_shapes(c: ModelConfig) -> dict[str, tuple[int, int, bool, tuple[str, 
 
 
 def fold_inputs(fold: str, rows: int, k: int) -> tuple:
-    """Random bf16 CUDA inputs of kernels.linear's op before (w, bias): (x,), or (x, residual, norm weight, eps)
+    """Random bf16 CUDA inputs of worker.linear's op before (w, bias): (x,), or (x, residual, norm weight, eps)
     for a fold with the norm."""
     import torch
 
@@ -98,14 +98,14 @@ def fold_inputs(fold: str, rows: int, k: int) -> tuple:
 
 def time_linears(c: ModelConfig, rows: list[int], fp8_block: tuple[int, int] | None = None) -> list[dict]:
     """Each linear alone and with the ops around it folded in: the unfused path (cuBLAS; the folded ops'
-    kernels around linear()'s pick) beside the one kernels.linear picks; FP8 weights with fp8_block's scales
+    kernels around linear()'s pick) beside the one worker.linear picks; FP8 weights with fp8_block's scales
     (the layers' linears: lm_head stays bf16)."""
     import torch
 
-    from kernels import linear_plan
     from kernels.fp8 import Fp8Weight, quantize
     from kernels.gemv import NormedInput
-    from kernels.linear import choice, run_path
+    from worker import linear_plan
+    from worker.linear import choice, run_path
 
     results = []
     for name, (n, k, has_bias, folds) in linear_shapes(c).items():
@@ -144,7 +144,7 @@ def time_attention(c: ModelConfig, cases: list[tuple[int, int, int]], block_size
 
     from kernels import NewTokenKV, make_cos_sin, rope_store_decode_attention
     from kernels.decode_attention import few_rows_launch
-    from kernels.linear_plan import graph_us
+    from worker.linear_plan import graph_us
 
     results = []
     for batch, context, max_len in cases:
@@ -193,8 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         "decode attention per layer (one layer's cache; max_model_len sets the split grid)", numbers["attention"]
     )
     if args.fp8:
-        from kernels import linear
         from kernels.fp8 import PER_CHANNEL
+        from worker import linear
 
         block = PER_CHANNEL if args.fp8 == "channel" else (128, 128)
         for path in linear.SCALED_MM:

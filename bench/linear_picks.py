@@ -1,4 +1,4 @@
-"""Times the linear plan's picks on this GPU for every linear of the given models, into kernels/linear_picks.json.
+"""Times the linear plan's picks on this GPU for every linear of the given models, into worker/linear_picks.json.
 
 The picks are a GEMV config or cuBLAS per fold, rows bucket and weight, and cuBLAS's time at each padded row count,
 timed as an engine's start-up times them (TP 1, the models' dtype, dummy weights); they replace what the file held
@@ -22,8 +22,8 @@ from pathlib import Path
 
 from bench.common import git_commit, print_table, versions
 from frontend.model_resolution import resolve_config, short_names
-from kernels import linear_picks
 from protocol.config import EngineConfig
+from worker import linear_picks
 
 KV_BLOCKS = 1024  # a fixed small cache: no memory profile, and room beside it for the timing's weight copies
 
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["PICO_VLLM_CACHE"] = cache
         import torch
 
-        from kernels import linear_plan
+        from worker import linear_plan
 
         if not torch.cuda.is_available():
             raise SystemExit("bench.linear_picks times kernels on a GPU: run it on the GPU to ship picks for")

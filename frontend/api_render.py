@@ -8,7 +8,7 @@ from itertools import accumulate
 
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from frontend.api_models import Job
+from frontend.api_params import Job, SamplingRequest
 from frontend.output_processor import CompletionOutput, RequestOutput
 from frontend.tool_calls import ToolCallStream, parse_tool_calls
 
@@ -24,21 +24,12 @@ class Renderer:
 
     object: str  # of a stream chunk
 
-    def __init__(
-        self,
-        response_id: str,
-        model: str,
-        jobs: list[Job],
-        tokenizer,
-        echo: bool = False,
-        tokens_as_ids: bool = False,
-        continuous_usage: bool = False,
-        tool_calls: bool = False,
-    ):
-        self.id, self.model, self.jobs, self.tokenizer, self.echo = response_id, model, jobs, tokenizer, echo
-        self.tokens_as_ids = tokens_as_ids  # vLLM's return_tokens_as_token_ids: a logprob's token is "token_id:N"
-        self.continuous_usage = continuous_usage  # vLLM's continuous_usage_stats: usage in every chunk
-        self.tool_streams = defaultdict(ToolCallStream) if tool_calls else None  # choice -> its stream, when parsed
+    def __init__(self, response_id: str, model: str, jobs: list[Job], tokenizer, request: SamplingRequest):
+        self.id, self.model, self.jobs, self.tokenizer, self.echo = response_id, model, jobs, tokenizer, request.echo
+        self.tokens_as_ids = bool(request.return_tokens_as_token_ids)  # a logprob's token is "token_id:N"
+        self.continuous_usage = request.continuous_usage  # vLLM's continuous_usage_stats: usage in every chunk
+        # choice -> its stream, when the answer is parsed for tool calls
+        self.tool_streams = defaultdict(ToolCallStream) if request.parses_tool_calls else None
         self.created = int(time.time())
         self.n = jobs[0].params.n
         self._sent: dict[int, tuple[int, int]] = {}  # choice -> (chars, tokens) already streamed

@@ -133,7 +133,8 @@ class AsyncLLM:
 
     def _wake(self, states: list[RequestState]) -> None:
         for state in states:
-            if (event := self._events.get(state.output.request_id)) is not None:
+            event = self._events.get(state.output.request_id)
+            if event is not None:
                 event.set()
 
     @property
@@ -150,7 +151,7 @@ class AsyncLLM:
         with tracer.span("frontend.tokenize"):
             params = params or SamplingParams()
             text, ids = self.client.prepare(prompt, params)
-        state, msgs = self.processor.add(request_id, text, ids, params)
+        state, msgs = self.processor.register(request_id, text, ids, params)
         event = self._events[request_id] = asyncio.Event()
         try:
             with tracer.span("frontend.send"):
@@ -161,18 +162,8 @@ class AsyncLLM:
                 event.clear()
                 if state.output.error is not None:
                     raise (EngineRequestError if self.dead_reason is None else EngineDeadError)(state.output.error)
-                with tracer.span("frontend.stream"):  # a copy the caller may keep while the live output grows
-                    out = dataclasses.replace(
-                        state.output,
-                        outputs=[
-                            dataclasses.replace(
-                                o,
-                                token_ids=list(o.token_ids),
-                                logprobs=None if o.logprobs is None else list(o.logprobs),
-                            )
-                            for o in state.output.outputs
-                        ],
-                    )
+                with tracer.span("frontend.stream"):
+                    out = dataclasses.replace(state.output, outputs=[o.snapshot() for o in state.output.outputs])
                 yield out
                 if out.finished:  # not state.finished: it may have finished while the caller held `out`
                     return
@@ -188,7 +179,8 @@ class AsyncLLM:
 
     async def abort(self, request_id: str) -> None:
         self._abort_now(request_id)
-        if (event := self._events.get(request_id)) is not None:
+        event = self._events.get(request_id)
+        if event is not None:
             event.set()
 
     def abort_all(self) -> None:

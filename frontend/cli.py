@@ -154,7 +154,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerOptio
 
 def _parse(argv: list[str] | None) -> tuple[EngineConfig, ServerOptions, argparse.Namespace, argparse.ArgumentParser]:
     parser = build_parser()
-    args = vars(ns := parser.parse_args(argv))
+    ns = parser.parse_args(argv)
+    args = vars(ns)
     try:
         config = EngineConfig(**{name: args[name] for name in _DEFAULTS if name in args})
         options = ServerOptions(**{name: args[name] for name in _SERVER_DEFAULTS})

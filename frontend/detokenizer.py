@@ -35,7 +35,6 @@ class IncrementalDetokenizer:
         }
         self._ids = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])  # the context, then every output token
         self._prefix_offset, self._read_offset = 0, len(self._ids)
-        self._pieces: list[str] = []
 
     def step(self, new_token_ids: list[int]) -> str:
         """Append tokens; return the text they complete ("" while a multi-byte character is still split)."""
@@ -46,10 +45,6 @@ class IncrementalDetokenizer:
         """At the end of a request: the text still held back (an incomplete character decodes as U+FFFD)."""
         return self._emit(hold_incomplete=False)
 
-    @property
-    def text(self) -> str:
-        return "".join(self._pieces)
-
     def _emit(self, hold_incomplete: bool) -> str:
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset :])
@@ -57,7 +52,6 @@ class IncrementalDetokenizer:
             return ""  # nothing new (a skipped special token), or the last character's bytes are not all here
         delta = new_text[len(prefix_text) :]
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        self._pieces.append(delta)
         return delta
 
     def _decode(self, ids: list[int]) -> str:
@@ -74,7 +68,6 @@ class StreamDetokenizer:
         for token in prompt_token_ids[-PROMPT_CONTEXT_TOKENS:]:  # the same left context, its text dropped
             self._stream.step(self._backend, token)
         self._held: list[int] = []  # ids of a character still split (the stream has not emitted them)
-        self._pieces: list[str] = []
 
     def step(self, new_token_ids: list[int]) -> str:
         delta = ""
@@ -84,17 +77,11 @@ class StreamDetokenizer:
             if piece is not None:
                 delta += piece
                 self._held.clear()
-        self._pieces.append(delta)
         return delta
 
     def flush(self) -> str:
         held, self._held = self._held, []
-        self._pieces.append(self._backend.decode(held, skip_special_tokens=self._skip) if held else "")
-        return self._pieces[-1]
-
-    @property
-    def text(self) -> str:
-        return "".join(self._pieces)
+        return self._backend.decode(held, skip_special_tokens=self._skip) if held else ""
 
 
 def make_detokenizer(

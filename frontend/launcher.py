@@ -17,6 +17,7 @@ from pathlib import Path
 import zmq
 
 from frontend.model_resolution import resolve_config
+from frontend.tokenizer import has_tokenizer_files, load_tokenizer, tokenizer_dir
 from protocol.addresses import Addresses, make_addresses, remove_ipc_dir
 from protocol.codec import encode
 from protocol.config import EngineConfig, cache_root, pack_child_args
@@ -61,6 +62,7 @@ class EngineProcesses:
     """The scheduler and one worker per rank: started together, watched, stopped together."""
 
     def __init__(self, config: EngineConfig, engine_address: str | None = None) -> None:
+        config.tokenizer_dir = tokenizer_dir(config.model, config.model_path)  # a path: the frontend loads it later
         self.config = config
         self.addresses: Addresses = make_addresses(config.tensor_parallel_size, engine_address)
         self.owner = os.urandom(16)  # the ZeroMQ identity of the one frontend whose Shutdown the engine takes
@@ -124,6 +126,8 @@ class EngineProcesses:
 def run_headless(config: EngineConfig, address: str) -> int:
     """Serve the engine at `address` without HTTP until SIGINT/SIGTERM (0) or a child's death (1)."""
     procs = EngineProcesses(resolve_config(config), address)
+    if config.tokenizer_dir is not None and not has_tokenizer_files(config.tokenizer_dir):
+        load_tokenizer(config.model, config.model_path)  # builds the offline files the grammars read, once a machine
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -106,7 +106,7 @@ class LLM:
             with self.client.tracer.span("frontend.send"):
                 while room():
                     text, ids, params = unsent.popleft()
-                    state, msgs = self.processor.add(f"llm-{next(self._ids)}", text, ids, params)
+                    state, msgs = self.processor.register(f"llm-{next(self._ids)}", text, ids, params)
                     for msg in msgs:
                         self.client.send(msg)
                     states.append(state)

@@ -16,74 +16,11 @@ from prometheus_client import (
     generate_latest,
 )
 
-TTFT_BUCKETS = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-    160.0,
-    640.0,
-    2560.0,
-)
-ITL_BUCKETS = (
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
-E2E_BUCKETS = (
-    0.3,
-    0.5,
-    0.8,
-    1.0,
-    1.5,
-    2.0,
-    2.5,
-    5.0,
-    10.0,
-    15.0,
-    20.0,
-    30.0,
-    40.0,
-    50.0,
-    60.0,
-    120.0,
-    240.0,
-    480.0,
-    960.0,
-    1920.0,
-    7680.0,
-)
+# vLLM's buckets, in seconds (prometheus_client keeps each as a float); TTFT and ITL share 0.5 s to 80 s.
+_HALF_SECOND_TO_80 = (0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, *_HALF_SECOND_TO_80, 160, 640, 2560)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, *_HALF_SECOND_TO_80)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1, 1.5, 2, 2.5, 5, 10, 15, 20, 30, 40, 50, 60, 120, 240, 480, 960, 1920, 7680)
 TOKEN_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))  # vLLM's 1-2-5 series
 FINISH_REASONS = ("stop", "length", "abort")
 _METRICS = {  # attribute: (type, vLLM's name, help, buckets)

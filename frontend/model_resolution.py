@@ -6,31 +6,45 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 from protocol.config import ARCHITECTURES, EngineConfig, InvalidParam, ModelConfig, check_tp_size
 
-# hidden, intermediate, layers, heads, kv heads, tied: the published Qwen2.5 and Qwen3 architectures (head_dim 128).
+
+class _Shape(NamedTuple):
+    """The ModelConfig fields in which the published sizes of a family differ."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    tie_word_embeddings: bool
+    head_dim: int = 128
+
+
 _QWEN25_SIZES = {
-    "0.5b": (896, 4864, 24, 14, 2, True),
-    "1.5b": (1536, 8960, 28, 12, 2, True),
-    "3b": (2048, 11008, 36, 16, 2, True),
-    "7b": (3584, 18944, 28, 28, 4, False),
+    "0.5b": _Shape(896, 4864, 24, 14, 2, True),
+    "1.5b": _Shape(1536, 8960, 28, 12, 2, True),
+    "3b": _Shape(2048, 11008, 36, 16, 2, True),
+    "7b": _Shape(3584, 18944, 28, 28, 4, False),
 }
 _QWEN3_SIZES = {
-    "0.6b": (1024, 3072, 28, 16, 8, True),
-    "1.7b": (2048, 6144, 28, 16, 8, True),
-    "4b": (2560, 9728, 36, 32, 8, True),
-    "8b": (4096, 12288, 36, 32, 8, False),
+    "0.6b": _Shape(1024, 3072, 28, 16, 8, True),
+    "1.7b": _Shape(2048, 6144, 28, 16, 8, True),
+    "4b": _Shape(2560, 9728, 36, 32, 8, True),
+    "8b": _Shape(4096, 12288, 36, 32, 8, False),
 }
-# hidden, intermediate, layers, heads, kv heads, head_dim, tied, RoPE scaling factor: Llama 3.x.
 _LLAMA_SIZES = {
-    "3.2-1b": (2048, 8192, 16, 32, 8, 64, True, 32.0),
-    "3.2-3b": (3072, 8192, 28, 24, 8, 128, True, 32.0),
-    "3.1-8b": (4096, 14336, 32, 32, 8, 128, False, 8.0),
+    "3.2-1b": _Shape(2048, 8192, 16, 32, 8, True, head_dim=64),
+    "3.2-3b": _Shape(3072, 8192, 28, 24, 8, True),
+    "3.1-8b": _Shape(4096, 14336, 32, 32, 8, False),
 }
-_QWEN_EOS = ([151643], [151645, 151643])  # (base, instruct): <|endoftext|>; <|im_end|>, <|endoftext|>
-_LLAMA_EOS = ([128001], [128001, 128008, 128009])  # (base, instruct): <|end_of_text|>; and <|eom_id|>, <|eot_id|>
-_FAMILIES = {"qwen2.5-": _QWEN25_SIZES, "qwen3-": _QWEN3_SIZES, "llama-": _LLAMA_SIZES}
+_FAMILIES = {
+    "qwen2.5-": _QWEN25_SIZES,
+    "qwen3-": _QWEN3_SIZES,
+    "llama-": _LLAMA_SIZES,
+}
 _NO_WEIGHTS = ["*.json", "*.txt", "*.jinja", "*.tiktoken", "*.model"]  # what dummy weights still need
 
 
@@ -91,62 +105,49 @@ def short_model(name: str) -> tuple[str, ModelConfig] | None:
     """The HF repo id and built-in config of a short name like 'qwen3-1.7b[-base]', else None."""
     key = name.lower()
     base, key = key.endswith("-base"), key.removesuffix("-base")
-    for prefix, sizes in _FAMILIES.items():
-        if key.startswith(prefix) and (size := key[len(prefix) :]) in sizes:
-            return (_llama if prefix == "llama-" else _qwen)(prefix, size, sizes[size], base)
+    for family, sizes in _FAMILIES.items():
+        size = key.removeprefix(family)
+        if key.startswith(family) and size in sizes:
+            return _short_config(family, size, sizes[size], base)
     return None
 
 
 def short_names() -> list[str]:
-    return [prefix + size for prefix, sizes in _FAMILIES.items() for size in sizes]
+    return [family + size for family, sizes in _FAMILIES.items() for size in sizes]
 
 
-def _qwen(prefix: str, size: str, shape: tuple, base: bool) -> tuple[str, ModelConfig]:
-    hidden, inter, layers, heads, kv_heads, tied = shape
-    qwen3 = prefix == "qwen3-"
-    config = ModelConfig(
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=128,
+def _short_config(family: str, size: str, shape: _Shape, base: bool) -> tuple[str, ModelConfig]:
+    if family == "llama-":
+        repo = f"meta-llama/Llama-{size.upper()}" + ("" if base else "-Instruct")
+        return repo, ModelConfig(
+            **shape._asdict(),
+            vocab_size=128256,
+            rope_theta=500000.0,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=131072,
+            # <|end_of_text|>; instruct models also end on <|eom_id|> and <|eot_id|>
+            eos_token_ids=[128001] if base else [128001, 128008, 128009],
+            architecture="LlamaForCausalLM",
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0 if size.startswith("3.1") else 32.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        )
+    qwen3 = family == "qwen3-"
+    if qwen3:
+        repo = f"Qwen/Qwen3-{size.upper()}" + ("-Base" if base else "")
+    else:
+        repo = f"Qwen/Qwen2.5-{size.upper()}" + ("" if base else "-Instruct")
+    return repo, ModelConfig(
+        **shape._asdict(),
         vocab_size=152064 if size == "7b" else 151936,
-        tie_word_embeddings=tied,
-        eos_token_ids=list(_QWEN_EOS[not base]),
+        eos_token_ids=[151643] if base else [151645, 151643],  # <|endoftext|>; instruct: <|im_end|> first
         max_position_embeddings=40960 if qwen3 and not base else 32768,
         architecture="Qwen3ForCausalLM" if qwen3 else "Qwen2ForCausalLM",
     )
-    if qwen3:
-        return f"Qwen/Qwen3-{size.upper()}" + ("-Base" if base else ""), config
-    return f"Qwen/Qwen2.5-{size.upper()}" + ("" if base else "-Instruct"), config
-
-
-def _llama(prefix: str, size: str, shape: tuple, base: bool) -> tuple[str, ModelConfig]:
-    hidden, inter, layers, heads, kv_heads, head_dim, tied, factor = shape
-    config = ModelConfig(
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-        vocab_size=128256,
-        rope_theta=500000.0,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=131072,
-        tie_word_embeddings=tied,
-        eos_token_ids=list(_LLAMA_EOS[not base]),
-        architecture="LlamaForCausalLM",
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": factor,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
-    )
-    return f"meta-llama/Llama-{size.upper()}" + ("" if base else "-Instruct"), config
 
 
 def resolve_model(name: str, load_format: str = "auto") -> tuple[ModelConfig, str | None]:

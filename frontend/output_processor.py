@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 
@@ -23,6 +24,11 @@ class CompletionOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def snapshot(self) -> CompletionOutput:
+        """A copy the caller may keep while the live output grows."""
+        logprobs = None if self.logprobs is None else list(self.logprobs)
+        return dataclasses.replace(self, token_ids=list(self.token_ids), logprobs=logprobs)
 
 
 @dataclass(slots=True)
@@ -62,9 +68,10 @@ class OutputProcessor:
         self._requests: dict[str, RequestState] = {}
         self._ids = itertools.count()
 
-    def add(
+    def register(
         self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams
     ) -> tuple[RequestState, list[AddRequest]]:
+        """Start tracking a request: its state, and one AddRequest per sample for the caller to send."""
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already running: use a unique id")
         outs = [
@@ -142,7 +149,8 @@ class OutputProcessor:
 
     def abort(self, request_id: str) -> list[str]:
         """Return its engine ids, for the caller to tell the engine."""
-        if (state := self._requests.get(request_id)) is None:
+        state = self._requests.get(request_id)
+        if state is None:
             return []
         self._end(state, "abort")
         return state.engine_ids

@@ -12,7 +12,8 @@ from typing import TypeVar
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from frontend.api_models import APIError, Job, bad_request
+from frontend.api_errors import APIError, bad_request
+from frontend.api_params import Job
 from frontend.api_render import Renderer
 from frontend.async_llm import AsyncLLM, EngineRequestError
 from frontend.engine_client import EngineDeadError

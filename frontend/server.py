@@ -18,24 +18,15 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from frontend.api_models import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    Job,
-    TokenizeRequest,
-    bad_request,
-    chat_prompt,
-    from_invalid_param,
-    generation_defaults,
-    parse_request,
-)
+from frontend.api_errors import APIError, bad_request, from_invalid_param, parse_request
+from frontend.api_params import Job, generation_defaults
 from frontend.api_render import ChatRenderer, CompletionRenderer
 from frontend.async_llm import AsyncLLM
+from frontend.chat_prompt import chat_prompt
 from frontend.engine_client import EngineClient
 from frontend.metrics import Metrics
 from frontend.model_resolution import resolve_config
+from frontend.openai_requests import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from frontend.responding import ClientGone, respond
 from protocol.config import EngineConfig, InvalidParam
 from protocol.grammar import build_grammar
@@ -245,16 +236,7 @@ def _routes(state: ServerState) -> APIRouter:
             ]
         except InvalidParam as exc:
             raise from_invalid_param(exc, kind.prompt_field, req.max_tokens_field) from None
-        renderer = render(
-            rid,
-            state.names[0],
-            jobs,
-            engine.tokenizer,
-            req.echo,
-            bool(req.return_tokens_as_token_ids),
-            req.continuous_usage,
-            req.parses_tool_calls,
-        )
+        renderer = render(rid, state.names[0], jobs, engine.tokenizer, req)
         return await respond(request, state.ready_engine(), state.metrics, renderer, req.stream, req.include_usage)
 
     return router

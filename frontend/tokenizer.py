@@ -119,10 +119,25 @@ def load_tokenizer(model: str, model_dir: str | None) -> PreTrainedTokenizerBase
     )
 
 
+def tokenizer_dir(model: str, model_dir: str | None) -> str | None:
+    """The directory load_tokenizer reads: the model's own, else a short name's offline cache (which load_tokenizer
+    builds there); None when there is neither."""
+    if model_dir is not None and has_tokenizer_files(model_dir):
+        return model_dir
+    if (short := short_model(model)) is None:
+        return None
+    if short[0].startswith("meta-llama/"):
+        return str(cache_root() / "llama3-tokenizer-v1")
+    if short[0].startswith("Qwen/Qwen3-"):
+        return str(cache_root() / "qwen3-tokenizer-v1")
+    return str(default_cache_dir())
+
+
 def _from_pretrained(path, **kwargs) -> PreTrainedTokenizerBase:
     """AutoTokenizer's pick, Qwen2's class imported directly: AutoTokenizer imports torch, which delays launches."""
     try:
-        declared = json.loads((Path(path) / "tokenizer_config.json").read_text()).get("tokenizer_class")
+        config = json.loads((Path(path) / "tokenizer_config.json").read_text())
+        declared = config.get("tokenizer_class")
     except (OSError, ValueError, AttributeError):  # no or odd config: AutoTokenizer decides, as it would anyway
         declared = None
     if declared in ("Qwen2Tokenizer", "Qwen2TokenizerFast"):
@@ -291,17 +306,8 @@ def build_llama3_tokenizer() -> Tokenizer:
 
 
 def _added_tokens_decoder(added: list[tuple[str, bool]], first_id: int) -> dict:
-    return {
-        str(first_id + i): {
-            "content": t,
-            "lstrip": False,
-            "normalized": False,
-            "rstrip": False,
-            "single_word": False,
-            "special": s,
-        }
-        for i, (t, s) in enumerate(added)
-    }
+    unset = dict.fromkeys(("lstrip", "normalized", "rstrip", "single_word"), False)
+    return {str(first_id + i): {"content": t, **unset, "special": s} for i, (t, s) in enumerate(added)}
 
 
 def _tokenizer_config(added: list[tuple[str, bool]] = QWEN25_ADDED_TOKENS, template: str | None = None) -> dict:

@@ -1,5 +1,7 @@
 """What the paged decode and prefill kernels share: a tile of K/V read through the block table, one online-softmax
-step over it, the loop of such steps over a range of the context, and their torch reference."""
+step over it, the loop of such steps over a range of the context, and their torch reference. A KV head's cache
+travels as one tuple, kv = (k_cache, v_cache, block_table_row, kv_head, stride_cb, stride_ch, stride_cs, block_size,
+offs_d, d_mask)."""
 
 from __future__ import annotations
 
@@ -37,21 +39,9 @@ def paged_attention_ref(
 
 
 @triton.jit
-def load_kv_tile(
-    k_cache,
-    v_cache,
-    block_table_row,
-    offs_n,
-    n_mask,
-    kv_head,
-    stride_cb,
-    stride_ch,
-    stride_cs,
-    block_size,
-    offs_d,
-    d_mask,
-):
+def load_kv_tile(kv, offs_n, n_mask):
     """K and V [BLOCK_N, D_PAD] of tokens offs_n of one KV head; masked-off tokens never read their table entry."""
+    k_cache, v_cache, block_table_row, kv_head, stride_cb, stride_ch, stride_cs, block_size, offs_d, d_mask = kv
     block_ids = tl.load(block_table_row + offs_n // block_size, mask=n_mask, other=0).to(tl.int64)
     rows = block_ids * stride_cb + (offs_n % block_size) * stride_cs + kv_head * stride_ch
     offsets = rows[:, None] + offs_d[None, :]
@@ -84,46 +74,13 @@ def attend_tile(q, k, v, mask, m_i, l_i, acc, qk_scale, APPLY_MASK: tl.constexpr
 
 
 @triton.jit
-def attend_range(
-    q,
-    q_pos,
-    m_i,
-    l_i,
-    acc,
-    k_cache,
-    v_cache,
-    block_table_row,
-    kv_head,
-    lo,
-    hi,
-    stride_cb,
-    stride_ch,
-    stride_cs,
-    block_size,
-    offs_d,
-    d_mask,
-    qk_scale,
-    BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr,
-):
-    """Rows of q (at positions q_pos) attend to tokens [lo, hi); CAUSAL masks keys past a row's position and hi."""
+def attend_range(q, q_pos, m_i, l_i, acc, kv, lo, hi, qk_scale, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """Rows of q (at positions q_pos) attend to tokens [lo, hi) of the cache `kv` (load_kv_tile's); CAUSAL masks
+    keys past a row's position and hi."""
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < hi
-        k, v = load_kv_tile(
-            k_cache,
-            v_cache,
-            block_table_row,
-            offs_n,
-            n_mask,
-            kv_head,
-            stride_cb,
-            stride_ch,
-            stride_cs,
-            block_size,
-            offs_d,
-            d_mask,
-        )
+        k, v = load_kv_tile(kv, offs_n, n_mask)
         mask = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
         m_i, l_i, acc = attend_tile(q, k, v, mask, m_i, l_i, acc, qk_scale, CAUSAL)
     return m_i, l_i, acc

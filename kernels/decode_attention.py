@@ -11,6 +11,7 @@ import triton.language as tl
 
 from kernels.arrivals import arrival_counters, last_to_arrive
 from kernels.attention_tile import attend_range, attend_tile, load_kv_tile, paged_attention_ref
+from kernels.decode_combine import combine_splits
 from kernels.kv_store import check_cache_layout, rope_factors, rope_store_kv_ref
 from kernels.norm import qk_rms_norm_ref
 from kernels.pdl import pdl_enabled, pdl_launch
@@ -95,6 +96,7 @@ def _decode_split_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_splits = tl.num_programs(2)
+    parts = (out_ptr, part_acc, part_max, part_sum, b, kv_head, group, num_q_heads, num_splits, stride_ob, stride_oh)
     ctx = tl.load(context_lens + b)
     table_row = tl.load(table_rows + b) if TABLE_ROWS else b
     split_len = tl.maximum(tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N), 1) * BLOCK_N  # the fewest whole tiles
@@ -107,25 +109,13 @@ def _decode_split_kernel(
         heads = kv_head * group + offs_g
         q_rows = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
         block_table_row = block_tables + table_row.to(tl.int64) * stride_bt
+        kv = (k_cache, v_cache, block_table_row, kv_head, stride_cb, stride_ch, stride_cs, block_size, offs_d, d_mask)
         end = tl.minimum(start + split_len, ctx)
         # No kernel before this one writes this layer's cache: only the step's own token can be stale in it.
         if EARLY:
             offs_n = start + tl.arange(0, BLOCK_N)
             n_mask = offs_n < end
-            k_first, v_first = load_kv_tile(
-                k_cache,
-                v_cache,
-                block_table_row,
-                offs_n,
-                n_mask,
-                kv_head,
-                stride_cb,
-                stride_ch,
-                stride_cs,
-                block_size,
-                offs_d,
-                d_mask,
-            )
+            k_first, v_first = load_kv_tile(kv, offs_n, n_mask)
         cos, sin, partner = rope_factors(cos_sin, tl.load(positions + b).to(tl.int64), offs_d, d_mask, HEAD_DIM)
         slot = tl.load(slot_mapping + b).to(tl.int64)
         if PDL:
@@ -162,52 +152,10 @@ def _decode_split_kernel(
         acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
         # The query is the row's last token (position ctx - 1): the mask only cuts the tile's tail past the split.
         if EARLY:
-            m_i, l_i, acc = _attend_ahead(
-                q,
-                k_first,
-                v_first,
-                n_mask,
-                m_i,
-                l_i,
-                acc,
-                k_cache,
-                v_cache,
-                block_table_row,
-                kv_head,
-                start,
-                end,
-                stride_cb,
-                stride_ch,
-                stride_cs,
-                block_size,
-                offs_d,
-                d_mask,
-                qk_scale,
-                BLOCK_N,
-            )
+            m_i, l_i, acc = _attend_ahead(q, k_first, v_first, n_mask, m_i, l_i, acc, kv, start, end, qk_scale, BLOCK_N)
         else:
-            m_i, l_i, acc = attend_range(
-                q,
-                tl.full([GROUP_PAD], ctx - 1, tl.int32),
-                m_i,
-                l_i,
-                acc,
-                k_cache,
-                v_cache,
-                block_table_row,
-                kv_head,
-                start,
-                end,
-                stride_cb,
-                stride_ch,
-                stride_cs,
-                block_size,
-                offs_d,
-                d_mask,
-                qk_scale,
-                BLOCK_N,
-                True,
-            )
+            q_pos = tl.full([GROUP_PAD], ctx - 1, tl.int32)
+            m_i, l_i, acc = attend_range(q, q_pos, m_i, l_i, acc, kv, start, end, qk_scale, BLOCK_N, True)
         if used <= 1:  # the whole row in this program: no partials, no arrival; context 0 gives 0 / 1
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             tl.store(
@@ -228,28 +176,7 @@ def _decode_split_kernel(
                 count = tl.minimum(used - first, SPLIT_GROUP)  # the last group may be short
                 on_top = last_to_arrive(counters + 1 + split // SPLIT_GROUP, count)
                 if on_top:
-                    combine_splits(
-                        out_ptr,
-                        part_acc,
-                        part_max,
-                        part_sum,
-                        b,
-                        kv_head,
-                        group,
-                        num_q_heads,
-                        first,
-                        1,
-                        count,
-                        num_splits,
-                        stride_ob,
-                        stride_oh,
-                        HEAD_DIM,
-                        D_PAD,
-                        GROUP_P2,
-                        LEAF_PAD,
-                        LEAF_CHUNK,
-                        True,
-                    )
+                    combine_splits(parts, first, 1, count, HEAD_DIM, D_PAD, GROUP_P2, LEAF_PAD, LEAF_CHUNK, True)
             if on_top:
                 if EARLY:
                     # A few rows fit the top combine's tile to what it takes (more call sites cost many rows registers).
@@ -257,100 +184,18 @@ def _decode_split_kernel(
                         top_count = tl.cdiv(used, SPLIT_GROUP)
                         if last_to_arrive(counters, top_count):
                             combine_splits(
-                                out_ptr,
-                                part_acc,
-                                part_max,
-                                part_sum,
-                                b,
-                                kv_head,
-                                group,
-                                num_q_heads,
-                                0,
-                                SPLIT_GROUP,
-                                top_count,
-                                num_splits,
-                                stride_ob,
-                                stride_oh,
-                                HEAD_DIM,
-                                D_PAD,
-                                GROUP_P2,
-                                TOP_PAD,
-                                TOP_CHUNK,
-                                False,
+                                parts, 0, SPLIT_GROUP, top_count, HEAD_DIM, D_PAD, GROUP_P2, TOP_PAD, TOP_CHUNK, False
                             )
                     elif last_to_arrive(counters, used):
                         if used <= SPLIT_GROUP:  # a few splits: the smaller tile loads and sums less
-                            combine_splits(
-                                out_ptr,
-                                part_acc,
-                                part_max,
-                                part_sum,
-                                b,
-                                kv_head,
-                                group,
-                                num_q_heads,
-                                0,
-                                1,
-                                used,
-                                num_splits,
-                                stride_ob,
-                                stride_oh,
-                                HEAD_DIM,
-                                D_PAD,
-                                GROUP_P2,
-                                LEAF_PAD,
-                                LEAF_CHUNK,
-                                False,
-                            )
+                            combine_splits(parts, 0, 1, used, HEAD_DIM, D_PAD, GROUP_P2, LEAF_PAD, LEAF_CHUNK, False)
                         else:
-                            combine_splits(
-                                out_ptr,
-                                part_acc,
-                                part_max,
-                                part_sum,
-                                b,
-                                kv_head,
-                                group,
-                                num_q_heads,
-                                0,
-                                1,
-                                used,
-                                num_splits,
-                                stride_ob,
-                                stride_oh,
-                                HEAD_DIM,
-                                D_PAD,
-                                GROUP_P2,
-                                ONE_LEVEL,
-                                ONE_CHUNK,
-                                False,
-                            )
+                            combine_splits(parts, 0, 1, used, HEAD_DIM, D_PAD, GROUP_P2, ONE_LEVEL, ONE_CHUNK, False)
                 else:
                     step = tl.where(two_levels, SPLIT_GROUP, 1)  # the group partials sit at slots 0, G, 2G, ...
                     top_count = tl.cdiv(used, step)
                     if last_to_arrive(counters, top_count):
-                        combine_splits(
-                            out_ptr,
-                            part_acc,
-                            part_max,
-                            part_sum,
-                            b,
-                            kv_head,
-                            group,
-                            num_q_heads,
-                            0,
-                            step,
-                            top_count,
-                            num_splits,
-                            stride_ob,
-                            stride_oh,
-                            HEAD_DIM,
-                            D_PAD,
-                            GROUP_P2,
-                            TOP_PAD,
-                            TOP_CHUNK,
-                            False,
-                        )
+                        combine_splits(parts, 0, step, top_count, HEAD_DIM, D_PAD, GROUP_P2, TOP_PAD, TOP_CHUNK, False)
 
 
 @triton.jit
@@ -368,120 +213,14 @@ def _norm_head(x, x_partner, w_ptr, offs_d, partner, d_mask, eps, HEAD_DIM: tl.c
 
 
 @triton.jit
-def combine_splits(
-    out_ptr,
-    part_acc,
-    part_max,
-    part_sum,
-    b,
-    kv_head,
-    group,
-    num_q_heads,
-    first,
-    step,
-    count,
-    num_splits,
-    stride_ob,
-    stride_oh,
-    HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
-    GROUP_P2: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
-    CHUNK: tl.constexpr,
-    TO_PARTIAL: tl.constexpr,
-):
-    # The count partials at slots first, first + step, ... of the KV head's query heads, by log-sum-exp in slot
-    # order (a result does not depend on which program came last); normalised into out_ptr, or (TO_PARTIAL) left as
-    # a partial in slot first. Loads are .cg: other SMs wrote the partials, and an L1 line here could be stale.
-    offs_g, offs_s, offs_d = tl.arange(0, GROUP_P2), tl.arange(0, SPLITS_PAD), tl.arange(0, D_PAD)
-    heads = kv_head * group + offs_g
-    g_mask, d_mask = offs_g < group, offs_d < HEAD_DIM
-    rows = (b * num_q_heads + heads).to(tl.int64) * num_splits + first  # [GROUP_P2]: a head's slot first
-    gs_mask = g_mask[:, None] & (offs_s < count)[None, :]
-    m = tl.load(
-        part_max + rows[:, None] + offs_s[None, :] * step, mask=gs_mask, other=float("-inf"), cache_modifier=".cg"
-    )
-    m_all = tl.max(m, axis=1)
-    m_all = tl.where(m_all == float("-inf"), 0.0, m_all)  # padded heads: avoid -inf - -inf
-    weight = tl.where(gs_mask, tl.exp2(m - m_all[:, None]), 0.0)
-    l = tl.load(part_sum + rows[:, None] + offs_s[None, :] * step, mask=gs_mask, other=0.0, cache_modifier=".cg")
-    total = tl.sum(l * weight, axis=1)
-    acc = tl.zeros([GROUP_P2, D_PAD], tl.float32)
-    for s0 in range(0, count, CHUNK):  # [heads, CHUNK, head_dim] of the accumulators a step
-        offs_c = s0 + tl.arange(0, CHUNK)
-        gc_mask = g_mask[:, None] & (offs_c < count)[None, :]
-        part = rows[:, None] + offs_c[None, :] * step
-        w = tl.where(
-            gc_mask,
-            tl.exp2(tl.load(part_max + part, mask=gc_mask, other=float("-inf"), cache_modifier=".cg") - m_all[:, None]),
-            0.0,
-        )
-        a = tl.load(
-            part_acc + part[:, :, None] * HEAD_DIM + offs_d[None, None, :],
-            mask=gc_mask[:, :, None] & d_mask[None, None, :],
-            other=0.0,
-            cache_modifier=".cg",
-        )
-        acc += tl.sum(a * w[:, :, None], axis=1)
-    if TO_PARTIAL:
-        # Slot first is read above and overwritten here: every thread finishes its loads first.
-        tl.debug_barrier()
-        tl.store(part_max + rows, m_all, mask=g_mask)
-        tl.store(part_sum + rows, total, mask=g_mask)
-        tl.store(part_acc + rows[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None] & d_mask[None, :])
-    else:
-        out = acc / tl.where(total > 0, total, 1.0)[:, None]
-        tl.store(
-            out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=g_mask[:, None] & d_mask[None, :],
-        )
-
-
-@triton.jit
-def _attend_ahead(
-    q,
-    k,
-    v,
-    n_mask,
-    m_i,
-    l_i,
-    acc,
-    k_cache,
-    v_cache,
-    block_table_row,
-    kv_head,
-    lo,
-    hi,
-    stride_cb,
-    stride_ch,
-    stride_cs,
-    block_size,
-    offs_d,
-    d_mask,
-    qk_scale,
-    BLOCK_N: tl.constexpr,
-):
+def _attend_ahead(q, k, v, n_mask, m_i, l_i, acc, kv, lo, hi, qk_scale, BLOCK_N: tl.constexpr):
     # Tokens [lo, hi), tile lo's K/V already loaded: each next tile's loads are issued before this tile's math. The
     # last tile skips the look-ahead, whose masked address math is not free (at batch 1 most splits are one tile).
     for n0 in range(lo, hi, BLOCK_N):
         offs_next = n0 + BLOCK_N + tl.arange(0, BLOCK_N)
         next_mask = offs_next < hi
         if n0 + BLOCK_N < hi:
-            k_next, v_next = load_kv_tile(
-                k_cache,
-                v_cache,
-                block_table_row,
-                offs_next,
-                next_mask,
-                kv_head,
-                stride_cb,
-                stride_ch,
-                stride_cs,
-                block_size,
-                offs_d,
-                d_mask,
-            )
+            k_next, v_next = load_kv_tile(kv, offs_next, next_mask)
         else:
             k_next, v_next = k, v
         m_i, l_i, acc = attend_tile(q, k, v, n_mask[None, :], m_i, l_i, acc, qk_scale, True)

@@ -10,10 +10,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 import triton
-import triton.language as tl
 
 from kernels.activation import silu_and_mul
-from kernels.fp8 import Fp8Weight, fp8_dot, fp8_row_sums, fp8_scale_args, fp8_scales, fp8_tiles, fp8_to_f32, shift_tiles
+from kernels.fp8 import Fp8Weight
+from kernels.gemv_row import gemv_row_kernel
+from kernels.gemv_split_k import gemv_kernel, split_k_reduce_kernel
 from kernels.norm import add_rms_norm, rms_norm
 from kernels.pdl import pdl_enabled, pdl_launch
 
@@ -29,7 +30,7 @@ class GemvConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
-    one_row: bool = False  # _gemv_row_kernel: x of exactly one row, split_k 1
+    one_row: bool = False  # gemv_row_kernel: x of exactly one row, split_k 1
     per_sm: int = 0  # one_row: programs per SM, each walking output blocks in turn; 0: a program a block
     max_regs: int = 0  # ptxas's register cap (maxnreg); 0: its own choice
     block_m: int = BLOCK_M  # the dot kernel's rows per program (more: a weight-only GEMM for many rows)
@@ -59,7 +60,7 @@ class NormedInput:
 Input = torch.Tensor | NormedInput
 Weight = torch.Tensor | Fp8Weight
 
-# Tiles timed per shape (linear_plan.py): dot (block_n, block_k, warps, per_sm: sets split-K); one-row + max_regs.
+# Tiles the linear plan times per shape: dot (block_n, block_k, warps, per_sm: sets split-K); one-row + max_regs.
 _DOT_TILES = ((64, 128, 4, 2), (32, 256, 4, 2), (128, 128, 8, 2))
 _ONE_ROW_TILES = (
     (8, 512, 4, 0, 0),
@@ -72,6 +73,31 @@ _ONE_ROW_TILES = (
     (4, 2048, 8, 8, 0),
     (4, 2048, 4, 6, 168),
     (4, 2048, 4, 12, 128),
+)
+
+
+# FP8 weights' tiles. An e4m3 tile is half a bf16 one's bytes, so the one-row tiles load 2-3
+# ahead (the 6th field) and some cap registers (the 5th) for more programs per SM: a latency-bound stream needs at
+# least as many weight bytes in flight per SM as bf16's best tiles keep.
+_FP8_DOT_TILES = ((64, 128, 4, 2), (32, 256, 4, 2), (128, 128, 8, 2), (64, 256, 4, 2))
+_FP8_ONE_ROW_TILES = (
+    (4, 2048, 4, 8, 0, 3),
+    (2, 2048, 4, 8, 88, 3),
+    (1, 2048, 4, 12, 56, 3),
+    (2, 2048, 4, 8, 72, 2),
+    (2, 2048, 4, 8, 80, 2),
+    (4, 2048, 4, 8, 0, 2),
+    (2, 2048, 4, 8, 0, 2),
+    (4, 2048, 8, 0, 0, 1),
+    (8, 2048, 8, 0, 0, 2),
+)
+_FP8_BLOCK_DOT_TILES = ((64, 128, 4, 2), (32, 128, 4, 2), (128, 128, 8, 2))
+_FP8_BLOCK_ONE_ROW_TILES = (
+    (16, 128, 4, 8, 0, 2),
+    (32, 128, 8, 0, 0, 2),
+    (32, 128, 8, 8, 0),
+    (64, 128, 8, 0, 0),
+    (32, 128, 4, 8, 0, 2),
 )
 
 
@@ -98,494 +124,34 @@ def norm_linear_ref(
     return linear(normed, w, bias)[: x.x.shape[0]]
 
 
-@triton.jit
-def _load_x(
-    x_ptr,
-    res_ptr,
-    norm_w_ptr,
-    new_res_ptr,
-    offs,
-    offs_k,
-    mask,
-    K,
-    store_sum,
-    NORM: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
-):
-    # A tile of the GEMV's input at x's offsets `offs`, and the squares of s = x + residual (used under NORM).
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    if HAS_RESIDUAL:  # s rounded to the dtype, as add_rms_norm does
-        x = x.to(tl.float32) + tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        x = x.to(x_ptr.dtype.element_ty)
-        tl.store(new_res_ptr + offs, x, mask=tl.where(store_sum, mask, False))  # (a & scalar: the interpreter fails)
-    xf = x.to(tl.float32)
-    if NORM:  # norm_w * s; rstd scales the sums once they hold all of K
-        x = xf * tl.load(norm_w_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-    return x, xf * xf
+def fp8_tiles(block: tuple[int, int]) -> tuple[list[tuple], list[tuple]]:
+    """(dot tiles, one-row tiles) of the GEMV worth timing for FP8 weights with scales of this block."""
+    if not block[1]:
+        return list(_FP8_DOT_TILES), list(_FP8_ONE_ROW_TILES)
+    clip = lambda tiles: [(n, min(k, block[1]), *rest) for n, k, *rest in tiles]  # noqa: E731
+    return clip(_FP8_BLOCK_DOT_TILES), clip(_FP8_BLOCK_ONE_ROW_TILES)
 
 
-@triton.jit
-def _finish(acc, sumsq, bias_ptr, offs_n, N, K, eps, NORM: tl.constexpr, HAS_BIAS: tl.constexpr):
-    if NORM:
-        acc = acc * (1.0 / tl.sqrt(sumsq / K + eps))[:, None]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-    return acc
-
-
-@triton.jit
-def _epilogue(
-    acc,
-    acc_up,
-    sumsq,
-    out_ptr,
-    bias_ptr,
-    sumsq_ptr,
-    offs_m,
-    offs_n,
-    pid_n,
-    pid_k,
-    M,
-    N,
-    K,
-    eps,
-    NORM: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    PARTIAL: tl.constexpr,
-    SWIGLU: tl.constexpr,
-):
-    # PARTIAL: float32 partials [split, M, N] (and the rows' sums of squares [split, M]) for the reduce; else the
-    # output, N columns wide (under SWIGLU the weight has 2N rows: acc_up holds the up rows').
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    if PARTIAL:
-        tl.store(out_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
-        if NORM:
-            tl.store(sumsq_ptr + pid_k * M + offs_m, sumsq, mask=tl.where(pid_n == 0, offs_m < M, False))
-    else:
-        dtype = out_ptr.dtype.element_ty
-        out = _finish(acc, sumsq, bias_ptr, offs_n, N, K, eps, NORM, HAS_BIAS).to(dtype)
-        if SWIGLU:  # gate and up rounded to the dtype, then silu, then the product: silu_and_mul's roundings
-            gate = out.to(tl.float32)
-            up = _finish(acc_up, sumsq, bias_ptr + N, offs_n, N, K, eps, NORM, HAS_BIAS).to(dtype).to(tl.float32)
-            out = ((gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up).to(dtype)
-        tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], out, mask=mask)
-
-
-@triton.jit(do_not_specialize=["M"])
-def _gemv_kernel(
-    x_ptr,
-    res_ptr,
-    norm_w_ptr,
-    new_res_ptr,
-    w_ptr,
-    bias_ptr,
-    out_ptr,
-    sumsq_ptr,
-    M,
-    N,
-    K,
-    k_per_split,
-    eps,
-    stride_xm,
-    stride_xk,
-    stride_wn,
-    stride_wk,
-    scale_ptr,
-    stride_sn,
-    stride_sk,
-    NORM: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    PARTIAL: tl.constexpr,
-    SWIGLU: tl.constexpr,
-    SCALE: tl.constexpr,
-    SCALE_BN: tl.constexpr,
-    SCALE_BK: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    # Program (n, s, m): a BLOCK_M x BLOCK_N tile of the output over split s of K.
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_start = pid_k * k_per_split
-    k_end = tl.minimum(K, k_start + k_per_split)
-    w_rows = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn  # the tile is loaded as w^T: [BLOCK_K, BLOCK_N]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
-    s, s_up = fp8_scales(scale_ptr, offs_n, k_start, N, stride_sn, stride_sk, SWIGLU, SCALE, SCALE_BN, SCALE_BK)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        offs_x = offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
-        x, sq = _load_x(
-            x_ptr,
-            res_ptr,
-            norm_w_ptr,
-            new_res_ptr,
-            offs_x,
-            offs_k[None, :],
-            (offs_m[:, None] < M) & (offs_k[None, :] < K),
-            K,
-            pid_n == 0,
-            NORM,
-            HAS_RESIDUAL,
+def fp8_scale_args(w: torch.Tensor | Fp8Weight, config: GemvConfig, swiglu: bool) -> tuple[tuple, dict]:
+    """((scales, their strides), the GEMV's SCALE (0 none, 1 a row, 2 a block), SCALE_BN, SCALE_BK) for w."""
+    if not isinstance(w, Fp8Weight):
+        return (w, 0, 0), {"SCALE": 0, "SCALE_BN": 1, "SCALE_BK": 1}
+    rows, cols = w.block
+    if cols and cols % config.block_k or swiglu and w.shape[0] // 2 % rows:
+        raise ValueError(
+            f"{config} does not fit FP8 scale blocks of {w.block}: a K tile must lie in one block "
+            "(block_k dividing it) and gate | up must split between row blocks; take a config of "
+            "candidate_configs(..., fp8_block) for these scales"
         )
-        if NORM:
-            sumsq += tl.sum(sq, axis=1)
-        if SCALE == 2:  # block scales: this K tile lies in one block
-            s, s_up = fp8_scales(scale_ptr, offs_n, k0, N, stride_sn, stride_sk, SWIGLU, SCALE, SCALE_BN, SCALE_BK)
-        w_mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
-        acc += fp8_dot(x, tl.load(w_rows + offs_k[:, None] * stride_wk, mask=w_mask, other=0.0), s, x_ptr, SCALE)
-        if SWIGLU:
-            w_up = tl.load(w_rows + N * stride_wn + offs_k[:, None] * stride_wk, mask=w_mask, other=0.0)
-            acc_up += fp8_dot(x, w_up, s_up, x_ptr, SCALE)
-    if SCALE == 1:
-        acc, acc_up = acc * s[None, :], acc_up * s_up[None, :]
-    _epilogue(
-        acc,
-        acc_up,
-        sumsq,
-        out_ptr,
-        bias_ptr,
-        sumsq_ptr,
-        offs_m,
-        offs_n,
-        pid_n,
-        pid_k,
-        M,
-        N,
-        K,
-        eps,
-        NORM,
-        HAS_BIAS,
-        PARTIAL,
-        SWIGLU,
-    )
-
-
-@triton.jit
-def _gemv_row_kernel(
-    x_ptr,
-    res_ptr,
-    norm_w_ptr,
-    new_res_ptr,
-    w_ptr,
-    bias_ptr,
-    out_ptr,
-    N,
-    K,
-    k_tiles,
-    eps,
-    stride_xk,
-    stride_wn,
-    stride_wk,
-    scale_ptr,
-    stride_sn,
-    stride_sk,
-    NORM: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    SWIGLU: tl.constexpr,
-    SCALE: tl.constexpr,
-    SCALE_BN: tl.constexpr,
-    SCALE_BK: tl.constexpr,
-    WHOLE_K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    AHEAD: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    # Program p takes output blocks p, p + G, ... and walks their K tiles as one loop, loading the tile AHEAD on
-    # while it multiplies this one; products are reduced once a block, so loads never wait on a reduction.
-    pid, num_programs = tl.program_id(0), tl.num_programs(0)
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    total = tl.cdiv(tl.cdiv(N, BLOCK_N) - pid, num_programs) * k_tiles
-    w, w_up, s, s_up = _load_w_tiles(
-        w_ptr,
-        pid,
-        0,
-        N,
-        K,
-        stride_wn,
-        stride_wk,
-        scale_ptr,
-        stride_sn,
-        stride_sk,
-        SCALE,
-        SCALE_BN,
-        SCALE_BK,
-        SWIGLU,
-        BLOCK_N,
-        BLOCK_K,
-    )
-    w2, w2_up, s2, s2_up = _load_w_tiles(
-        w_ptr,
-        pid + 1 // k_tiles * num_programs,
-        1 % k_tiles,
-        N,
-        K,
-        stride_wn,
-        stride_wk,
-        scale_ptr,
-        stride_sn,
-        stride_sk,
-        SCALE,
-        SCALE_BN,
-        SCALE_BK,
-        SWIGLU,
-        BLOCK_N,
-        BLOCK_K,
-    )  # the tiles after w: fewer AHEAD leave the last unread
-    w3, w3_up, s3, s3_up = _load_w_tiles(
-        w_ptr,
-        pid + 2 // k_tiles * num_programs,
-        2 % k_tiles,
-        N,
-        K,
-        stride_wn,
-        stride_wk,
-        scale_ptr,
-        stride_sn,
-        stride_sk,
-        SCALE,
-        SCALE_BN,
-        SCALE_BK,
-        SWIGLU,
-        BLOCK_N,
-        BLOCK_K,
-    )
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    if WHOLE_K:  # x's one tile serves every block
-        offs_k = tl.arange(0, BLOCK_K)
-        x, sq = _load_x(
-            x_ptr,
-            res_ptr,
-            norm_w_ptr,
-            new_res_ptr,
-            offs_k * stride_xk,
-            offs_k,
-            offs_k < K,
-            K,
-            pid == 0,
-            NORM,
-            HAS_RESIDUAL,
+    if config.one_row and (w.weight.stride(1) != 1 or (w.shape[1] | w.weight.stride(0) | w.weight.data_ptr()) % 4):
+        raise ValueError(
+            f"one-row GEMVs read e4m3 in int32 words: K {w.shape[1]} (stride {w.weight.stride()}) "
+            "and the address must be multiples of 4; pass a contiguous weight or one_row=False"
         )
-        x = x.to(tl.float32)[None, :]
-        sumsq = tl.zeros([1], dtype=tl.float32) + tl.sum(sq, axis=0)
-        for i in range(total):
-            w_next, w_up_next, s_next, s_up_next = _load_w_tiles(
-                w_ptr,
-                pid + (i + AHEAD) * num_programs,
-                0,
-                N,
-                K,
-                stride_wn,
-                stride_wk,
-                scale_ptr,
-                stride_sn,
-                stride_sk,
-                SCALE,
-                SCALE_BN,
-                SCALE_BK,
-                SWIGLU,
-                BLOCK_N,
-                BLOCK_K,
-            )
-            _store_block(
-                fp8_row_sums(fp8_to_f32(w, s, SCALE) * x, s, SCALE),
-                fp8_row_sums(fp8_to_f32(w_up, s_up, SCALE) * x, s_up, SCALE),
-                sumsq,
-                out_ptr,
-                bias_ptr,
-                pid + i * num_programs,
-                N,
-                K,
-                eps,
-                NORM,
-                HAS_BIAS,
-                SWIGLU,
-                BLOCK_N,
-            )
-            w, w_up, s, s_up, w2, w2_up, s2, s2_up, w3, w3_up, s3, s3_up = shift_tiles(
-                w2, w2_up, s2, s2_up, w3, w3_up, s3, s3_up, w_next, w_up_next, s_next, s_up_next, AHEAD
-            )
-    else:
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        sq_acc = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for i in range(total):
-            w_next, w_up_next, s_next, s_up_next = _load_w_tiles(
-                w_ptr,
-                pid + (i + AHEAD) // k_tiles * num_programs,
-                (i + AHEAD) % k_tiles,
-                N,
-                K,
-                stride_wn,
-                stride_wk,
-                scale_ptr,
-                stride_sn,
-                stride_sk,
-                SCALE,
-                SCALE_BN,
-                SCALE_BK,
-                SWIGLU,
-                BLOCK_N,
-                BLOCK_K,
-            )
-            k_tile = i % k_tiles
-            offs_k = k_tile * BLOCK_K + tl.arange(0, BLOCK_K)
-            x, sq = _load_x(
-                x_ptr,
-                res_ptr,
-                norm_w_ptr,
-                new_res_ptr,
-                offs_k * stride_xk,
-                offs_k,
-                offs_k < K,
-                K,
-                (pid == 0) & (i < k_tiles),
-                NORM,
-                HAS_RESIDUAL,
-            )
-            x = x.to(tl.float32)[None, :]
-            acc += fp8_to_f32(w, s, SCALE) * x
-            if SWIGLU:
-                acc_up += fp8_to_f32(w_up, s_up, SCALE) * x
-            if NORM:
-                sq_acc += sq
-            if k_tile == k_tiles - 1:  # the block's sums hold all of K
-                _store_block(
-                    fp8_row_sums(acc, s, SCALE),
-                    fp8_row_sums(acc_up, s_up, SCALE),
-                    tl.zeros([1], dtype=tl.float32) + tl.sum(sq_acc, axis=0),
-                    out_ptr,
-                    bias_ptr,
-                    pid + i // k_tiles * num_programs,
-                    N,
-                    K,
-                    eps,
-                    NORM,
-                    HAS_BIAS,
-                    SWIGLU,
-                    BLOCK_N,
-                )
-                acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-                acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-                sq_acc = tl.zeros([BLOCK_K], dtype=tl.float32)
-            w, w_up, s, s_up, w2, w2_up, s2, s2_up, w3, w3_up, s3, s3_up = shift_tiles(
-                w2, w2_up, s2, s2_up, w3, w3_up, s3, s3_up, w_next, w_up_next, s_next, s_up_next, AHEAD
-            )
-
-
-@triton.jit
-def _store_block(
-    sums,
-    sums_up,
-    sumsq,
-    out_ptr,
-    bias_ptr,
-    block,
-    N,
-    K,
-    eps,
-    NORM: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    SWIGLU: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
-    _epilogue(
-        sums[None, :],
-        sums_up[None, :],
-        sumsq,
-        out_ptr,
-        bias_ptr,
-        out_ptr,
-        tl.arange(0, 1),
-        offs_n,
-        0,
-        0,
-        1,
-        N,
-        K,
-        eps,
-        NORM,
-        HAS_BIAS,
-        False,
-        SWIGLU,
+    return (
+        (w.scale, w.scale.stride(0), w.scale.stride(1)),
+        {"SCALE": 2 if cols else 1, "SCALE_BN": rows, "SCALE_BK": cols or 1},
     )
-
-
-@triton.jit
-def _load_w_tiles(
-    w_ptr,
-    block,
-    k_tile,
-    N,
-    K,
-    stride_wn,
-    stride_wk,
-    scale_ptr,
-    stride_sn,
-    stride_sk,
-    SCALE: tl.constexpr,
-    SCALE_BN: tl.constexpr,
-    SCALE_BK: tl.constexpr,
-    SWIGLU: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    # W's tile of output block `block` (and the up rows'), with their scales; a block past the last loads nothing.
-    word: tl.constexpr = 4 if SCALE else 1  # e4m3 in int32 words of four: loaded bytes take a 16-bit register each
-    w_ptr = w_ptr.to(tl.pointer_type(tl.int32), bitcast=True) if SCALE else w_ptr
-    offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = k_tile * (BLOCK_K // word) + tl.arange(0, BLOCK_K // word)
-    ptrs = w_ptr + offs_n[:, None].to(tl.int64) * (stride_wn // word) + offs_k[None, :] * stride_wk
-    mask = (offs_n[:, None] < N) & (offs_k[None, :] < K // word)
-    w = tl.load(ptrs, mask=mask, other=0.0)
-    w_up = tl.load(ptrs + N * (stride_wn // word), mask=mask, other=0.0) if SWIGLU else w
-    s, s_up = fp8_scales(
-        scale_ptr, offs_n, k_tile * BLOCK_K, N, stride_sn, stride_sk, SWIGLU, SCALE, SCALE_BN, SCALE_BK
-    )
-    return w, w_up, s, s_up
-
-
-@triton.jit(do_not_specialize=["MN", "SPLIT_K"])
-def _split_k_reduce_kernel(
-    part_ptr,
-    sumsq_ptr,
-    bias_ptr,
-    out_ptr,
-    MN,
-    N,
-    K,
-    SPLIT_K,
-    eps,
-    NORM: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    # Sums the partials split 0, 1, ... in this order: the same bits every run, unlike atomic adds.
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < MN
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    sumsq = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in range(SPLIT_K):
-        acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0)
-        if NORM:
-            sumsq += tl.load(sumsq_ptr + s * (MN // N) + offs // N, mask=mask, other=0.0)
-    if NORM:
-        acc = acc * (1.0 / tl.sqrt(sumsq / K + eps))
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def gemv_triton(
@@ -639,7 +205,7 @@ def gemv_triton(
     if cfg.one_row:
         blocks, k_tiles = triton.cdiv(n_out, cfg.block_n), triton.cdiv(k, cfg.block_k)
         grid = min(blocks, cfg.per_sm * num_sms(x.device)) if cfg.per_sm else blocks
-        _gemv_row_kernel[(grid,)](
+        gemv_row_kernel[(grid,)](
             *pointers,
             n_out,
             k,
@@ -657,7 +223,7 @@ def gemv_triton(
     else:
         grid = (triton.cdiv(n_out, cfg.block_n), cfg.split_k, triton.cdiv(m, cfg.block_m))
         k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
-        _gemv_kernel[grid](
+        gemv_kernel[grid](
             *pointers,
             sumsq,
             m,
@@ -675,7 +241,7 @@ def gemv_triton(
             **meta,
         )
     if partial:
-        _split_k_reduce_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](
+        split_k_reduce_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](
             target,
             sumsq,
             _or_w(bias),

@@ -101,50 +101,9 @@ def _prefill_kernel(
     kv_end = tl.where(q_first < q_len, tl.minimum(ctx, ctx - q_len + q_first + queries_per_block), 0)
     full_end = tl.maximum(tl.minimum(((ctx - q_len + q_first + 1) // BLOCK_N) * BLOCK_N, kv_end), 0)
     block_table_row = block_tables + b.to(tl.int64) * stride_bt
-    m_i, l_i, acc = attend_range(
-        q,
-        q_pos,
-        m_i,
-        l_i,
-        acc,
-        k_cache,
-        v_cache,
-        block_table_row,
-        kv_head,
-        0,
-        full_end,
-        stride_cb,
-        stride_ch,
-        stride_cs,
-        block_size,
-        offs_d,
-        d_mask,
-        qk_scale,
-        BLOCK_N,
-        False,
-    )
-    m_i, l_i, acc = attend_range(
-        q,
-        q_pos,
-        m_i,
-        l_i,
-        acc,
-        k_cache,
-        v_cache,
-        block_table_row,
-        kv_head,
-        full_end,
-        kv_end,
-        stride_cb,
-        stride_ch,
-        stride_cs,
-        block_size,
-        offs_d,
-        d_mask,
-        qk_scale,
-        BLOCK_N,
-        True,
-    )
+    kv = (k_cache, v_cache, block_table_row, kv_head, stride_cb, stride_ch, stride_cs, block_size, offs_d, d_mask)
+    m_i, l_i, acc = attend_range(q, q_pos, m_i, l_i, acc, kv, 0, full_end, qk_scale, BLOCK_N, False)
+    m_i, l_i, acc = attend_range(q, q_pos, m_i, l_i, acc, kv, full_end, kv_end, qk_scale, BLOCK_N, True)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
         out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],

@@ -43,7 +43,8 @@ def decode(frame: bytes) -> object:
             raise ProtocolError(f"protocol version {obj.get('v')!r} is not supported: this engine speaks {VERSION}")
         return _from_wire(obj)
     except ProtocolError as e:  # the receiver can then answer the request itself
-        e.request_id = rid if isinstance(rid := obj.get("request_id"), str) else None
+        request_id = obj.get("request_id")
+        e.request_id = request_id if isinstance(request_id, str) else None
         raise
 
 

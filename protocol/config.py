@@ -68,9 +68,10 @@ class EngineConfig:
     step_timeout: float = 60.0
     allow_remote_shutdown: bool = False  # Shutdown from any frontend, not only the one that started the engine
     quantization: str | None = None  # "fp8": e4m3 linear weights (set by resolution for an FP8 checkpoint)
-    # Filled in by resolution at launch, so that child processes need not resolve again.
+    # Filled in at launch (by resolution, then the launcher), so that child processes need not resolve again.
     model_path: str | None = None
     model_config: ModelConfig | None = None
+    tokenizer_dir: str | None = None  # holds the tokenizer files that grammars compile against
 
     def __post_init__(self) -> None:
         for name, valid, fix in _ENGINE_RULES:
@@ -81,7 +82,8 @@ class EngineConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> EngineConfig:
-        return cls(**{**d, "model_config": ModelConfig.from_dict(mc) if (mc := d.get("model_config")) else None})
+        model_config = d.get("model_config")
+        return cls(**{**d, "model_config": ModelConfig.from_dict(model_config) if model_config else None})
 
 
 _ENGINE_RULES = (  # field, valid, fix

@@ -141,16 +141,18 @@ class WorkerError:
     reason: str
 
 
-_KINDS = {
+_KINDS = {  # annotation -> the codec's check
     "np.ndarray": I32,
     "int": int,
     "float": float,
     "str": str,
     "bool": bool,
     "dict": dict,
-    "list": list,  # annotation -> check
+    "list": list,
     "RowSampling": RowSampling,  # a nested message
-    **{f"{t.__name__} | None": (t, type(None)) for t in (dict, list, str)},
+    "dict | None": (dict, type(None)),
+    "list | None": (list, type(None)),
+    "str | None": (str, type(None)),
 }
 MESSAGE_TYPES: dict[str, type] = {
     cls.__name__: cls

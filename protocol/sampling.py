@@ -169,10 +169,9 @@ _RULES = (  # field, valid, fix: one InvalidParam naming the field each
         f"use at most {MAX_LOGIT_BIAS} entries of a token id >= 0 (an int, or its digits as a string) and a bias in "
         "[-100, 100]",
     ),
-    *(
-        (name, lambda v: isinstance(v, bool), "use true or false")
-        for name in ("skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output")
-    ),
+    ("skip_special_tokens", lambda v: isinstance(v, bool), "use true or false"),
+    ("spaces_between_special_tokens", lambda v: isinstance(v, bool), "use true or false"),
+    ("include_stop_str_in_output", lambda v: isinstance(v, bool), "use true or false"),
     ("logprobs", lambda v: v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS), f"use 0..{MAX_LOGPROBS} or None"),
 )
 

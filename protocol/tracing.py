@@ -15,7 +15,7 @@ DECODE_GPU_SPAN = "gpu.decode"
 
 
 class Tracer:
-    """Spans of one process. `with tracer.span("schedule", step):` or `tracer.add(...)` for known times."""
+    """Spans of one process. `with tracer.span("schedule", step):` or `tracer.record(...)` for known times."""
 
     def __init__(self, process: str, trace_dir: str | None) -> None:
         self.process, self.trace_dir = process, trace_dir
@@ -30,9 +30,9 @@ class Tracer:
         try:
             yield
         finally:
-            self.add(name, start, time.perf_counter_ns() - start, step)
+            self.record(name, start, time.perf_counter_ns() - start, step)
 
-    def add(self, name: str, start_ns: int, dur_ns: int, step: int = -1, track: int = 0) -> None:
+    def record(self, name: str, start_ns: int, dur_ns: int, step: int = -1, track: int = 0) -> None:
         self.events.append((name, start_ns, dur_ns, step, track))
 
     def flush(self) -> None:

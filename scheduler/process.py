@@ -219,7 +219,7 @@ class SchedulerServer:
             self._send(identity, Ready(role="engine", info=self.info))
         sched = self.scheduler
         if isinstance(msg, AddRequest):
-            replies = sched.add(msg, identity)
+            replies = sched.add_request(msg, identity)
         elif isinstance(msg, Abort):
             replies = sched.abort(msg.request_ids, identity)
         elif isinstance(msg, GetStats):
@@ -231,15 +231,10 @@ class SchedulerServer:
         elif isinstance(msg, ProtocolError):
             replies = sched.refuse(identity, msg.request_id, f"malformed frame: {msg}")
         else:
-            log.warning("dropped a %s from a frontend: not a frontend message", type(msg).__name__)
+            name = type(msg).__name__
+            log.warning("dropped a %s from a frontend: not a frontend message", name)
             replies = [
-                (
-                    identity,
-                    Error(
-                        f"a {type(msg).__name__} is not a frontend message: send AddRequest, Abort, "
-                        "GetStats or Shutdown"
-                    ),
-                )
+                (identity, Error(f"a {name} is not a frontend message: send AddRequest, Abort, GetStats or Shutdown"))
             ]
         for client, reply in replies:
             self._send(client, reply)

@@ -34,7 +34,7 @@ class Request:
     num_row_tokens: int = 0  # tokens the worker's mirror got in NewRow: prefill until computed reaches it
     num_preemptions: int = 0  # also an epoch: a result planned before a preemption is stale
     queued_at: float = 0.0  # time.monotonic() when it was added
-    matcher: object | None = None  # its xgrammar GrammarMatcher, fed every token it keeps
+    matcher: object | None = None  # its xgrammar GrammarMatcher: StructuredOutputs makes it and feeds it every token
     first_stats: dict | None = None  # TokenBatch.request_stats: set at its first admission, sent with its first token
 
     @property

@@ -10,7 +10,6 @@ import itertools
 import random
 import time
 from collections import deque
-from concurrent.futures import Future
 from operator import attrgetter
 
 import numpy as np
@@ -19,19 +18,17 @@ from protocol.config import EngineConfig, InvalidParam
 from protocol.messages import OVERLOADED, AddRequest, Error, GrammarMask, NewRow, StepPlan, StepResult, TokenBatch, i32
 from protocol.sampling import SamplingParams, check_length, check_prompt
 from scheduler.block_manager import BlockManager
-from scheduler.grammar import COMPILE_TIMEOUT_S, Grammars
 from scheduler.request import Request, Status
+from scheduler.structured_outputs import StructuredOutputs
 
 _NO_REQUEST_STATS: dict = {}  # the request_stats of every batch without a first token: encoded, never mutated
 
 
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, masks_path: str | None = None) -> None:
-        if (mc := config.model_config) is None or config.max_model_len is None:
-            raise ValueError(
-                "EngineConfig.model_config or max_model_len is None: resolve the config first "
-                "(frontend.model_resolution.resolve_config)"
-            )
+        mc = config.model_config
+        if mc is None or config.max_model_len is None:
+            raise ValueError("EngineConfig.model_config or max_model_len is None: resolve the config first")
         self.config = config
         self.vocab_size, self.max_model_len = mc.vocab_size, config.max_model_len
         self.eos_token_ids = frozenset(mc.eos_token_ids)
@@ -46,69 +43,49 @@ class Scheduler:
         self._arrivals = itertools.count()
         self._rng = random.Random(config.seed)
         self._first_stats: dict[bytes, dict] = {}  # client -> request id -> request_stats, for this result's batch
-        self.grammars = Grammars(
-            config.model, config.model_path, self.vocab_size, self.eos_token_ids, masks_path, config.max_num_seqs
-        )
-        self.compiling: dict[Request, Future] = {}  # -> its grammar's compile
-        self._masks: dict[int, list] = {}  # step -> its masked rows' (request, num_preemptions then)
+        self.structured = StructuredOutputs(config, masks_path)
 
-    def add(self, msg: AddRequest, client: bytes) -> list[tuple[bytes, TokenBatch | Error]]:
+    def add_request(self, msg: AddRequest, client: bytes) -> list[tuple[bytes, TokenBatch | Error]]:
         """Queue a request; a bad one is answered at once (see refuse)."""
         if (client, msg.request_id) in self.requests:
-            return self.refuse(
-                client,
-                msg.request_id,
-                f"request_id {msg.request_id!r} is already in use by a "
-                "live request of this connection, which goes on: use a unique id",
-            )
+            reason = f"request_id {msg.request_id!r} is already in use by a live request of this connection"
+            return self.refuse(client, msg.request_id, f"{reason}, which goes on: use a unique id")
         try:
             req = self._make_request(msg, client)
         except Exception as e:  # untrusted input, checked before any state changes: it fails alone
             return self.refuse(client, msg.request_id, str(e))
         self.requests[req.client, req.request_id] = req
-        if (spec := req.params.structured_outputs) is not None:
+        if req.params.structured_outputs is not None:
             req.status = Status.COMPILING
-            self.compiling[req] = self.grammars.compile(spec)
+            self.structured.start(req)
         else:
             self.waiting.append(req)
         return []
 
     def admit_compiled(self) -> list[tuple[bytes, TokenBatch]]:
         """Requests whose grammar compiled start waiting; one whose grammar failed or is late ends with an error."""
+        ready, failed = self.structured.take_compiled()
+        for req in ready:
+            req.status = Status.WAITING
+            self.waiting.append(req)
         replies = []
-        for req, future in list(self.compiling.items()):
-            if future.done() and future.exception() is None:
-                del self.compiling[req]
-                req.matcher, req.status = self.grammars.matcher(future.result()), Status.WAITING
-                self.waiting.append(req)
-            elif future.done() or self.grammars.late(future):
-                reason = (
-                    str(future.exception())
-                    if future.done()
-                    else f"structured_outputs took over "
-                    f"{COMPILE_TIMEOUT_S:.0f} s to compile: simplify the schema or grammar"
-                )
-                self._finish(req)
-                replies.append((req.client, self._batch([(req.request_id, -1, "error", reason, None)])))
+        for req, reason in failed:
+            self._finish(req)
+            replies += self.refuse(req.client, req.request_id, reason)
         return replies
+
+    @property
+    def compiling(self) -> bool:
+        return bool(self.structured.compiling)
 
     @property
     def mask_waits(self) -> bool:
         """A step in flight has masked rows: its mask is filled once the step before it returns."""
-        return bool(self._masks)
+        return self.structured.mask_waits
 
     def take_mask(self) -> GrammarMask | None:
-        """The mask of the oldest step in flight, if it has masked rows: every step before it has its result, so
-        each matcher has seen every token before this step's."""
-        step = next(iter(self._in_flight), None)
-        if (rows := self._masks.pop(step, None)) is None:
-            return None
-        live = [
-            req.matcher if req.status is Status.RUNNING and req.num_preemptions == epoch else None
-            for req, epoch in rows
-        ]
-        self.grammars.fill(step, live)
-        return GrammarMask(step, len(live))
+        """The mask of the oldest step in flight, if it has masked rows (StructuredOutputs.take_mask)."""
+        return self.structured.take_mask(next(iter(self._in_flight), None))
 
     def refuse(self, client: bytes, request_id: str | None, reason: str) -> list[tuple[bytes, TokenBatch | Error]]:
         """A request the engine will not run: it finishes with "error", unless no id or a live request's id names
@@ -149,7 +126,8 @@ class Scheduler:
 
     def _make_request(self, msg: AddRequest, client: bytes) -> Request:
         """The wire's one check of a request; its seed, stop ids and max_tokens are resolved here, for every row."""
-        if (waiting := len(self.waiting) + len(self.compiling)) >= self.config.max_waiting_requests:
+        waiting = len(self.waiting) + len(self.structured.compiling)
+        if waiting >= self.config.max_waiting_requests:
             raise InvalidParam(
                 "request_id",
                 f"{OVERLOADED}: {waiting} requests are waiting "
@@ -197,7 +175,7 @@ class Scheduler:
         elif req.status is Status.WAITING:
             self.waiting.remove(req)
         elif req.status is Status.COMPILING:
-            del self.compiling[req]
+            self.structured.cancel(req)
         req.status = Status.FINISHED
         del self.requests[req.client, req.request_id]
 
@@ -221,9 +199,7 @@ class Scheduler:
         self.step += 1
         scheduled = [(req, 1) for req in decodes] + chunks
         self._in_flight[self.step] = [(req, req.num_preemptions, not req.is_prefill) for req, _ in scheduled]
-        masked = [i for i, (req, _) in enumerate(scheduled) if req.matcher is not None and not req.is_prefill]
-        if masked:
-            self._masks[self.step] = [(scheduled[i][0], scheduled[i][0].num_preemptions) for i in masked]
+        masked = self.structured.plan_masks(self.step, scheduled)
         plan = StepPlan(
             self.step,
             i32([req.row for req, _ in scheduled]),
@@ -334,18 +310,17 @@ class Scheduler:
         for i, (req, epoch, samples) in enumerate(scheduled):
             if not samples or req.status is not Status.RUNNING or req.num_preemptions != epoch:
                 continue  # a chunk, or finished, aborted or preempted since this step was planned
-            req.token_ids.append(token := int(tokens[i]))
+            token = int(tokens[i])
+            req.token_ids.append(token)
             generated = req.num_tokens - req.num_prompt_tokens
-            reason = (
-                "stop"
-                if generated >= req.params.min_tokens and token in req.stop_ids
-                else "length"
-                if generated >= req.max_tokens or req.num_tokens >= self.max_model_len
-                else None
-            )
-            matcher = req.matcher
-            if reason is None and matcher is not None and (not matcher.accept_token(token) or matcher.is_terminated()):
-                reason = "stop"  # the grammar is complete (its stop token came despite ignore_eos) or broken
+            if generated >= req.params.min_tokens and token in req.stop_ids:
+                reason = "stop"
+            elif generated >= req.max_tokens or req.num_tokens >= self.max_model_len:
+                reason = "length"
+            elif req.matcher is not None and self.structured.advance(req, token):
+                reason = "stop"
+            else:
+                reason = None
             if reason is not None:
                 self._finish(req)
             lp = logprobs(i, req.params.logprobs) if logprobs and req.params.logprobs is not None else None
@@ -380,12 +355,9 @@ def _split_logprobs(lp: dict | None, n: int):
     k = lp.get("k")
     if not isinstance(k, int) or isinstance(k, bool) or k < 0:
         raise ValueError(f"StepResult.logprobs['k'] must be an int >= 0, got {k!r}")
-    sampled, top_ids, top_lps = (
-        np.frombuffer(v, dtype)
-        if isinstance(v := lp.get(name), bytes)  # ValueError
-        else np.asarray([] if v is None else v, dtype).reshape(-1)  # unless whole
-        for name, dtype in (("sampled", "<f4"), ("top_ids", "<i4"), ("top_logprobs", "<f4"))
-    )
+    sampled = _array(lp.get("sampled"), "<f4")
+    top_ids = _array(lp.get("top_ids"), "<i4")
+    top_lps = _array(lp.get("top_logprobs"), "<f4")
     if sampled.shape != (n,) or top_ids.shape != (n * k,) or top_lps.shape != (n * k,):
         raise ValueError(
             f"StepResult.logprobs does not fit {n} rows of k={k}: {sampled.shape}, {top_ids.shape}, {top_lps.shape}"
@@ -395,3 +367,10 @@ def _split_logprobs(lp: dict | None, n: int):
         top_ids[i * k : i * k + min(want, k)].tolist(),
         top_lps[i * k : i * k + min(want, k)].tolist(),
     ]
+
+
+def _array(value: object, dtype: str) -> np.ndarray:
+    """A StepResult array: raw bytes off the wire, or a runner's own array in process (None: empty)."""
+    if isinstance(value, bytes):
+        return np.frombuffer(value, dtype)  # ValueError unless whole
+    return np.asarray([] if value is None else value, dtype).reshape(-1)

@@ -66,7 +66,7 @@ def qwen_tokenizer(qwen_cache_root):
 @pytest.fixture
 def fresh_choices(monkeypatch, tmp_path):
     """No linear pick in memory, an empty disk cache under tmp_path, nothing read from it yet, no capture."""
-    from kernels import linear_plan as plan
+    from worker import linear_plan as plan
 
     monkeypatch.setattr(plan, "_CHOICES", {})
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from frontend.api_models import APIError, ChatCompletionRequest, CompletionRequest, parse_request
+from frontend.api_errors import APIError, parse_request
+from frontend.openai_requests import ChatCompletionRequest, CompletionRequest
 from frontend.output_processor import CompletionOutput, OutputProcessor
 from protocol.messages import TokenBatch, i32
 from protocol.sampling import SamplingParams
@@ -34,7 +35,7 @@ def generate(
     """Feed one sample's engine tokens (and finish reasons) through the OutputProcessor; its output. `texts`
     gets the text after each step (what a stream has sent by then)."""
     processor = OutputProcessor(ByteTokenizer())
-    state, (msg,) = processor.add("r", None, [0], params)
+    state, (msg,) = processor.register("r", None, [0], params)
     for token, reason in steps:
         processor.process(TokenBatch(0, [msg.request_id], i32([token]), {msg.request_id: reason} if reason else {}))
         if texts is not None:

@@ -133,7 +133,11 @@ def test_every_flag_sets_its_field():
 
 def test_every_engine_config_field_has_a_flag():
     dests = {a.dest for a in cli.build_parser()._actions}
-    settable = {f.name for f in fields(EngineConfig)} - {"model_path", "model_config"}  # filled at launch
+    settable = {f.name for f in fields(EngineConfig)} - {
+        "model_path",
+        "model_config",
+        "tokenizer_dir",
+    }  # filled at launch
     assert settable <= dests
 
 
@@ -187,7 +191,7 @@ def test_llm_keywords_are_engine_config_fields_with_their_defaults_and_types():
     params = dict(inspect.signature(LLM).parameters)
     assert params.pop("model").default is inspect.Parameter.empty
     # allow_remote_shutdown is a headless engine's: the engine LLM starts is private to it
-    unset = ("model", "model_path", "model_config", "allow_remote_shutdown")
+    unset = ("model", "model_path", "model_config", "tokenizer_dir", "allow_remote_shutdown")
     settable = [f for f in fields(EngineConfig) if f.name not in unset]
     assert [(p.name, p.default, p.annotation, p.kind) for p in params.values()] == [
         (f.name, f.default, f.type, inspect.Parameter.KEYWORD_ONLY) for f in settable

@@ -22,7 +22,6 @@ def stream(
     detok = cls(tokenizer, prompt_ids, **kw)
     deltas = [detok.step(ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
     deltas.append(detok.flush())
-    assert detok.text == "".join(deltas)
     return deltas
 
 
@@ -56,7 +55,6 @@ def test_incomplete_character_at_the_end_comes_out_on_flush(qwen_tokenizer, deto
     detok = detokenizer(qwen_tokenizer, [])
     assert "".join(detok.step([i]) for i in ids) == "ok"
     assert detok.flush() == qwen_tokenizer.decode(ids)[len("ok") :]
-    assert detok.text == qwen_tokenizer.decode(ids)
 
 
 def test_special_tokens_skipped_or_kept(qwen_tokenizer, detokenizer):

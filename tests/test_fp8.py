@@ -16,7 +16,7 @@ from frontend.model_resolution import resolve_model
 from kernels import gemv
 from kernels.fp8 import FP8, PER_CHANNEL, Fp8Weight, quantize, quantize_rows
 from kernels.gemv import GemvConfig, NormedInput
-from kernels.linear import run_path
+from worker.linear import run_path
 from worker.loader import init_dummy_weights, load_weights
 from worker.models import model_class
 
@@ -195,8 +195,8 @@ def test_dummy_fp8_weights_are_the_model_dtype_draw_quantized(tiny_ckpt):
 def test_fp8_linears_on_cuda_match_the_dequantized_weight_at_qwen_shapes(block, rows, monkeypatch):
     from test_gemv import QWEN_1_5B
 
-    from kernels import linear
     from kernels.gemv import candidate_configs, num_sms
+    from worker import linear
 
     for name, (n, k, has_bias) in QWEN_1_5B.items():
         if name == "lm_head":

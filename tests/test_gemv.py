@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from kernels import gemv
 from kernels.gemv import GemvConfig, NormedInput, candidate_configs, gemv_triton, norm_linear_ref, swiglu_linear_ref
-from kernels.linear import UNFUSED
+from worker.linear import UNFUSED
 
 TOL = dict(atol=1e-4, rtol=1e-4)
 SMALL_CONFIGS = [GemvConfig(16, 16, split_k=3), GemvConfig(32, 16)]  # split-K with a short last split; direct

@@ -100,7 +100,7 @@ def test_add_rms_norm_returns_normed_sum_and_new_residual():
 
 
 def test_norms_write_into_a_buffer_of_the_rows_asked_and_refuse_fewer_than_the_input():
-    # kernels/linear.py's padded_rows: a GEMM after the norm may run on more rows than the step has.
+    # worker/linear.py's padded_rows: a GEMM after the norm may run on more rows than the step has.
     x, res, w = torch.randn(5, 96), torch.randn(5, 96), torch.randn(96)
     out, new_res = rms_norm_triton(x, res, w, 1e-6, rows=13)
     assert out.shape == (13, 96) and new_res.shape == (5, 96)

@@ -1,4 +1,4 @@
-"""Which path a linear runs (kernels/linear.py, planned by kernels/linear_plan.py): the unfused references off the
+"""Which path a linear runs (worker/linear.py, planned by worker/linear_plan.py): the unfused references off the
 GPU, the capture rule, the unfused side timed with its folded ops' kernels, the winner run; on the GPU, the chosen
 path's speed."""
 
@@ -12,13 +12,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import linear as lin
-from kernels import linear_plan as plan
 from kernels.activation import silu_and_mul_ref
 from kernels.gemv import GemvConfig, NormedInput, candidate_configs, gemv_triton, swiglu_linear_ref
-from kernels.linear import linear
 from kernels.norm import rms_norm_ref
 from tests.test_gemv import norm_ref
+from worker import linear as lin
+from worker import linear_plan as plan
+from worker.linear import linear
 
 
 def norm_linear(x, residual, norm_w, eps, w, bias=None, swiglu=False):

@@ -11,9 +11,9 @@ import torch
 
 from frontend.model_resolution import resolve_model
 from kernels import gemv as gemv_module
-from kernels import linear as linear_module
 from kernels.gemv import GemvConfig
 from kernels.prefill_attention import prefill_work
+from worker import linear as linear_module
 from worker.attention import AttentionMetadata
 from worker.loader import init_dummy_weights, load_weights
 from worker.models import Qwen2ForCausalLM, model_class

@@ -147,7 +147,7 @@ class Harness:
     ) -> str:
         rid = request_id or f"req-{next(self._ids)}"
         self.outs.setdefault(rid, Out([]))
-        self.collect(self.sched.add(AddRequest(rid, i32(prompt), {**(params or {}), **kw}), client))
+        self.collect(self.sched.add_request(AddRequest(rid, i32(prompt), {**(params or {}), **kw}), client))
         return rid
 
     def collect(self, batches) -> None:
@@ -586,7 +586,7 @@ _param_names = st.sampled_from(
 )
 def test_any_add_request_is_admitted_or_answered_with_an_error(params, prompt):
     h = Harness(num_blocks=8, max_model_len=64)
-    replies = h.sched.add(AddRequest("r", i32(prompt), params), CLIENT)
+    replies = h.sched.add_request(AddRequest("r", i32(prompt), params), CLIENT)
     if replies:
         assert replies[0][1].finished == {"r": "error"}
     else:

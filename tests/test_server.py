@@ -19,7 +19,9 @@ import httpx
 import pytest
 
 from frontend import LLM, SamplingParams
-from frontend.api_models import APIError, ChatCompletionRequest, CompletionRequest, generation_defaults, parse_request
+from frontend.api_errors import APIError, parse_request
+from frontend.api_params import generation_defaults
+from frontend.openai_requests import ChatCompletionRequest, CompletionRequest
 from tests.server_fixture import REPO, assert_error, launch, poll_health, post
 
 openai = pytest.importorskip("openai", reason="the official client (the GPU image lacks it): pip install openai")

@@ -14,10 +14,10 @@ import torch
 from triton.runtime import jit
 
 from bench.linear_picks import merge
-from kernels import linear_picks, precompile
-from kernels import linear_plan as plan
 from kernels.gemv import GemvConfig
 from tests.test_linear import no_op
+from worker import linear_picks, precompile
+from worker import linear_plan as plan
 from worker.startup import startup_summary
 
 GPU = "NVIDIA Test GPU"

@@ -4,7 +4,9 @@ answer parses and validates; unconstrained rows of the same batches stay Hugging
 from __future__ import annotations
 
 import json
+import os
 import re
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -276,16 +278,16 @@ def test_a_grammar_past_the_time_limit_ends_its_request_alone_holding_nothing(mo
 
     from test_scheduler import make_config
 
-    import scheduler.grammar as grammar
+    import scheduler.structured_outputs as structured
     from protocol.messages import AddRequest, i32
     from scheduler.scheduler import Scheduler
 
-    monkeypatch.setattr(grammar, "COMPILE_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(structured, "COMPILE_TIMEOUT_S", 0.2)
     slow = SimpleNamespace(compile_grammar=lambda g: time.sleep(2))
-    monkeypatch.setattr(grammar.Grammars, "_get_compiler", lambda self: slow)
+    monkeypatch.setattr(structured.StructuredOutputs, "_get_compiler", lambda self: slow)
     sched = Scheduler(make_config(), num_blocks=16)
-    sched.add(AddRequest("slow", i32([1, 2, 3]), {"structured_outputs": {"regex": "a+"}}), b"c")
-    sched.add(AddRequest("free", i32([1, 2, 3]), {"max_tokens": 4}), b"c")
+    sched.add_request(AddRequest("slow", i32([1, 2, 3]), {"structured_outputs": {"regex": "a+"}}), b"c")
+    sched.add_request(AddRequest("free", i32([1, 2, 3]), {"max_tokens": 4}), b"c")
     plan = sched.schedule()
     assert [r.row for r in plan.new_rows] == plan.rows.tolist() and len(plan.rows) == 1 and not len(plan.masked)
     while not (replies := sched.admit_compiled()):
@@ -294,6 +296,36 @@ def test_a_grammar_past_the_time_limit_ends_its_request_alone_holding_nothing(mo
     assert client == b"c" and batch.finished == {"slow": "error"} and "took over" in batch.errors["slow"]
     assert not sched.compiling and [r.request_id for r in sched.running] == ["free"] and not sched.waiting
     assert sched.block_manager.num_free_blocks == 16 - len(sched.running[0].block_table)
+
+
+def test_the_scheduler_compiles_grammars_from_the_tokenizer_dir_without_importing_the_frontend(tiny_ckpt, tmp_path):
+    """The scheduler process's imports and its compile thread, alone in a fresh interpreter."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys, time
+import scheduler.process
+from protocol.config import EngineConfig, ModelConfig
+from protocol.messages import AddRequest, i32
+from scheduler.scheduler import Scheduler
+model = ModelConfig(8, 16, 1, 2, 1, 4, vocab_size=512, eos_token_ids=[1])
+config = EngineConfig("m", max_model_len=64, model_config=model, tokenizer_dir={str(tiny_ckpt)!r})
+sched = Scheduler(config, 16, {str(tmp_path / "masks")!r})
+sched.add_request(AddRequest("r", i32([1, 2]), {{"structured_outputs": {{"choice": ["yes", "no"]}}}}), b"c")
+deadline = time.monotonic() + 120
+while not sched.waiting and time.monotonic() < deadline:
+    assert sched.admit_compiled() == []
+    time.sleep(0.05)
+assert not sched.compiling and sched.waiting[0].matcher is not None
+plan = sched.schedule()
+assert list(plan.masked) == [0] and sched.take_mask().rows == 1  # the first step's mask, filled at once
+print(sorted(m for m in sys.modules if m.split(".")[0] == "frontend"))
+"""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "[]"
 
 
 @pytest.mark.gpu

@@ -13,7 +13,7 @@ import pytest
 from conftest import offline_cache_root, offline_tokenizer
 from transformers import AutoTokenizer
 
-from frontend.tokenizer import QWEN2_PATTERN, load_tokenizer, read_qwen_ranks
+from frontend.tokenizer import QWEN2_PATTERN, load_tokenizer, read_qwen_ranks, tokenizer_dir
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -205,6 +205,22 @@ def test_checkpoint_directory_tokenizer_is_loaded_from_its_files(tiny_ckpt):
     )
 
 
+def test_tokenizer_dir_names_the_files_load_tokenizer_read(
+    tiny_ckpt, qwen_tokenizer, qwen3_tokenizer, llama_tokenizer, qwen_cache_root, llama_cache_root, monkeypatch
+):
+    """What the scheduler's grammars load: the model's own files, else the short name's offline build."""
+    assert tokenizer_dir("qwen2.5-0.5b", str(tiny_ckpt)) == str(tiny_ckpt)
+    assert tokenizer_dir("my-model", None) is None
+    for short, tok, root in [
+        ("qwen2.5-1.5b", qwen_tokenizer, qwen_cache_root),
+        ("qwen3-1.7b", qwen3_tokenizer, qwen_cache_root),
+        ("llama-3.2-1b", llama_tokenizer, llama_cache_root),
+    ]:
+        monkeypatch.setenv("PICO_VLLM_CACHE", str(root))
+        assert tokenizer_dir(short, None) == str(tok.name_or_path)
+        assert AutoTokenizer.from_pretrained(tokenizer_dir(short, None)).encode("Hi there") == tok.encode("Hi there")
+
+
 @pytest.mark.parametrize("model_dir", [None, "empty"])
 def test_unknown_model_without_tokenizer_files_is_a_clear_error(tmp_path, model_dir):
     with pytest.raises(ValueError, match="no tokenizer for model 'my-model'.*qwen2.5-1.5b"):
@@ -384,7 +400,7 @@ def test_text_prompts_start_with_bos_where_the_tokenizer_has_one(llama_tokenizer
 
 
 def test_chat_template_kwargs_reach_the_template(qwen3_tokenizer):
-    from frontend.api_models import ChatMessage, chat_prompt
+    from frontend.chat_prompt import ChatMessage, chat_prompt
 
     messages = [ChatMessage(role="user", content="Hi!")]
     thinking = chat_prompt(messages, qwen3_tokenizer)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from frontend.api_models import ChatCompletionRequest
+from frontend.openai_requests import ChatCompletionRequest
 from frontend.output_constraints import response_format_spec
 from frontend.tokenizer import load_tokenizer
 from frontend.tool_calls import ToolCallStream, parse_tool_calls

@@ -43,7 +43,7 @@ def _serve(config: EngineConfig, prompts: list[list[int]], max_tokens: list[int]
             if arriving:
                 i, prompt = arriving.popleft()
                 params = SamplingParams(temperature=0.0, max_tokens=max_tokens[i], ignore_eos=True)
-                assert not sched.add(AddRequest(str(i), i32(prompt), params.to_dict()), b"c")
+                assert not sched.add_request(AddRequest(str(i), i32(prompt), params.to_dict()), b"c")
         if step == 6:
             sched.abort([str(ABORTED)], b"c")
         while len(in_flight) < 2 and sched.has_work() and (plan := sched.schedule()) is not None:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from kernels.linear_plan import load_choices, save_choice, source_hash
 from protocol.config import EngineConfig, ModelConfig
+from worker.linear_plan import load_choices, save_choice, source_hash
 
 ROOT = Path(__file__).resolve().parents[1]
 

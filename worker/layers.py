@@ -12,8 +12,9 @@ from torch import nn
 
 from kernels import add_rms_norm, embed_rows, make_cos_sin, rms_norm
 from kernels.fp8 import FP8, PER_CHANNEL, Fp8Weight, scale_shape
-from kernels.linear import Input, NormedInput, Weight, linear
+from kernels.gemv import Input, NormedInput, Weight
 from protocol.config import ModelConfig
+from worker.linear import linear
 from worker.parallel import all_gather_last_dim, all_reduce, local_kv_heads
 
 

@@ -159,10 +159,10 @@ def _map_masks(path: str, runner) -> SharedMasks:
 def _finish(runner, launched, results: zmq.Socket, rank: int, tracer: Tracer) -> None:
     result = runner.collect(launched)
     if t := result.timings:
-        tracer.add("worker.launch", t["start_ns"], t["end_ns"] - t["start_ns"], result.step)
+        tracer.record("worker.launch", t["start_ns"], t["end_ns"] - t["start_ns"], result.step)
         if "gpu_ns" in t:  # the GPU finished about when the host's wait for it returned
             name = DECODE_GPU_SPAN if t["decode"] else "gpu.step"
-            tracer.add(name, t["synced_ns"] - t["gpu_ns"], t["gpu_ns"], result.step, GPU_TRACK)
+            tracer.record(name, t["synced_ns"] - t["gpu_ns"], t["gpu_ns"], result.step, GPU_TRACK)
     if rank == 0:
         results.send(encode(result), copy=False)
 

@@ -10,7 +10,6 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from kernels.precompile import DryRun, compile_only
 from protocol.config import EngineConfig
 from worker.attention import AttentionMetadata, Views
 from worker.cuda_graphs import CudaGraphs, graph_batch_sizes, prefill_buckets
@@ -18,6 +17,7 @@ from worker.kv_cache import allocate_kv_cache, cpu_num_kv_blocks, kv_block_bytes
 from worker.loader import init_dummy_weights, load_weights
 from worker.model_runner import ModelRunner
 from worker.models import model_class
+from worker.precompile import DryRun, compile_only
 
 WARMUP_LAYERS = 2  # the first layer (no residual yet) and one like every later one: every kernel variant
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.linear import Input
+from kernels.gemv import Input
 from protocol.config import ModelConfig, check_tp_size
 from worker.attention import Attention, AttentionMetadata
 from worker.layers import (

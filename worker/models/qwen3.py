@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.linear import Input
+from kernels.gemv import Input
 from protocol.config import ModelConfig
 from worker.attention import AttentionMetadata
 from worker.layers import RMSNorm

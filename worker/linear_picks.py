@@ -1,5 +1,5 @@
 """The linear plan's picks shipped for known GPUs (linear_picks.json beside this file, written by `python -m
-bench.linear_picks` on each GPU): kernels/linear_plan.py looks a shape up here first and times it at start-up only
+bench.linear_picks` on each GPU): worker/linear_plan.py looks a shape up here first and times it at start-up only
 when this GPU or shape is missing. PICO_VLLM_SHIPPED_PICKS=0 ignores the file (every shape is timed here)."""
 
 from __future__ import annotations

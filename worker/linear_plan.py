@@ -1,5 +1,5 @@
 """The linear plan: for each linear shape of a few rows, the Triton GEMV config that runs it, or None for the
-unfused path; past GEMV_MAX_M rows, the row count to run cuBLAS on. Shipped for known GPUs (kernels/linear_picks.py),
+unfused path; past GEMV_MAX_M rows, the row count to run cuBLAS on. Shipped for known GPUs (worker/linear_picks.py),
 else timed at a shape's first eager call (a shape first met during capture, or untimed in a compile-only run, runs
 unfused until then), in a CUDA graph over weights not in L2, and kept on disk under the cache directory, keyed by
 the GPU, torch, Triton and the kernels' source."""
@@ -23,11 +23,11 @@ import torch.nn.functional as F
 import triton
 from triton.runtime.errors import OutOfResources
 
-from kernels import linear_picks
 from kernels.fp8 import Fp8Weight
 from kernels.gemv import GEMV_MAX_M, GemvConfig, Weight, candidate_configs, num_sms
-from kernels.precompile import compile_only, dry_run
 from protocol.config import cache_root
+from worker import linear_picks
+from worker.precompile import compile_only, dry_run
 
 GRAPH_CALLS = 32  # timed calls in one CUDA graph
 TIMING_REPLAYS = 5  # the median replay counts
@@ -36,7 +36,8 @@ MARGIN = 0.97  # a faster path must save 3%: timing noise must not flip a shape
 PAD_STEP = 8  # decode graphs hold multiples of 8 rows past 8 (worker/cuda_graphs.py)
 PAD_MAX_ROWS = 256  # max_num_seqs' default: the largest decode graph, hence the rows worth timing
 FILE_NAME = "kernel-choices-v1.json"
-_SOURCES = ("linear.py", "linear_plan.py", "gemv.py", "fp8.py")  # beside this file
+_ROOT = Path(__file__).resolve().parents[1]
+_SOURCES = ("worker/linear.py", "worker/linear_plan.py", "kernels/fp8.py", "kernels/gemv*.py")  # under _ROOT
 
 Op = Callable[[Weight, torch.Tensor | None, GemvConfig | None], object]  # (w, bias, config; None: unfused)
 Gemm = Callable[[torch.Tensor, Weight, torch.Tensor | None], torch.Tensor]
@@ -201,7 +202,8 @@ def _gpu(device: torch.device) -> str:
 
 
 def _stale_when(device: torch.device) -> str:
-    sources = "".join(source_hash(str(Path(__file__).with_name(name))) for name in _SOURCES)
+    paths = sorted(path for pattern in _SOURCES for path in _ROOT.glob(pattern))
+    sources = "".join(source_hash(str(path)) for path in paths)
     return f"{_gpu(device)} torch {torch.__version__} triton {triton.__version__} src {sources}"
 
 

@@ -1,5 +1,5 @@
 """Which path runs a linear: the Triton GEMV with the ops around it folded in ("" none, "norm" for a NormedInput,
-"swiglu", "norm+swiglu") where kernels/linear_plan.py timed it faster, else those ops' own kernels around the
+"swiglu", "norm+swiglu") where worker/linear_plan.py timed it faster, else those ops' own kernels around the
 plain linear's pick (cuBLAS, on padded rows where faster, or the GEMV). FP8 weights (an Fp8Weight) take the same
 paths, their unfused one being FP8_GEMM's."""
 
@@ -10,7 +10,6 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from kernels import linear_plan
 from kernels.fp8 import Fp8Weight, scaled_mm_linear, scaled_mm_supported
 from kernels.gemv import (
     GEMV_MAX_M,
@@ -22,6 +21,7 @@ from kernels.gemv import (
     norm_linear_ref,
     swiglu_linear_ref,
 )
+from worker import linear_plan
 
 # The dtypes each fold's Triton path takes. The norm's tensor-core tile holds norm_w * s, not the normed s:
 # float16's range cannot hold that where the residual stream is large, bfloat16's can.

@@ -29,7 +29,7 @@ CHILD_TIMEOUT_S = 120.0  # a forked compile stuck at a lock it inherited: the th
 @dataclass
 class DryRun:
     futures: list[Future] = field(default_factory=list)  # one per kernel
-    deferred: int = 0  # choices left to the real run: they need kernels that run (kernels/linear_plan.py)
+    deferred: int = 0  # choices left to the real run: they need kernels that run (worker/linear_plan.py)
 
 
 _active: DryRun | None = None
