@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field
 
 from frontend.api_errors import bad_request
 from frontend.api_params import LenientModel
-from frontend.openai_requests import ChatCompletionRequest
+from frontend.openai_requests import ChatCompletionRequest, Tool, ToolFunction
 
-# Chat's field -> the Messages API's, for the errors of the translated request
-FIELD_NAMES = {"stop": "stop_sequences"}
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}  # and {"type": "tool", "name": ...}
 
 
@@ -67,6 +65,12 @@ class AnthropicTool(LenientModel):
     description: str | None = None
     input_schema: dict
 
+    def chat_tool(self) -> Tool:
+        return Tool(
+            type="function",
+            function=ToolFunction(name=self.name, description=self.description, parameters=self.input_schema),
+        )
+
 
 class ToolChoice(LenientModel):
     type: Literal["auto", "any", "tool", "none"]
@@ -75,6 +79,8 @@ class ToolChoice(LenientModel):
 
 
 class MessagesRequest(LenientModel):
+    id_prefix: ClassVar[str] = "msg"
+    field_names: ClassVar[dict[str, str]] = {"stop": "stop_sequences"}  # chat's -> ours, for the errors of chat
     model: str
     max_tokens: int
     messages: list[Message]
@@ -85,18 +91,12 @@ class MessagesRequest(LenientModel):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
-    metadata: dict | None = None  # user_id: nothing to do with it
+    metadata: dict | None = None  # a user id for Anthropic's abuse checks: nothing for this server to do
     stream: bool | None = False
 
     def chat_request(self) -> ChatCompletionRequest:
         system = [{"role": "system", "content": _text(self.system)}] if self.system else []
-        tools = [
-            {
-                "type": "function",
-                "function": {"name": t.name, "description": t.description, "parameters": t.input_schema},
-            }
-            for t in self.tools or []
-        ]
+        tools = [t.chat_tool() for t in self.tools or []]
         return ChatCompletionRequest(
             model=self.model,
             messages=system + [m for message in self.messages for m in message.chat_messages()],

@@ -3,13 +3,13 @@ request. What needs stored state or built-in tools is refused, naming the field.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import Discriminator, Field, Tag, model_validator
 
 from frontend.api_errors import bad_request
 from frontend.api_params import LenientModel, refuse_unserved
-from frontend.openai_requests import ChatCompletionRequest
+from frontend.openai_requests import ChatCompletionRequest, Tool, ToolFunction
 
 _STATELESS = "responses are not stored: send the whole conversation in input"
 UNSERVED_FIELDS: dict[str, tuple[tuple, str]] = {
@@ -18,8 +18,6 @@ UNSERVED_FIELDS: dict[str, tuple[tuple, str]] = {
     "prompt": ((), "stored prompt templates are not served: send instructions and input"),
     "background": ((False,), "background responses are not served: wait for the response or stream it"),
 }
-# Chat's field -> the Responses API's, for the errors of the translated request
-FIELD_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
 ROLES = {"developer": "system"}  # the chat templates know system messages only
 
 
@@ -89,6 +87,13 @@ class TextOptions(LenientModel):
 
 
 class ResponsesRequest(LenientModel):
+    id_prefix: ClassVar[str] = "resp"
+    # chat's field -> ours, for the errors of the translated request
+    field_names: ClassVar[dict[str, str]] = {
+        "messages": "input",
+        "max_tokens": "max_output_tokens",
+        "response_format": "text.format",
+    }
     model: str | None = None
     input: str | list[Item]
     instructions: str | None = None
@@ -120,10 +125,7 @@ class ResponsesRequest(LenientModel):
     def chat_request(self) -> ChatCompletionRequest:
         if not self.input:
             raise bad_request("input is empty: send a string or at least one item", "input")
-        tools = [
-            {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}
-            for t in self.tools or []
-        ]
+        tools = [Tool(type="function", function=ToolFunction(**t.model_dump())) for t in self.tools or []]
         # A forced call has no text for text.format to shape: the tools' grammar constrains alone.
         return ChatCompletionRequest(
             model=self.model,

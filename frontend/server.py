@@ -19,7 +19,6 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from frontend import anthropic_requests, responses_requests
 from frontend.anthropic_render import MessagesRenderer, anthropic_error
 from frontend.anthropic_requests import MessagesRequest
 from frontend.api_errors import APIError, bad_request, from_invalid_param, parse_request, renamed
@@ -45,10 +44,10 @@ GENERATION_ROUTES = {
     "/v1/completions": (CompletionRequest, CompletionRenderer),
     "/v1/chat/completions": (ChatCompletionRequest, ChatRenderer),
 }
-# The APIs served by translating each request into a chat completion: (request, renderer, id prefix, field names)
+# The APIs served by translating each request into a chat completion
 TRANSLATED_ROUTES = {
-    "/v1/messages": (MessagesRequest, MessagesRenderer, "msg", anthropic_requests.FIELD_NAMES),
-    "/v1/responses": (ResponsesRequest, ResponsesRenderer, "resp", responses_requests.FIELD_NAMES),
+    "/v1/messages": (MessagesRequest, MessagesRenderer),
+    "/v1/responses": (ResponsesRequest, ResponsesRenderer),
 }
 try:
     VERSION = importlib.metadata.version("pico-vllm")
@@ -245,13 +244,13 @@ def _routes(state: ServerState) -> APIRouter:
     @router.post("/v1/responses")
     async def translated(request: Request) -> Response:
         """Anthropic's Messages and OpenAI's Responses: one chat completion, rendered in the API's own shape."""
-        kind, render, prefix, names = TRANSLATED_ROUTES[request.scope["route"].path]
+        kind, render = TRANSLATED_ROUTES[request.scope["route"].path]
         front, engine = await state.accept(request, kind)
         try:
-            rid = f"{prefix}_{uuid.uuid4().hex}"
+            rid = f"{kind.id_prefix}_{uuid.uuid4().hex}"
             return await run(request, engine, front.chat_request(), rid, partial(render, front=front))
         except APIError as exc:
-            raise renamed(exc, names) from None
+            raise renamed(exc, kind.field_names) from None
 
     @router.get("/v1/responses/{response_id}")
     @router.delete("/v1/responses/{response_id}")

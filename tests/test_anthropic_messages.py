@@ -11,7 +11,7 @@ import httpx
 import jsonschema
 import pytest
 
-from tests.server_fixture import post
+from tests.server_fixture import post, readme_snippet
 
 anthropic = pytest.importorskip("anthropic", reason="the official client: pip install anthropic")
 
@@ -210,3 +210,8 @@ def test_the_client_raises_bad_request_for_a_400(client):
         client.messages.create(model="tiny", max_tokens=0, messages=USER)
     with pytest.raises(anthropic.NotFoundError):
         client.messages.create(model="other", max_tokens=4, messages=USER)
+
+
+def test_the_readme_snippet_talks_to_the_server(tool_server, capsys):
+    exec(readme_snippet("anthropic.Anthropic", tool_server, "tiny", KEY), {})
+    assert capsys.readouterr().out.strip()

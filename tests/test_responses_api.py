@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 from pydantic import BaseModel
 
-from tests.server_fixture import assert_error, post
+from tests.server_fixture import assert_error, post, readme_snippet
 
 openai = pytest.importorskip("openai", reason="the official client: pip install openai")
 
@@ -214,3 +214,8 @@ def test_an_openai_agents_agent_runs_plain_and_with_a_forced_tool_whose_output_i
     assert [item["output"] for item in fed_back] == [f"sunny in {calls[0]}"]
     first, second = (response.usage.input_tokens for response in called.raw_responses)
     assert second > first  # the call and its output went back into the prompt
+
+
+def test_the_readme_snippet_talks_to_the_server(tool_server, capsys):
+    exec(readme_snippet("client.responses.create", tool_server, "tiny", KEY), {})
+    assert "ResponseUsage" in capsys.readouterr().out
