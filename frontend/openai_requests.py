@@ -69,13 +69,15 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict | None = None  # or {"type": "function", ...}
+    parallel_tool_calls: bool | None = None  # false: required makes exactly one call
 
     @property
     def parses_tool_calls(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
 
     def _tool_constraint(self) -> list[tuple[str, dict | None]]:
-        return [("tool_choice", tool_choice_spec([t.model_dump() for t in self.tools or []], self.tool_choice))]
+        tools = [t.model_dump() for t in self.tools or []]
+        return [("tool_choice", tool_choice_spec(tools, self.tool_choice, self.parallel_tool_calls is not False))]
 
     @property
     def max_tokens_field(self) -> str:
