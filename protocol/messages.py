@@ -3,7 +3,7 @@ from its annotations, names every field's type for the codec; arrays are numpy i
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, is_dataclass
 
 import numpy as np
 
@@ -154,24 +154,7 @@ _KINDS = {  # annotation -> the codec's check
     "list | None": (list, type(None)),
     "str | None": (str, type(None)),
 }
-MESSAGE_TYPES: dict[str, type] = {
-    cls.__name__: cls
-    for cls in (
-        AddRequest,
-        Abort,
-        Shutdown,
-        GetStats,
-        TokenBatch,
-        Ready,
-        EngineDead,
-        Error,
-        RowSampling,
-        NewRow,
-        StepPlan,
-        GrammarMask,
-        StepResult,
-        WorkerError,
-    )
-}
+# Every dataclass above is a message type, named on the wire by its class name.
+MESSAGE_TYPES: dict[str, type] = {name: cls for name, cls in dict(globals()).items() if is_dataclass(cls)}
 for _cls in MESSAGE_TYPES.values():
     _cls.WIRE = {f.name: _KINDS[f.type] for f in fields(_cls)}

@@ -74,15 +74,6 @@ class Scheduler:
             replies += self.refuse(req.client, req.request_id, reason)
         return replies
 
-    @property
-    def compiling(self) -> bool:
-        return bool(self.structured.compiling)
-
-    @property
-    def mask_waits(self) -> bool:
-        """A step in flight has masked rows: its mask is filled once the step before it returns."""
-        return self.structured.mask_waits
-
     def take_mask(self) -> GrammarMask | None:
         """The mask of the oldest step in flight, if it has masked rows (StructuredOutputs.take_mask)."""
         return self.structured.take_mask(next(iter(self._in_flight), None))
