@@ -66,7 +66,7 @@ def time_model(model: str, quantization: str) -> dict:
     """Builds the model's runner on the GPU: its compile-only dry run, warm-ups and captures time every linear."""
     import torch
 
-    from worker.model_runner import ModelRunner
+    from worker.startup import build_runner
 
     started = time.perf_counter()
     config = resolve_config(
@@ -78,7 +78,7 @@ def time_model(model: str, quantization: str) -> dict:
             quantization=None if quantization == "none" else quantization,
         )
     )
-    runner = ModelRunner(config)
+    runner = build_runner(config)
     row = {
         "model": model,
         "quantization": quantization,

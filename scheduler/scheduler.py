@@ -274,7 +274,7 @@ class Scheduler:
                     req.num_prompt_tokens,
                     req.num_computed_tokens,
                     i32(req.block_table),
-                    req.params.to_dict(),
+                    req.params.row_sampling(),
                 )
             )
             budget -= self._take_chunk(req, budget, chunks)

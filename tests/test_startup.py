@@ -18,7 +18,7 @@ from kernels.gemv import GemvConfig
 from tests.test_linear import no_op
 from worker import linear_picks, precompile
 from worker import linear_plan as plan
-from worker.process import startup_summary
+from worker.startup import startup_summary
 
 GPU = "NVIDIA Test GPU"
 PICKED = GemvConfig(64, 128, 2)
@@ -191,7 +191,7 @@ def test_a_restart_compiles_every_kernel_in_its_dry_run_and_captures_without_war
 
     from frontend.model_resolution import resolve_config
     from protocol.config import EngineConfig
-    from worker.model_runner import ModelRunner
+    from worker import startup
 
     monkeypatch.setenv("PICO_VLLM_CACHE", str(tmp_path))
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))  # empty: the first dry run forks its compiles
@@ -207,7 +207,7 @@ def test_a_restart_compiles_every_kernel_in_its_dry_run_and_captures_without_war
         max_num_seqs=24,
         max_num_batched_tokens=256,
     )  # decode sizes 1-24: GEMV picks and padded cuBLAS rows
-    first = ModelRunner(resolve_config(EngineConfig(**kw)))
+    first = startup.build_runner(resolve_config(EngineConfig(**kw)))
     assert first.graphs.warmup_s > 0  # its picks were timed at the warm-ups
     del first
     for module in [m for name, m in sys.modules.items() if name.startswith("kernels.")]:
@@ -218,20 +218,20 @@ def test_a_restart_compiles_every_kernel_in_its_dry_run_and_captures_without_war
         cache.clear()
     plan._kept_choices.cache_clear()
     compiled_later = []
-    init_kv_cache = ModelRunner._init_kv_cache
+    init_kv_cache = startup._init_kv_cache
 
-    def after_the_dry_run(self):
+    def after_the_dry_run(*args):
         monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", lambda **kw: compiled_later.append(kw["repr"]))
-        init_kv_cache(self)
+        init_kv_cache(*args)
 
-    monkeypatch.setattr(ModelRunner, "_init_kv_cache", after_the_dry_run)
+    monkeypatch.setattr(startup, "_init_kv_cache", after_the_dry_run)
     compiles, do_compile = [], jit.JITFunction._do_compile
     monkeypatch.setattr(
         jit.JITFunction,
         "_do_compile",
         lambda self, key, *args: compiles.append((self, key)) or do_compile(self, key, *args),
     )
-    runner = ModelRunner(resolve_config(EngineConfig(**kw)))
+    runner = startup.build_runner(resolve_config(EngineConfig(**kw)))
     assert runner.startup["kernels_compiled"] > 0 and runner.graphs.warmup_s == 0.0
     assert compiled_later == []
     assert len(compiles) == len(set(compiles))  # once per specialisation, not at every launch of the dry run

@@ -1,11 +1,6 @@
 """Tensor-parallel building blocks of a decoder: packed linears, vocab-parallel embedding and lm_head, RMSNorm, RoPE.
-
-Every parameter carries weight_loader(param, loaded, shard_id=None): it checks the full checkpoint tensor's shape
-and copies this rank's TP shard of it into place. Parameters take torch's default dtype and device (build the
-model under them). Linears run worker.linear: for a few rows on the GPU, a Triton GEMV where timed faster than
-cuBLAS, with the RMSNorm before it (FusedRMSNorm) and SwiGLU after gate_up (GateUpSwiGLU) folded in. With FP8 (a
-linear's fp8_block) its weight is e4m3 beside weight_scale, one float32 per block, loaded through the same
-weight_loader: a scale's shard is its weight's, in whole blocks."""
+Every parameter carries weight_loader(param, loaded, shard_id=None), which checks the full checkpoint tensor's shape
+and copies this rank's shard into place (an FP8 scale's shard is its weight's, in whole blocks)."""
 
 from __future__ import annotations
 

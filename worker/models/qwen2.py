@@ -1,6 +1,5 @@
 """Qwen2ForCausalLM over a paged KV cache: a flat batch of tokens from many sequences, TP-sharded. Parameter names are
-Hugging Face's, with q/k/v packed into qkv_proj and gate/up into gate_up_proj. Each norm of a layer is computed by the
-linear after it (FusedRMSNorm), which also writes the new residual."""
+Hugging Face's, with q/k/v packed into qkv_proj and gate/up into gate_up_proj."""
 
 from __future__ import annotations
 
@@ -116,8 +115,8 @@ class Qwen2Model(nn.Module):
 
 
 class Qwen2ForCausalLM(nn.Module):
-    """forward(input_ids[T], positions[T], meta, kv_caches) -> hidden[T, H]; compute_logits -> [N, V]. Families with
-    this decoder and another attention (worker/models/llama.py, qwen3.py) set attention_cls."""
+    """forward: Qwen2Model's (-> hidden[T, H]); compute_logits -> [N, V]. Families with this decoder and another
+    attention (worker/models/llama.py, qwen3.py) set attention_cls."""
 
     attention_cls: type[nn.Module] = Qwen2Attention
 
@@ -131,15 +130,8 @@ class Qwen2ForCausalLM(nn.Module):
             # One Parameter object: named_parameters() then lists only model.embed_tokens.weight.
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        kv_caches: list[KVCache],
-        input_rows: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, meta, kv_caches, input_rows)
+    def forward(self, *inputs: object) -> torch.Tensor:
+        return self.model(*inputs)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
