@@ -1,5 +1,6 @@
 """Tensor parallel over hosts on the CPU: "two nodes" as two `launch.py` runs on loopback, TP=2 (gloo), one rank
-each; node 0 serves, node 1 runs only its worker. Greedy tokens equal Hugging Face's."""
+each; node 0 serves, node 1 runs only its worker. Greedy tokens equal Hugging Face's; structured outputs, whose
+masks are a file on node 0, are refused."""
 
 from __future__ import annotations
 
@@ -45,6 +46,9 @@ def test_two_nodes_on_loopback_equal_hf_greedy(tiny_ckpt, tmp_path):
             assert resp.status_code == 200, resp.text
             got.append([int(t.removeprefix("token_id:")) for t in resp.json()["choices"][0]["logprobs"]["tokens"]])
         assert got == expected
+        body = {"model": "tiny", "prompt": "x", "max_tokens": 4, "response_format": {"type": "json_object"}}
+        resp = httpx.post(f"{node0.url}/v1/completions", json=body, timeout=60)
+        assert resp.status_code == 400 and "nnodes=1" in resp.text, resp.text  # the masks are a file on node 0
         listening = _listening_ports()
         assert {port + 1, port + 2, port + 3} <= set(listening)  # the scheduler's sockets, on master_addr only
         assert all(listening[p] == "127.0.0.1" for p in (port + 1, port + 2, port + 3)), listening
@@ -53,7 +57,9 @@ def test_two_nodes_on_loopback_equal_hf_greedy(tiny_ckpt, tmp_path):
         deadline = time.monotonic() + 30  # node 0's scheduler stops node 1's worker; node 1 then exits by itself
         while node1.proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert node1.stop() == 0, (tmp_path / "node1.log").read_text()[-3000:]
+        exited_by_itself = node1.proc.poll()
+        node1.stop()
+    assert exited_by_itself == 0, (tmp_path / "node1.log").read_text()[-3000:]
 
 
 def _listening_ports() -> dict[int, str]:
