@@ -98,8 +98,8 @@ class ModelRunner:
     @torch.inference_mode()
     def sample(self, launched: Launched, mask: np.ndarray | None = None) -> Launched:
         """Draw the step's tokens (mask: its masked rows' GrammarMask rows) and queue their copy to the host."""
-        if len(launched.masked) != (0 if mask is None else len(mask)):
-            rows = 0 if mask is None else len(mask)
+        rows = 0 if mask is None else len(mask)
+        if len(launched.masked) != rows:
             raise ValueError(f"step {launched.step} has {len(launched.masked)} masked rows and {rows} mask rows")
         out = launched.draw(None if mask is None else (launched.masked, mask))
         if launched.trace is not None:

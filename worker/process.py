@@ -109,21 +109,17 @@ def _serve(runner, plans: zmq.Socket, results: zmq.Socket, rank: int, tracer: Tr
     while True:
         if pending is not None and not plans.poll(0):
             if runner.is_done(pending):  # spin: a poll is a few microseconds, a step a millisecond
-                _finish(runner, pending, results, rank, tracer)
-                pending = None
+                pending = _finish(runner, pending, results, rank, tracer)
             continue
         msg = decode(plans.recv())
         if isinstance(msg, Shutdown):
-            if pending is not None:
-                _finish(runner, pending, results, rank, tracer)
+            _finish(runner, pending, results, rank, tracer)
             return
         if not isinstance(msg, StepPlan):
             raise ValueError(f"worker received a {type(msg).__name__}: only StepPlan and Shutdown are expected")
         launched, mask = runner.forward(msg), None
         if len(launched.masked):  # step N's result goes out first: step N + 1's masks need it
-            if pending is not None:
-                _finish(runner, pending, results, rank, tracer)
-                pending = None
+            pending = _finish(runner, pending, results, rank, tracer)
             rows = _receive_mask(plans, msg.step, tracer)
             if rows is None:
                 return
@@ -131,8 +127,7 @@ def _serve(runner, plans: zmq.Socket, results: zmq.Socket, rank: int, tracer: Tr
                 masks = _map_masks(mask_file, runner)
             mask = masks.slot(msg.step, rows)
         runner.sample(launched, mask)
-        if pending is not None:
-            _finish(runner, pending, results, rank, tracer)
+        _finish(runner, pending, results, rank, tracer)
         pending = launched
 
 
@@ -160,6 +155,8 @@ def _map_masks(path: str, runner) -> SharedMasks:
 
 
 def _finish(runner, launched, results: zmq.Socket, rank: int, tracer: Tracer) -> None:
+    if launched is None:  # no step pending
+        return
     result = runner.collect(launched)
     if t := result.timings:
         tracer.record("worker.launch", t["start_ns"], t["end_ns"] - t["start_ns"], result.step)
