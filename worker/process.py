@@ -67,8 +67,9 @@ def run_worker(config_dict: dict, addresses_dict: dict, rank: int, parent_pid: i
 def _build_runner(config: EngineConfig, addresses: Addresses, rank: int, clock: dict[str, float]):
     # While torch imports (1.5-2 s): the driver makes the CUDA context, and Triton hashes its own files (~0.5 s),
     # which every Triton cache key starts with. Both threads mostly run without the GIL.
+    local_rank = rank - config.local_ranks.start  # this node's GPU index
     if config.device != "cpu":
-        threading.Thread(target=_make_cuda_context, args=(rank,), name="cuda-context", daemon=True).start()
+        threading.Thread(target=_make_cuda_context, args=(local_rank,), name="cuda-context", daemon=True).start()
     with contextlib.suppress(ImportError):  # private: without it, Triton hashes its files at the first compile
         from triton.runtime.cache import triton_key
 
@@ -81,13 +82,15 @@ def _build_runner(config: EngineConfig, addresses: Addresses, rank: int, clock: 
 
     clock["torch_imported"] = time.time()
     tp_size = config.tensor_parallel_size
-    device = select_device(config.device, rank)
+    device = select_device(config.device, local_rank)
     clock["device_selected"] = time.time()
     if device.type == "cuda":  # the host's torch ops are small copies: idle OpenMP threads would spin on every core
         torch.set_num_threads(1)
     if tp_size > 1:
-        # A file in the engine's private ipc directory: no TCP port to collide with another engine's.
-        init_method = f"file://{addresses.ipc_dir}/tp-rendezvous" if addresses.ipc_dir else "tcp://127.0.0.1:29500"
+        # One host: a file in the engine's private ipc directory, no TCP port to collide with another engine's.
+        init_method = f"file://{addresses.ipc_dir}/tp-rendezvous"
+        if config.nnodes > 1 or not addresses.ipc_dir:
+            init_method = f"tcp://{config.master_addr}:{config.master_port}"
         init_tp_group(rank, tp_size, device.type, init_method)
     return build_runner(config, rank, tp_size, clock)
 

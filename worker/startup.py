@@ -24,7 +24,7 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 
 def select_device(device: str, rank: int) -> torch.device:
-    """'auto' is CUDA when there is a GPU; rank r of a CUDA engine uses GPU r."""
+    """'auto' is CUDA when there is a GPU; the node's rank r (its global rank less the node's first) uses GPU r."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
@@ -44,7 +44,7 @@ def build_runner(config: EngineConfig, rank: int = 0, tp_size: int = 1, clock: d
         )
     clock = {} if clock is None else clock
     clock["runner_started"] = time.time()
-    device = select_device(config.device, rank)
+    device = select_device(config.device, rank - config.local_ranks.start)  # GPU r of this node
     dtype = _DTYPES.get(config.dtype)  # 'auto': the checkpoint's on CUDA, float32 on the CPU
     if dtype is None:
         dtype = _DTYPES.get(config.model_config.torch_dtype, torch.bfloat16) if device.type == "cuda" else torch.float32
