@@ -23,7 +23,7 @@ from pathlib import Path
 from bench.common import git_commit, print_table, versions
 from frontend.model_resolution import resolve_config, short_names
 from protocol.config import EngineConfig
-from worker import linear_picks
+from worker import linear_plan as plan
 
 KV_BLOCKS = 1024  # a fixed small cache: no memory profile, and room beside it for the timing's weight copies
 
@@ -40,21 +40,19 @@ def main(argv: list[str] | None = None) -> int:
         choices=["none", "fp8"],
         help="weights to time the picks of: the model's dtype ('none') and FP8",
     )
-    p.add_argument("--file", default=str(linear_picks.PATH), help="the picks file to merge into")
+    p.add_argument("--file", default=str(plan.PICKS_PATH), help="the picks file to merge into")
     args = p.parse_args(argv)
     # Time every shape: neither the shipped file nor this machine's cache may answer for it.
-    os.environ[linear_picks.ENV] = "0"
+    os.environ[plan.PICKS_ENV] = "0"
     with tempfile.TemporaryDirectory(prefix="pico-vllm-picks-") as cache:
         os.environ["PICO_VLLM_CACHE"] = cache
         import torch
 
-        from worker import linear_plan
-
         if not torch.cuda.is_available():
             raise SystemExit("bench.linear_picks times kernels on a GPU: run it on the GPU to ship picks for")
         rows = [time_model(model, q) for model in args.models for q in args.quantization]
-        stale = linear_plan._stale_when(torch.device("cuda"))  # a timed pick's disk key is "<kind> <stale> <shape>"
-        picks = {key.replace(f" {stale}", "", 1): pick for key, pick in linear_plan.load_choices().items()}
+        stale = plan._stale_when(torch.device("cuda"))  # a timed pick's disk key is "<kind> <stale> <shape>"
+        picks = {key.replace(f" {stale}", "", 1): pick for key, pick in plan.load_choices().items()}
     gpu = torch.cuda.get_device_name()
     merge(Path(args.file), gpu, picks, stale)
     print_table(f"linear picks timed on {gpu}", rows)
@@ -66,7 +64,7 @@ def time_model(model: str, quantization: str) -> dict:
     """Builds the model's runner on the GPU: its compile-only dry run, warm-ups and captures time every linear."""
     import torch
 
-    from worker.model_runner import ModelRunner
+    from worker.startup import build_runner
 
     started = time.perf_counter()
     config = resolve_config(
@@ -78,7 +76,7 @@ def time_model(model: str, quantization: str) -> dict:
             quantization=None if quantization == "none" else quantization,
         )
     )
-    runner = ModelRunner(config)
+    runner = build_runner(config)
     row = {
         "model": model,
         "quantization": quantization,
@@ -94,7 +92,7 @@ def time_model(model: str, quantization: str) -> dict:
 def merge(path: Path, gpu: str, picks: dict[str, object], timed_when: str = "") -> None:
     """This GPU's picks into the file (other GPUs' stay), with what timed them (timed_when: the disk cache's
     staleness key, which names the kernels' source hashes)."""
-    data = linear_picks.read(path)
+    data = plan.read_picks(path)
     data["gpus"][gpu] = {**data["gpus"].get(gpu, {}), **picks}
     data.setdefault("timed_with", {})[gpu] = {
         "commit": git_commit(),

@@ -64,7 +64,7 @@ class Driver:
             n = -(-(len(prompt) + decode_steps + 1) // self.block_size)
             blocks = list(range(next_block, next_block + n))
             next_block += n
-            new.append(NewRow(row, i32(prompt), len(prompt), 0, i32(blocks), params.to_dict()))
+            new.append(NewRow(row, i32(prompt), len(prompt), 0, i32(blocks), params.row_sampling()))
         pending = [[row, len(p)] for row, p in enumerate(prompts)]
         while pending:
             rows, counts, budget = [], [], chunk
@@ -221,14 +221,14 @@ def recapture_seconds(runner) -> float | None:
 
     start = time.perf_counter()
     with torch.inference_mode():  # the runner's buffers are inference tensors, as at start-up
-        runner.graphs.capture("decode", runner.graphs.views["decode"], runner._decode_forward, runner._decode_forward)
+        runner.graphs.capture("decode", runner.graphs.views["decode"], runner.decode_forward, runner.decode_forward)
     return time.perf_counter() - start
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from frontend.model_resolution import resolve_config
-    from worker.model_runner import ModelRunner
+    from worker.startup import build_runner
 
     max_len, rows = args.context + args.warmup + args.steps + 1, max(args.batches)
     blocks = args.num_kv_blocks or rows * -(-max_len // 16)  # every row at full length: all the driver needs
@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         block_size=16,
         num_kv_blocks=blocks,
     )
-    runner = ModelRunner(resolve_config(config))
+    runner = build_runner(resolve_config(config))
     cuda, vocab = runner.device.type == "cuda", runner.model_config.vocab_size
     driver, rng = Driver(runner, config.block_size), random.Random(args.seed)
     numbers = {"startup": {**runner.startup, "recapture_s": recapture_seconds(runner)}, "decode": []}

@@ -66,3 +66,11 @@ def parse_request(model: type[BaseModel], body: bytes) -> BaseModel:
     more = f" (and {len(errors) - 3} more errors)" if len(errors) > 3 else ""
     param = str(errors[0]["loc"][0]) if errors and errors[0]["loc"] else None  # the top-level field
     raise bad_request("; ".join(parts) + more, param=param, code="invalid_type")
+
+
+def renamed(exc: APIError, names: dict[str, str]) -> APIError:
+    """The error as an API that translates to chat names its fields (Responses' max_output_tokens is max_tokens)."""
+    name = names.get(exc.param)
+    if name is None:
+        return exc
+    return APIError(exc.status, exc.message.replace(exc.param, name), param=name, code=exc.code)

@@ -48,6 +48,16 @@ class LenientModel(BaseModel):
     model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use
 
 
+def refuse_unserved(data: object, unserved: dict[str, tuple[tuple, str]]) -> object:
+    """A before-validator's check of the raw body, as extra="ignore" drops these unseen; an APIError passes
+    pydantic to the client."""
+    for name, (served, why) in unserved.items():
+        value = data.get(name) if isinstance(data, dict) else None
+        if value is not None and value not in served:
+            raise bad_request(f"{name} is not supported: {why}", name, code="unsupported_parameter")
+    return data
+
+
 # OpenAI's spec makes its optional flags nullable: each flag typed `bool | None` takes null as false.
 class StreamOptions(LenientModel):
     include_usage: bool | None = False
@@ -84,12 +94,7 @@ class SamplingRequest(_SamplingFields):
     @model_validator(mode="before")
     @classmethod
     def _refuse_unserved(cls, data: object) -> object:
-        """Reads the raw body, as extra="ignore" drops these unseen; an APIError passes pydantic to the client."""
-        for name, (served, why) in UNSERVED_FIELDS.items():
-            value = data.get(name) if isinstance(data, dict) else None
-            if value is not None and value not in served:
-                raise bad_request(f"{name} is not supported: {why}", name, code="unsupported_parameter")
-        return data
+        return refuse_unserved(data, UNSERVED_FIELDS)
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> SamplingRequest:

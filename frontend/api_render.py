@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections import defaultdict
 from itertools import accumulate
 
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+from frontend.api_errors import APIError
 from frontend.api_params import Job, SamplingRequest
 from frontend.output_processor import CompletionOutput, RequestOutput
 from frontend.reasoning import ReasoningStream, split_reasoning
@@ -23,10 +25,12 @@ class Renderer:
     retracted), so a delta is a suffix past what was sent."""
 
     object: str  # of a stream chunk
+    done: str | None = "data: [DONE]\n\n"  # the stream's last line
 
     def __init__(self, response_id: str, model: str, jobs: list[Job], tokenizer, request: SamplingRequest):
         self.id, self.model, self.jobs, self.tokenizer, self.echo = response_id, model, jobs, tokenizer, request.echo
         self.tokens_as_ids = bool(request.return_tokens_as_token_ids)  # a logprob's token is "token_id:N"
+        self.include_usage = request.include_usage  # stream_options.include_usage: a last chunk with the usage
         self.continuous_usage = request.continuous_usage  # vLLM's continuous_usage_stats: usage in every chunk
         self.created = int(time.time())
         self.n = jobs[0].params.n
@@ -94,6 +98,17 @@ class Renderer:
     def opening(self) -> list[dict]:
         return []
 
+    def closing(self, finals: list[RequestOutput]) -> list[dict]:
+        """What the stream sends after every choice has finished."""
+        return [self.chunk([], self.usage(finals))] if self.include_usage else []
+
+    def event(self, chunk: dict) -> str:
+        return f"data: {json.dumps(chunk)}\n\n"
+
+    def error(self, exc: APIError) -> dict:
+        """An error after the 200 header is out: it travels in the stream, as OpenAI's does."""
+        return exc.body()
+
 
 class CompletionRenderer(Renderer):
     object = "text_completion"  # a whole completion too: OpenAI uses one shape for both
@@ -128,6 +143,13 @@ class CompletionRenderer(Renderer):
 class ChatRenderer(Renderer):
     object = "chat.completion.chunk"
 
+    def __init__(self, response_id: str, model: str, jobs: list[Job], tokenizer, request: SamplingRequest):
+        super().__init__(response_id, model, jobs, tokenizer, request)
+        self.tool_format = request.tool_format if request.parses_tool_calls else None
+        # choice -> its content (and tool calls, when the answer is parsed for them); its reasoning, if parsed
+        self.streams = defaultdict(self.tool_format.stream if self.tool_format else _ContentStream)
+        self.reasoning = defaultdict(ReasoningStream) if request.reasoning_parser else None
+
     def logprobs(self, o: CompletionOutput, start: int) -> dict | None:
         if o.logprobs is None:
             return None
@@ -152,13 +174,6 @@ class ChatRenderer(Renderer):
             )
             for i in range(len(self.jobs) * self.n)
         ]
-
-    def __init__(self, response_id: str, model: str, jobs: list[Job], tokenizer, request: SamplingRequest):
-        super().__init__(response_id, model, jobs, tokenizer, request)
-        self.tool_format = request.tool_format if request.parses_tool_calls else None
-        # choice -> its content (and tool calls, when the answer is parsed for them); its reasoning, if parsed
-        self.streams = defaultdict(self.tool_format.stream if self.tool_format else _ContentStream)
-        self.reasoning = defaultdict(ReasoningStream) if request.reasoning_parser else None
 
     def chunks(self, job: int, out: RequestOutput) -> list[dict]:
         chunks = []

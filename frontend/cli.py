@@ -11,7 +11,7 @@ from dataclasses import fields
 from typing import NoReturn
 
 from frontend.engine_client import EngineDeadError
-from frontend.launcher import run_headless
+from frontend.launcher import run_headless, run_node
 from frontend.llm import LLM
 from frontend.reasoning import REASONING_PARSERS
 from frontend.server import ServerOptions, run_server
@@ -52,6 +52,12 @@ _ENGINE_FLAGS = [
     ("--step-timeout", float, "seconds a step may make no progress before the engine is declared dead"),
     ("--trace-dir", str, "write Chrome/Perfetto trace JSON of every process to this directory"),
 ]
+_NODE_FLAGS = [
+    ("--nnodes", int, "hosts the tensor-parallel ranks are spread over, an equal share each"),
+    ("--node-rank", int, "this host's index; node 0 serves, the others run only their workers"),
+    ("--master-addr", str, "node 0's IP address: the rendezvous and the scheduler's sockets bind it"),
+    ("--master-port", int, "rendezvous port; the scheduler's plan and result sockets take the ports after it"),
+]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -76,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="names the API answers to (the first is reported); default: --model",
     )
     engine = p.add_argument_group("engine and KV cache")
-    for group, flags in ((model, _MODEL_FLAGS), (engine, _ENGINE_FLAGS)):
+    nodes = p.add_argument_group("tensor parallel over hosts")
+    for group, flags in ((model, _MODEL_FLAGS), (engine, _ENGINE_FLAGS), (nodes, _NODE_FLAGS)):
         for flag, kind, help_text in flags:
             default = _DEFAULTS[flag.lstrip("-").replace("-", "_")]
             shown = "" if default is None else " (default: %(default)s)"
@@ -179,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if ns.prompt is not None:
             return run_prompt(config, ns.prompt, ns.max_tokens, ns.temperature)
+        if config.node_rank > 0:
+            return run_node(config)
         if ns.headless:
             if ns.engine_address and ns.engine_address.startswith("tcp://"):
                 host, _, port = check_engine_address(ns.engine_address)[len("tcp://") :].rpartition(":")

@@ -64,7 +64,8 @@ class EngineProcesses:
     def __init__(self, config: EngineConfig, engine_address: str | None = None) -> None:
         config.tokenizer_dir = tokenizer_dir(config.model, config.model_path)  # a path: the frontend loads it later
         self.config = config
-        self.addresses: Addresses = make_addresses(config.tensor_parallel_size, engine_address)
+        master = (config.master_addr, config.master_port) if config.nnodes > 1 else None
+        self.addresses: Addresses = make_addresses(config.tensor_parallel_size, engine_address, master)
         self.owner = os.urandom(16)  # the ZeroMQ identity of the one frontend whose Shutdown the engine takes
         self.dead_reason: str | None = None
         self.procs: dict[str, subprocess.Popen] = {}
@@ -74,9 +75,13 @@ class EngineProcesses:
         self._on_death: list[Callable[[str], None]] = []
 
     def start(self) -> None:
+        """The scheduler (on node 0) and this node's worker ranks."""
         addresses = self.addresses.to_dict()
-        self.procs["scheduler"] = start_child("scheduler", pack_child_args(self.config, addresses, owner=self.owner))
-        for rank in range(self.config.tensor_parallel_size):
+        if self.config.node_rank == 0:
+            self.procs["scheduler"] = start_child(
+                "scheduler", pack_child_args(self.config, addresses, owner=self.owner)
+            )
+        for rank in self.config.local_ranks:
             self.procs[f"worker{rank}"] = start_child("worker", pack_child_args(self.config, addresses, rank=rank))
         for role, proc in self.procs.items():
             log.info("%s pid=%d", role, proc.pid)
@@ -121,6 +126,28 @@ class EngineProcesses:
         for proc in self.procs.values():
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(max(0.0, deadline - time.monotonic()))
+
+
+def run_node(config: EngineConfig) -> int:
+    """Node 1.. of tensor parallel over hosts: this node's workers, until node 0's scheduler stops them (0), one
+    dies (1), or SIGINT/SIGTERM (0)."""
+    procs = EngineProcesses(resolve_config(config))
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    procs.start()
+    log.info(
+        "node %d: ranks %s joining %s:%d",
+        config.node_rank,
+        list(config.local_ranks),
+        config.master_addr,
+        config.master_port,
+    )
+    while any(p.poll() is None for p in procs.procs.values()) and not stop.wait(0.5):
+        pass
+    died = procs.dead_reason is not None
+    procs.shutdown(0.0)
+    return 1 if died else 0
 
 
 def run_headless(config: EngineConfig, address: str) -> int:

@@ -32,7 +32,8 @@ class LLM:
     enable_prefix_caching: reuse the KV of shared prompt prefixes; tensor_parallel_size: GPUs to shard over;
     enforce_eager: no CUDA graphs; trace_dir: write a Perfetto trace there; max_waiting_requests: bound of the waiting
     queue; step_timeout: seconds without progress before the engine counts as dead; quantization "fp8": linear weights
-    in float8 e4m3, one scale per output channel (an FP8 checkpoint sets it)."""
+    in float8 e4m3, one scale per output channel (an FP8 checkpoint sets it); nnodes, node_rank, master_addr,
+    master_port: tensor parallel over hosts, this process being node 0 (docs/SCALING.md)."""
 
     def __init__(
         self,
@@ -55,6 +56,10 @@ class LLM:
         max_waiting_requests: int = 4096,
         step_timeout: float = 60.0,
         quantization: str | None = None,
+        nnodes: int = 1,
+        node_rank: int = 0,
+        master_addr: str = "127.0.0.1",
+        master_port: int = 29500,
     ) -> None:
         # Every parameter is an EngineConfig field of the same name (a test keeps the two in step).
         config = resolve_config(EngineConfig(**{k: v for k, v in locals().items() if k != "self"}))

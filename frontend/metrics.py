@@ -27,6 +27,7 @@ _METRICS = {  # attribute: (type, vLLM's name, help, buckets)
     "running": (Gauge, "vllm:num_requests_running", "Requests in the running batch.", None),
     "waiting": (Gauge, "vllm:num_requests_waiting", "Requests waiting to be scheduled.", None),
     "kv_usage": (Gauge, "vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", None),
+    "gpu_cache_usage": (Gauge, "vllm:gpu_cache_usage_perc", "kv_cache_usage_perc under its older name.", None),
     "preemptions": (Counter, "vllm:num_preemptions", "Preemptions by the scheduler.", None),
     "prompt_tokens": (Counter, "vllm:prompt_tokens", "Prompt tokens processed.", None),
     "generation_tokens": (Counter, "vllm:generation_tokens", "Tokens generated.", None),
@@ -73,7 +74,9 @@ class Metrics:
         self.running.set(stats["num_running"])
         self.waiting.set(stats["num_waiting"])
         total = stats["num_total_blocks"]
-        self.kv_usage.set(1.0 - stats["num_free_blocks"] / total if total else 0.0)
+        usage = 1.0 - stats["num_free_blocks"] / total if total else 0.0
+        self.kv_usage.set(usage)
+        self.gpu_cache_usage.set(usage)  # the name older routers and dashboards read
         new = stats["num_preemptions"] - self._preemptions_seen
         if new > 0:
             self.preemptions.inc(new)

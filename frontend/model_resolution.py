@@ -56,7 +56,7 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
         config.quantization = model_config.quantization
     model_config.quantization = config.quantization
     if config.device == "cuda":
-        _check_gpus(config.tensor_parallel_size)
+        _check_gpus(len(config.local_ranks))
     if config.trace_dir is not None:
         _check_writable_dir(config.trace_dir)
     config.model_config, config.model_path = model_config, model_path

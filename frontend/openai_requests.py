@@ -72,6 +72,7 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict | None = None  # or {"type": "function", ...}
+    parallel_tool_calls: bool | None = None  # false: required makes exactly one call
 
     # What the served model's template and the server's --reasoning-parser make of the answer (bind sets them).
     _tool_format: ToolFormat = PrivateAttr(default=HERMES)
@@ -97,7 +98,12 @@ class ChatCompletionRequest(SamplingRequest):
 
     def _tool_constraint(self) -> list[tuple[str, dict | None]]:
         tools = [t.model_dump() for t in self.tools or []]
-        return [("tool_choice", tool_choice_spec(tools, self.tool_choice, self._tool_format))]
+        return [
+            (
+                "tool_choice",
+                tool_choice_spec(tools, self.tool_choice, self._tool_format, self.parallel_tool_calls is not False),
+            )
+        ]
 
     def constraint(self) -> tuple[str | None, dict | None]:
         """The output constraint; after the thoughts' end where a reasoning parser reads them, unless

@@ -31,14 +31,16 @@ def response_format_spec(fmt: dict | None) -> dict | None:
     return None
 
 
-def tool_choice_spec(tools: list[dict], choice: str | dict | None, fmt: ToolFormat = HERMES) -> dict | None:
-    """required and a named function are a grammar over the tools' calls in the format; auto and none constrain
-    nothing."""
+def tool_choice_spec(
+    tools: list[dict], choice: str | dict | None, fmt: ToolFormat = HERMES, parallel: bool = True
+) -> dict | None:
+    """required and a named function are a grammar over the tools' calls in the format (required: one call unless
+    parallel); auto and none constrain nothing."""
     if choice in (None, "auto", "none"):
         return None
     names = [t["function"]["name"] for t in tools]
     if choice == "required" and names:
-        return fmt.grammar(tools, names, False)
+        return fmt.grammar(tools, names, not parallel)
     named = choice if isinstance(choice, dict) and choice.get("type") == "function" else {}
     name = (named.get("function") or {}).get("name")
     if name not in names:

@@ -119,40 +119,32 @@ class EventStream(StreamingResponse):
             await self.body_iterator.aclose()
 
 
-def _event(data: dict) -> str:
-    return f"data: {json.dumps(data)}\n\n"
-
-
 async def _events(
-    first: tuple[int, RequestOutput],
-    merged: AsyncIterator[tuple[int, RequestOutput]],
-    renderer: Renderer,
-    include_usage: bool,
+    first: tuple[int, RequestOutput], merged: AsyncIterator[tuple[int, RequestOutput]], renderer: Renderer
 ) -> AsyncIterator[str]:
     finals: dict[int, RequestOutput] = {}
     async with aclosing(merged):
         try:
             for chunk in renderer.opening():
-                yield _event(chunk)
+                yield renderer.event(chunk)
             i, out = first
             while True:
                 finals[i] = out
                 for chunk in renderer.chunks(i, out):
-                    yield _event(chunk)
+                    yield renderer.event(chunk)
                 try:
                     i, out = await anext(merged)
                 except StopAsyncIteration:
                     break
-            if include_usage:
-                yield _event(renderer.chunk([], renderer.usage(list(finals.values()))))
-        except Exception as exc:  # the 200 header is out: the error travels in the stream, as OpenAI's does
-            yield _event(engine_error(exc).body())
-    yield "data: [DONE]\n\n"
+            for chunk in renderer.closing([finals[i] for i in sorted(finals)]):
+                yield renderer.event(chunk)
+        except Exception as exc:  # the 200 header is out: the error travels in the stream
+            yield renderer.event(renderer.error(engine_error(exc)))
+    if renderer.done is not None:
+        yield renderer.done
 
 
-async def respond(
-    request: Request, engine: AsyncLLM, metrics: Metrics, renderer: Renderer, stream: bool, include_usage: bool
-) -> Response:
+async def respond(request: Request, engine: AsyncLLM, metrics: Metrics, renderer: Renderer, stream: bool) -> Response:
     """Run the renderer's jobs on the engine; answer with one JSON body or an event stream."""
     merged = generate(engine, renderer.jobs, metrics)
     try:
@@ -168,4 +160,4 @@ async def respond(
         raise
     except Exception as exc:
         raise engine_error(exc) from None
-    return EventStream(_events(first, merged, renderer, include_usage))
+    return EventStream(_events(first, merged, renderer))

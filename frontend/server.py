@@ -11,6 +11,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -18,8 +19,10 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from frontend.api_errors import APIError, bad_request, from_invalid_param, parse_request
-from frontend.api_params import Job, generation_defaults
+from frontend.anthropic_render import MessagesRenderer, anthropic_error
+from frontend.anthropic_requests import MessagesRequest
+from frontend.api_errors import APIError, bad_request, from_invalid_param, parse_request, renamed
+from frontend.api_params import Job, SamplingRequest, generation_defaults
 from frontend.api_render import ChatRenderer, CompletionRenderer
 from frontend.async_llm import AsyncLLM
 from frontend.chat_prompt import chat_prompt
@@ -28,6 +31,8 @@ from frontend.metrics import Metrics
 from frontend.model_resolution import resolve_config
 from frontend.openai_requests import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from frontend.responding import ClientGone, respond
+from frontend.responses_render import ResponsesRenderer
+from frontend.responses_requests import ResponsesRequest
 from protocol.config import EngineConfig, InvalidParam
 from protocol.grammar import build_grammar
 
@@ -38,6 +43,11 @@ DEAD_EXIT_DELAY_S = 2.0  # after the engine dies, /health answers 503 this long 
 GENERATION_ROUTES = {
     "/v1/completions": (CompletionRequest, CompletionRenderer),
     "/v1/chat/completions": (ChatCompletionRequest, ChatRenderer),
+}
+# The APIs served by translating each request into a chat completion
+TRANSLATED_ROUTES = {
+    "/v1/messages": (MessagesRequest, MessagesRenderer),
+    "/v1/responses": (ResponsesRequest, ResponsesRenderer),
 }
 try:
     VERSION = importlib.metadata.version("pico-vllm")
@@ -109,13 +119,19 @@ class ServerState:
         return req, self.ready_engine()
 
     def check_key(self, request: Request) -> None:
-        """Bearer API key, compared in constant time (a timing side channel would leak it byte by byte)."""
+        """Bearer API key (or Anthropic's x-api-key), compared in constant time (a timing side channel would leak
+        it byte by byte)."""
         key = self.options.api_key
         if key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+        given = request.headers.get("x-api-key") or (token.strip() if scheme.lower() == "bearer" else "")
+        if not hmac.compare_digest(given.encode(), key.encode()):
+            raise APIError(
+                401,
+                "missing or wrong API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+                code="invalid_api_key",
+            )
 
 
 def build_app(state: ServerState, load_engine: Callable[[], AsyncLLM]) -> FastAPI:
@@ -160,7 +176,8 @@ async def _error(request: Request, exc: Exception) -> JSONResponse:
         exc = APIError(
             exc.status_code, str(exc.detail), code={404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         )
-    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+    body = anthropic_error(exc) if request.url.path.startswith("/v1/messages") else exc.body()
+    return JSONResponse(body, status_code=exc.status, headers=headers)
 
 
 async def _load_and_watch(state: ServerState, load_engine: Callable[[], AsyncLLM]) -> None:
@@ -220,10 +237,29 @@ def _routes(state: ServerState) -> APIRouter:
     @router.post("/v1/completions")
     @router.post("/v1/chat/completions")
     async def generate(request: Request) -> Response:
-        """Each prompt of the request is one engine request (its n samples fan out inside AsyncLLM)."""
         kind, render = GENERATION_ROUTES[request.scope["route"].path]
         req, engine = await state.accept(request, kind)
-        rid = f"{kind.id_prefix}-{uuid.uuid4().hex}"
+        return await run(request, engine, req, f"{kind.id_prefix}-{uuid.uuid4().hex}", render)
+
+    @router.post("/v1/messages")
+    @router.post("/v1/responses")
+    async def translated(request: Request) -> Response:
+        """Anthropic's Messages and OpenAI's Responses: one chat completion, rendered in the API's own shape."""
+        kind, render = TRANSLATED_ROUTES[request.scope["route"].path]
+        front, engine = await state.accept(request, kind)
+        try:
+            rid = f"{kind.id_prefix}_{uuid.uuid4().hex}"
+            return await run(request, engine, front.chat_request(), rid, partial(render, front=front))
+        except APIError as exc:
+            raise renamed(exc, kind.field_names) from None
+
+    @router.get("/v1/responses/{response_id}")
+    @router.delete("/v1/responses/{response_id}")
+    async def stored_response(response_id: str) -> Response:
+        raise APIError(404, f"response {response_id[:100]!r} not found: responses are not stored", code="not_found")
+
+    async def run(request: Request, engine: AsyncLLM, req: SamplingRequest, rid: str, render: Callable) -> Response:
+        """Each prompt of the request is one engine request (its n samples fan out inside AsyncLLM)."""
         req.bind(engine.tokenizer, state.options.reasoning_parser)
         params = req.sampling_params(state.defaults)
         if params.structured_outputs is not None:  # a bad schema, regex or grammar is a 400 before the engine
@@ -237,9 +273,9 @@ def _routes(state: ServerState) -> APIRouter:
                 Job(f"{rid}-{i}", *engine.client.prepare(prompt, params), params) for i, prompt in enumerate(prompts)
             ]
         except InvalidParam as exc:
-            raise from_invalid_param(exc, kind.prompt_field, req.max_tokens_field) from None
+            raise from_invalid_param(exc, req.prompt_field, req.max_tokens_field) from None
         renderer = render(rid, state.names[0], jobs, engine.tokenizer, req)
-        return await respond(request, state.ready_engine(), state.metrics, renderer, req.stream, req.include_usage)
+        return await respond(request, state.ready_engine(), state.metrics, renderer, req.stream)
 
     return router
 

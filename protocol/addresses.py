@@ -22,16 +22,17 @@ class Addresses:
         return asdict(self)
 
 
-def make_addresses(tp_size: int, engine: str | None = None) -> Addresses:
-    """Fresh 0700 ipc directory for the internal sockets; `engine` may be given (ipc:// or tcp://)."""
+def make_addresses(tp_size: int, engine: str | None = None, master: tuple[str, int] | None = None) -> Addresses:
+    """Fresh 0700 ipc directory for the internal sockets; `engine` may be given (ipc:// or tcp://). With `master`
+    (node 0's IP and rendezvous port: workers on other hosts), results and plans are TCP on the ports after it."""
     ipc_dir = tempfile.mkdtemp(prefix="pico-vllm-")  # mode 0700
     engine = check_engine_address(engine) if engine else f"ipc://{ipc_dir}/engine"
-    return Addresses(
-        engine=engine,
-        results=f"ipc://{ipc_dir}/results",
-        plans=[f"ipc://{ipc_dir}/plan{r}" for r in range(tp_size)],
-        ipc_dir=ipc_dir,
-    )
+    if master is None:
+        results, plans = f"ipc://{ipc_dir}/results", [f"ipc://{ipc_dir}/plan{r}" for r in range(tp_size)]
+    else:
+        host, port = master
+        results, plans = f"tcp://{host}:{port + 1}", [f"tcp://{host}:{port + 2 + r}" for r in range(tp_size)]
+    return Addresses(engine=engine, results=results, plans=plans, ipc_dir=ipc_dir)
 
 
 def check_engine_address(addr: str) -> str:

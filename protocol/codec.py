@@ -11,7 +11,7 @@ from protocol.messages import I32, MESSAGE_TYPES
 
 VERSION = 1
 MAX_FRAME_BYTES = 64 * 1024 * 1024
-MAX_NESTING = 1  # a StepPlan's NewRows; deeper nesting is malformed (and would exhaust the stack)
+MAX_NESTING = 2  # a StepPlan's NewRows and their RowSampling; deeper is malformed (and would exhaust the stack)
 
 
 class ProtocolError(ValueError):
@@ -61,7 +61,7 @@ def _to_wire(obj):
 
 def _from_wire(obj: dict, depth: int = 0):
     if depth > MAX_NESTING:
-        raise ProtocolError(f"messages nested more than {MAX_NESTING} deep (only StepPlan holds NewRows)")
+        raise ProtocolError(f"messages nested more than {MAX_NESTING} deep (StepPlan > NewRow > RowSampling)")
     name = obj.get("type")
     cls = MESSAGE_TYPES.get(name) if isinstance(name, str) else None
     if cls is None:
@@ -75,6 +75,10 @@ def _from_wire(obj: dict, depth: int = 0):
             if not isinstance(value, bytes) or len(value) % 4:
                 raise ProtocolError(f"{name}.{field} must be raw {kind} bytes")
             kwargs[field] = np.frombuffer(value, dtype="<i4")
+        elif dataclasses.is_dataclass(kind):
+            if not isinstance(value, dict) or value.get("type") != kind.__name__:
+                raise ProtocolError(f"{name}.{field} must be a {kind.__name__} map")
+            kwargs[field] = _from_wire(value, depth + 1)
         elif kind is list and isinstance(value, list):
             kwargs[field] = [_from_wire(v, depth + 1) if isinstance(v, dict) and "type" in v else v for v in value]
         elif kind is int and isinstance(value, bool):

@@ -68,6 +68,11 @@ class EngineConfig:
     step_timeout: float = 60.0
     allow_remote_shutdown: bool = False  # Shutdown from any frontend, not only the one that started the engine
     quantization: str | None = None  # "fp8": e4m3 linear weights (set by resolution for an FP8 checkpoint)
+    # Tensor parallel over hosts, under torch.distributed's names: each node runs an equal share of the ranks.
+    nnodes: int = 1
+    node_rank: int = 0  # node 0 runs the frontend, the scheduler and ranks 0.. of the group
+    master_addr: str = "127.0.0.1"  # node 0's IP: the scheduler's plan and result sockets bind it (not 0.0.0.0)
+    master_port: int = 29500  # the group's rendezvous; the scheduler's sockets take the ports after it
     # Filled in at launch (by resolution, then the launcher), so that child processes need not resolve again.
     model_path: str | None = None
     model_config: ModelConfig | None = None
@@ -76,6 +81,15 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for name, valid, fix in _ENGINE_RULES:
             require(valid(getattr(self, name)), name, getattr(self, name), fix)
+        tp, nnodes = self.tensor_parallel_size, self.nnodes
+        require(tp % nnodes == 0, "nnodes", nnodes, f"use a divisor of tensor_parallel_size={tp}: equal ranks per node")
+        require(0 <= self.node_rank < nnodes, "node_rank", self.node_rank, f"use 0..{nnodes - 1}")
+
+    @property
+    def local_ranks(self) -> range:
+        """The tensor-parallel ranks this node runs."""
+        per_node = self.tensor_parallel_size // self.nnodes
+        return range(self.node_rank * per_node, (self.node_rank + 1) * per_node)
 
     def to_dict(self) -> dict:
         return asdict(self)  # model_config too, as a dict
@@ -104,6 +118,8 @@ _ENGINE_RULES = (  # field, valid, fix
     ("step_timeout", lambda v: v > 0, "use a positive number of seconds"),
     ("seed", lambda v: isinstance(v, int) and 0 <= v < 2**63, "use an integer in [0, 2**63)"),
     ("max_waiting_requests", lambda v: v >= 1, "use 1 or more"),
+    ("nnodes", lambda v: v >= 1, "use 1 or more"),
+    ("master_port", lambda v: 1 <= v <= 65000, "use a port in 1..65000 (the sockets take the ports after it)"),
     (
         "quantization",
         lambda v: v in (None, "fp8"),

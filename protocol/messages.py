@@ -3,7 +3,7 @@ from its annotations, names every field's type for the codec; arrays are numpy i
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, is_dataclass
 
 import numpy as np
 
@@ -73,6 +73,25 @@ class Error:
 
 
 @dataclass(slots=True)
+class RowSampling:
+    """What a worker samples a row with: the numbers it uses of the request's resolved SamplingParams (defaults: off)."""
+
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int = 0  # int64
+    logprobs: int = -1  # how many top logprobs; -1: none
+    min_tokens: int = 0
+    stop_token_ids: list = field(default_factory=list)  # banned until min_tokens outputs (empty without them)
+    logit_bias: dict = field(default_factory=dict)  # token id -> added to its logit
+    grammar: bool = False  # the row samples under a GrammarMask
+
+
+@dataclass(slots=True)
 class NewRow:
     """A request entering the worker's mirror at `row`: its known tokens, once."""
 
@@ -81,7 +100,7 @@ class NewRow:
     num_prompt_tokens: int
     num_computed: int  # tokens already in the KV cache (prefix-cache hits): prefill starts there
     block_table: np.ndarray
-    params: dict
+    sampling: RowSampling
 
 
 @dataclass(slots=True)
@@ -125,31 +144,17 @@ class WorkerError:
 _KINDS = {  # annotation -> the codec's check
     "np.ndarray": I32,
     "int": int,
+    "float": float,
     "str": str,
     "bool": bool,
     "dict": dict,
     "list": list,
+    "RowSampling": RowSampling,  # a nested message
     "dict | None": (dict, type(None)),
     "list | None": (list, type(None)),
     "str | None": (str, type(None)),
 }
-MESSAGE_TYPES: dict[str, type] = {
-    cls.__name__: cls
-    for cls in (
-        AddRequest,
-        Abort,
-        Shutdown,
-        GetStats,
-        TokenBatch,
-        Ready,
-        EngineDead,
-        Error,
-        NewRow,
-        StepPlan,
-        GrammarMask,
-        StepResult,
-        WorkerError,
-    )
-}
+# Every dataclass above is a message type, named on the wire by its class name.
+MESSAGE_TYPES: dict[str, type] = {name: cls for name, cls in dict(globals()).items() if is_dataclass(cls)}
 for _cls in MESSAGE_TYPES.values():
     _cls.WIRE = {f.name: _KINDS[f.type] for f in fields(_cls)}

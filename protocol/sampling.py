@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, fields
 import numpy as np
 
 from protocol.config import ContextTooLong, InvalidParam, require
+from protocol.messages import RowSampling
 
 MAX_N = 16
 MAX_LOGPROBS = 20
@@ -84,14 +85,23 @@ class SamplingParams:
             raise InvalidParam(str(unknown[0]), f"unknown sampling params {unknown}: known ones are {sorted(known)}")
         return cls(**d)
 
-    @classmethod
-    def from_plan(cls, d: dict) -> SamplingParams:
-        """A NewRow's params, which the scheduler has checked: built without checking again."""
-        params = object.__new__(cls)
-        for f in fields(cls):
-            setattr(params, f.name, d[f.name])
-        params.logit_bias = {int(t): b for t, b in d["logit_bias"].items()} if d["logit_bias"] else None
-        return params
+    def row_sampling(self) -> RowSampling:
+        """What the worker samples this request with; the scheduler resolves seed and stop_token_ids first."""
+        return RowSampling(
+            temperature=float(self.temperature),
+            top_p=float(self.top_p),
+            top_k=max(self.top_k, 0),
+            min_p=float(self.min_p),
+            presence_penalty=float(self.presence_penalty),
+            frequency_penalty=float(self.frequency_penalty),
+            repetition_penalty=float(self.repetition_penalty),
+            seed=((self.seed or 0) + 2**63) % 2**64 - 2**63,  # SamplingParams allows -2**63 .. 2**64-1
+            logprobs=-1 if self.logprobs is None else self.logprobs,
+            min_tokens=self.min_tokens,
+            stop_token_ids=self.stop_token_ids if self.min_tokens else [],
+            logit_bias=self.logit_bias or {},
+            grammar=self.structured_outputs is not None,
+        )
 
 
 def check_structured_outputs(spec: object) -> dict | None:

@@ -136,7 +136,7 @@ class SchedulerServer:
             self.early.clear()
             while True:
                 busy = self._step()
-                idle_ms = COMPILE_POLL_MS if self.scheduler.compiling else POLL_MS
+                idle_ms = COMPILE_POLL_MS if self.scheduler.structured.compiling else POLL_MS
                 msg = self._poll(0 if busy else idle_ms, read_results=not self.in_flight)  # else _wait_result's
                 if msg is not None:
                     log.warning("dropped a %s from a worker: no step is in flight", type(msg).__name__)
@@ -285,7 +285,7 @@ class SchedulerServer:
 
     def _send_mask(self) -> None:
         """A constrained step's mask, once every step before it has its result (Scheduler.take_mask)."""
-        if not self.scheduler.mask_waits:
+        if not self.scheduler.structured.mask_waits:
             return
         with self.tracer.span("scheduler.grammar_mask", self.in_flight[0] if self.in_flight else -1):
             if (mask := self.scheduler.take_mask()) is not None:
@@ -299,7 +299,7 @@ class SchedulerServer:
                 raise _Exit(1, f"step {step} made no progress for {self.config.step_timeout} s (step_timeout)")
             # Aborts and new requests arrive while the GPU works. Spin while a mask waits on this result: waking
             # from a blocking poll costs ~0.1 ms, and the worker's next draw waits for the mask.
-            msg = self._poll(0 if self.scheduler.mask_waits else min(left_ms, POLL_MS))
+            msg = self._poll(0 if self.scheduler.structured.mask_waits else min(left_ms, POLL_MS))
             if isinstance(msg, StepResult) and msg.step == step:
                 try:
                     with self.tracer.span("scheduler.on_result", step):

@@ -74,15 +74,6 @@ class Scheduler:
             replies += self.refuse(req.client, req.request_id, reason)
         return replies
 
-    @property
-    def compiling(self) -> bool:
-        return bool(self.structured.compiling)
-
-    @property
-    def mask_waits(self) -> bool:
-        """A step in flight has masked rows: its mask is filled once the step before it returns."""
-        return self.structured.mask_waits
-
     def take_mask(self) -> GrammarMask | None:
         """The mask of the oldest step in flight, if it has masked rows (StructuredOutputs.take_mask)."""
         return self.structured.take_mask(next(iter(self._in_flight), None))
@@ -274,7 +265,7 @@ class Scheduler:
                     req.num_prompt_tokens,
                     req.num_computed_tokens,
                     i32(req.block_table),
-                    req.params.to_dict(),
+                    req.params.row_sampling(),
                 )
             )
             budget -= self._take_chunk(req, budget, chunks)

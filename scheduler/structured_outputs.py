@@ -31,6 +31,7 @@ class StructuredOutputs:
         self._tokenizer_dir, self.vocab_size = config.tokenizer_dir, config.model_config.vocab_size
         self._eos = sorted(config.model_config.eos_token_ids)
         self._masks_path, self._max_rows = masks_path, config.max_num_seqs  # the shared mask file, made at first fill
+        self._one_host = config.nnodes == 1  # workers on other hosts cannot map the mask file
         self._cache: dict[str, Future] = {}  # the spec's canonical text -> its compile
         self._lock = threading.Lock()
         self._compiler = None
@@ -137,6 +138,8 @@ class StructuredOutputs:
             if self._compiler is None:
                 if self._tokenizer_dir is None:
                     raise ValueError("structured_outputs needs the model's tokenizer files, and this engine has none")
+                if not self._one_host:
+                    raise ValueError("structured_outputs needs every worker on the scheduler's host: use nnodes=1")
                 import torch
                 import xgrammar as xgr
                 from transformers import AutoTokenizer

@@ -79,3 +79,22 @@ def fresh_choices(monkeypatch, tmp_path):
     plan._kept_choices.cache_clear()
     yield tmp_path
     plan._kept_choices.cache_clear()
+
+
+@pytest.fixture(scope="session")
+def tool_server(tmp_path_factory):
+    """The server on a tiny checkpoint with Qwen2.5's chat template (tools, tool calls and results) and an API
+    key "test-key", served as "tiny": shared by the tests of the APIs that translate to chat."""
+    from server_fixture import launch
+
+    from frontend.tokenizer import qwen25_chat_template
+
+    ckpt = make_checkpoint(tmp_path_factory.mktemp("tool-server"))
+    (ckpt / "chat_template.jinja").write_text(qwen25_chat_template())
+    args = ["--model", str(ckpt), "--device", "cpu", "--max-model-len", "2048", "--served-model-name", "tiny"]
+    server = launch([*args, "--api-key", "test-key"], tmp_path_factory.mktemp("log") / "server.log")
+    try:
+        server.wait_healthy()
+        yield server.url
+    finally:
+        server.stop()

@@ -105,3 +105,11 @@ def assert_error(resp: httpx.Response, status: int, param: str | None) -> None:
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
     if param is not None:
         assert error["param"] == param, error
+
+
+def readme_snippet(marker: str, url: str, model: str, key: str) -> str:
+    """The README's Python snippet that holds `marker`, pointed at this server, its model and its key."""
+    blocks = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), re.S)
+    (code,) = [block for block in blocks if marker in block]
+    code = code.replace("http://127.0.0.1:8000", url).replace("qwen2.5-1.5b", model)
+    return code.replace('api_key="unused"', f"api_key={key!r}")

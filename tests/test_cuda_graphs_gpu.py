@@ -13,7 +13,7 @@ from frontend.model_resolution import resolve_config
 from protocol.config import EngineConfig
 from protocol.sampling import SamplingParams
 from worker.cuda_graphs import graph_batch_sizes
-from worker.model_runner import ModelRunner
+from worker.startup import build_runner
 
 pytestmark = pytest.mark.gpu
 
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.gpu
 def _generate(
     config: EngineConfig, prompts: list[list[int]], steps: int, params=None, overlap: bool = False
 ) -> dict[int, list[int]]:
-    runner = ModelRunner(resolve_config(config), rank=0, tp_size=1)
+    runner = build_runner(resolve_config(config), rank=0, tp_size=1)
     assert ("decode" in runner.graphs.sizes) != config.enforce_eager
     sched = MiniScheduler(runner, chunk=config.max_num_batched_tokens)
     for row, prompt in enumerate(prompts):

@@ -13,6 +13,7 @@ from protocol.config import EngineConfig
 from protocol.messages import NewRow, StepPlan, i32
 from protocol.sampling import SamplingParams
 from worker.model_runner import ModelRunner
+from worker.startup import build_runner
 
 BLOCK = 8
 
@@ -33,7 +34,14 @@ class MiniScheduler:
         blocks = self._blocks(len(tokens))
         self.rows[row] = {"sent": len(tokens), "known": len(tokens), "computed": 0, "blocks": blocks, "out": []}
         self.pending_new.append(
-            NewRow(row, i32(tokens), len(prompt), 0, i32(blocks), (params or SamplingParams(temperature=0.0)).to_dict())
+            NewRow(
+                row,
+                i32(tokens),
+                len(prompt),
+                0,
+                i32(blocks),
+                (params or SamplingParams(temperature=0.0)).row_sampling(),
+            )
         )
 
     def free(self, row: int) -> list[int]:
@@ -107,7 +115,7 @@ def _runner(ckpt, **kw) -> ModelRunner:
         max_num_batched_tokens=64,
         **kw,
     )
-    return ModelRunner(resolve_config(config), rank=0, tp_size=1)
+    return build_runner(resolve_config(config), rank=0, tp_size=1)
 
 
 @pytest.fixture(scope="module")
@@ -319,7 +327,7 @@ def test_worker_process_says_ready_answers_plans_and_exits_on_shutdown(workers, 
         sorted(r.info["startup"]["clock"].values()) == list(r.info["startup"]["clock"].values()) for r in readies
     )
     prompt = _prompt(7, seed=11)
-    new = NewRow(0, i32(prompt), len(prompt), 0, i32([0]), SamplingParams(temperature=0.0).to_dict())
+    new = NewRow(0, i32(prompt), len(prompt), 0, i32([0]), SamplingParams(temperature=0.0).row_sampling())
     for msg in (
         StepPlan(1, i32([0]), i32([7]), [new], []),
         StepPlan(2, i32([0]), i32([1]), [], [[0, i32([1]).tobytes()]]),
@@ -368,14 +376,14 @@ def test_steps_through_the_graph_registry_flow_equal_hf_greedy(tiny_ckpt, hf_gre
         graphs.capture(
             "decode",
             {s: runner.buffers.decode_views(s) for s in (2, 4)},
-            runner._decode_forward,
-            runner._decode_forward,
+            runner.decode_forward,
+            runner.decode_forward,
         )
         graphs.capture(
             "prefill",
             {b: runner.buffers.prefill_views(b) for b in (8, 32)},
-            runner._prefill_forward,
-            runner._prefill_forward,
+            runner.prefill_forward,
+            runner.prefill_forward,
         )
     for host in runner.buffers._host_np:
         host[:] = np.random.default_rng(0).integers(0, 256, host.shape, dtype=np.uint8)

@@ -38,7 +38,7 @@ NEW_ROW = NewRow(
     num_prompt_tokens=2,
     num_computed=1,
     block_table=i32([9, 4]),
-    params=SamplingParams(seed=7).to_dict(),
+    sampling=SamplingParams(seed=7, min_tokens=2, stop_token_ids=[3], logit_bias={5: -1.5}).row_sampling(),
 )
 SAMPLES = [
     AddRequest("r-1", i32([1, 2, 2**31 - 1]), {"max_tokens": 4, "temperature": 0.5, "stop": ["\n"]}),
@@ -60,6 +60,7 @@ SAMPLES = [
     EngineDead("worker 0 died"),
     Error("malformed frame: AddRequest.prompt_token_ids must be raw i32 bytes", "r-1"),
     Error("Shutdown refused"),
+    NEW_ROW.sampling,
     NEW_ROW,
     StepPlan(
         step=2,
@@ -287,16 +288,34 @@ def test_logit_bias_takes_digit_string_keys_as_json_born_clients_send_them():
             SamplingParams(logit_bias={key: 1.0})
 
 
-def test_sampling_params_errors_name_their_field_and_plans_rebuild_without_checking():
+def test_sampling_params_errors_name_their_field_and_plans_carry_what_the_worker_samples_with():
     with pytest.raises(InvalidParam, match="top_p") as bad:
         SamplingParams.from_dict({"top_p": 0.0})
     assert bad.value.field == "top_p"
     with pytest.raises(InvalidParam) as unknown:
         SamplingParams.from_dict({"temprature": 0.5})
     assert unknown.value.field == "temprature"
-    params = SamplingParams(temperature=0.5, stop="x", seed=7, logit_bias={3: 1.5}, stop_token_ids=[2])
-    wire = decode(encode(NewRow(0, i32([1]), 1, 0, i32([0]), params.to_dict()))).params
-    assert SamplingParams.from_plan(wire) == params
+    params = SamplingParams(temperature=0.5, stop="x", seed=2**64 - 1, logit_bias={3: 1.5}, stop_token_ids=[2])
+    wire = decode(encode(NewRow(0, i32([1]), 1, 0, i32([0]), params.row_sampling()))).sampling
+    assert wire == params.row_sampling()
+    assert (wire.temperature, wire.seed, wire.logit_bias, wire.stop_token_ids, wire.logprobs) == (
+        0.5,
+        -1,
+        {3: 1.5},
+        [],
+        -1,
+    )
+
+
+def test_a_new_row_whose_sampling_is_not_a_row_sampling_map_is_malformed():
+    row = {"type": "NewRow", "v": 1, "row": 0, "token_ids": b"", "num_prompt_tokens": 0, "num_computed": 0}
+    row["block_table"] = b""
+    for sampling in ({"type": "Shutdown"}, {"temperature": 1.0}, [1.0]):
+        with pytest.raises(ProtocolError, match="NewRow.sampling must be a RowSampling map"):
+            decode(msgpack.packb({**row, "sampling": sampling}, use_bin_type=True))
+    wire = msgpack.unpackb(encode(NEW_ROW.sampling), raw=False, strict_map_key=False)
+    with pytest.raises(ProtocolError, match="RowSampling.temperature has type int"):
+        decode(msgpack.packb({**wire, "temperature": 1}, use_bin_type=True))
 
 
 def test_shared_masks_show_one_process_writes_to_another_by_step_parity_and_refuse_a_second_creator(tmp_path):

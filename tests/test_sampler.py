@@ -18,7 +18,7 @@ def _sampler(rows_params: list[SamplingParams], prompts=None, outputs=None, voca
     for row, params in enumerate(rows_params):
         prompt = np.asarray(prompts[row] if prompts else [], np.int32)
         out = np.asarray(outputs[row] if outputs else [], np.int32)
-        s.add_row(row, params, prompt, out)
+        s.add_row(row, params.row_sampling(), prompt, out)
     return s
 
 
@@ -66,7 +66,7 @@ def test_uniform_from_bits_stays_inside_zero_one_at_the_extremes():
 def _draws(logits_row: torch.Tensor, params: SamplingParams, n: int) -> torch.Tensor:
     """n draws of one row at n consecutive positions (n independent samples of the same distribution)."""
     s = Sampler(max_rows=1, vocab_size=logits_row.shape[-1], device=torch.device("cpu"))
-    s.add_row(0, params, np.zeros(0, np.int32), np.zeros(0, np.int32))
+    s.add_row(0, params.row_sampling(), np.zeros(0, np.int32), np.zeros(0, np.int32))
     rows = np.zeros(n, np.int64)
     return s(
         logits_row.expand(n, -1).contiguous(),
@@ -162,7 +162,12 @@ def test_sampled_tokens_count_toward_later_penalties():
 def test_readded_row_forgets_the_previous_requests_tokens():
     vocab = 8
     s = _sampler([SamplingParams(temperature=0.0, presence_penalty=1.0)], [[1]], [[2, 2]], vocab=vocab)
-    s.add_row(0, SamplingParams(temperature=0.0, presence_penalty=1.0), np.array([3], np.int32), np.zeros(0, np.int32))
+    s.add_row(
+        0,
+        SamplingParams(temperature=0.0, presence_penalty=1.0).row_sampling(),
+        np.array([3], np.int32),
+        np.zeros(0, np.int32),
+    )
     assert s.output_counts[0].sum().item() == 0
     assert s.prompt_mask[0].nonzero().flatten().tolist() == [3]
 
@@ -206,11 +211,19 @@ def test_eos_and_stop_ids_are_banned_until_min_tokens_outputs():
     # Params as the scheduler resolves them: EOS (3) joins stop_token_ids unless ignore_eos.
     s = Sampler(max_rows=4, vocab_size=V, device=torch.device("cpu"))
     prompt, no_out = np.zeros(4, np.int32), np.zeros(0, np.int32)
-    s.add_row(0, SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[3, 5]), prompt, no_out)
-    s.add_row(1, SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[5], ignore_eos=True), prompt, no_out)
-    s.add_row(2, SamplingParams(temperature=0.0, stop_token_ids=[3, 5]), prompt, no_out)
+    s.add_row(0, SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[3, 5]).row_sampling(), prompt, no_out)
     s.add_row(
-        3, SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[3]), prompt, np.array([7, 8], np.int32)
+        1,
+        SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[5], ignore_eos=True).row_sampling(),
+        prompt,
+        no_out,
+    )
+    s.add_row(2, SamplingParams(temperature=0.0, stop_token_ids=[3, 5]).row_sampling(), prompt, no_out)
+    s.add_row(
+        3,
+        SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[3]).row_sampling(),
+        prompt,
+        np.array([7, 8], np.int32),
     )  # resumed
     assert not s.plain  # the graph's draw would skip the ban
     logits = torch.zeros(4, V)
@@ -218,5 +231,7 @@ def test_eos_and_stop_ids_are_banned_until_min_tokens_outputs():
     for position, expected in [(4, [1, 3, 3, 3]), (5, [1, 3, 3, 3]), (6, [3, 3, 3, 3])]:
         tokens = _run(s, logits, [0, 1, 2, 3], [position] * 4).token_ids
         assert tokens.tolist() == expected, (position, tokens)
-    s.add_row(0, SamplingParams(temperature=0.0, min_tokens=1, stop_token_ids=[3, V + 10]), prompt, no_out)
+    s.add_row(
+        0, SamplingParams(temperature=0.0, min_tokens=1, stop_token_ids=[3, V + 10]).row_sampling(), prompt, no_out
+    )
     assert _run(s, logits[:1], [0], [4]).token_ids.item() == 5  # EOS banned; an id past the vocabulary is skipped

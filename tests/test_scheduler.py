@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from protocol.config import EngineConfig, ModelConfig
-from protocol.messages import AddRequest, Error, StepPlan, StepResult, TokenBatch, i32
+from protocol.messages import AddRequest, Error, RowSampling, StepPlan, StepResult, TokenBatch, i32
 from scheduler.scheduler import Scheduler
 
 VOCAB = 97
@@ -58,7 +58,7 @@ class Mirror:
     num_row_tokens: int
     computed: int
     table: list[int]
-    params: dict
+    sampling: RowSampling
 
 
 class FakeWorker:
@@ -77,7 +77,7 @@ class FakeWorker:
         self.plans.append(plan)
         for nr in plan.new_rows:  # replaces a finished or preempted row's old mirror
             self.rows[nr.row] = Mirror(
-                nr.token_ids.tolist(), len(nr.token_ids), nr.num_computed, nr.block_table.tolist(), nr.params
+                nr.token_ids.tolist(), len(nr.token_ids), nr.num_computed, nr.block_table.tolist(), nr.sampling
             )
         for row, ids in plan.block_appends:  # ids: an array in process, raw int32 bytes over the wire
             self.rows[row].table.extend(np.frombuffer(ids, "<i4") if isinstance(ids, bytes) else ids)
@@ -488,7 +488,7 @@ def test_unseeded_requests_get_a_63_bit_seed_and_seeded_keep_theirs():
     h.add([1, 2], max_tokens=2)
     h.add([1, 2], max_tokens=2, seed=1234)
     plan = h.step()
-    seeds = [nr.params["seed"] for nr in plan.new_rows]
+    seeds = [nr.sampling.seed for nr in plan.new_rows]
     assert 0 <= seeds[0] < 2**63 and seeds[1] == 1234
     h.run()
 

@@ -398,6 +398,7 @@ def test_metrics_use_vllm_names_and_count_requests(server):
         "vllm:num_requests_running",
         "vllm:num_requests_waiting",
         "vllm:kv_cache_usage_perc",
+        "vllm:gpu_cache_usage_perc",
         "vllm:prompt_tokens_total",
         "vllm:generation_tokens_total",
         "vllm:num_preemptions_total",

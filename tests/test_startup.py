@@ -16,9 +16,9 @@ from triton.runtime import jit
 from bench.linear_picks import merge
 from kernels.gemv import GemvConfig
 from tests.test_linear import no_op
-from worker import linear_picks, precompile
 from worker import linear_plan as plan
-from worker.process import startup_summary
+from worker import precompile
+from worker.startup import startup_summary
 
 GPU = "NVIDIA Test GPU"
 PICKED = GemvConfig(64, 128, 2)
@@ -38,14 +38,14 @@ def shipped(monkeypatch, fresh_choices):
             "gemm rows w 96x64 torch.float32 bias True fp8 None": {"24": 5.0, "32": 4.0},
         },
     )
-    monkeypatch.setattr(linear_picks, "PATH", path)
+    monkeypatch.setattr(plan, "PICKS_PATH", path)
     monkeypatch.setattr(plan, "_gpu", lambda device: GPU)
     monkeypatch.setattr(plan, "_GEMM_TIMES", {})
     monkeypatch.setattr(plan, "fastest_config", lambda *a: pytest.fail("a shipped pick was timed"))
     monkeypatch.setattr(plan, "_time_rows", lambda *a: pytest.fail("shipped row times were timed"))
-    linear_picks.shipped.cache_clear()
+    plan.shipped_picks.cache_clear()
     yield path
-    linear_picks.shipped.cache_clear()
+    plan.shipped_picks.cache_clear()
 
 
 def test_a_shipped_pick_is_used_without_timing(shipped):
@@ -71,7 +71,7 @@ def test_an_unknown_gpu_or_shape_is_timed_and_kept_on_disk(shipped, monkeypatch)
 
 
 def test_the_switch_off_times_a_shape_the_file_has(shipped, monkeypatch):
-    monkeypatch.setenv(linear_picks.ENV, "0")
+    monkeypatch.setenv(plan.PICKS_ENV, "0")
     monkeypatch.setattr(plan, "fastest_config", lambda *a: GemvConfig(32, 256))
     assert plan.planned_config("norm", torch.randn(2, 64), torch.randn(96, 64), None, no_op) == GemvConfig(32, 256)
 
@@ -91,7 +91,7 @@ def test_a_compile_only_run_looks_picks_up_and_defers_the_untimed_to_the_real_ru
 def test_a_shipped_file_of_another_format_or_unreadable_is_ignored(tmp_path, caplog, content):
     path = tmp_path / "picks.json"
     path.write_text(content)
-    assert linear_picks.read(path) == {"format": linear_picks.FORMAT, "gpus": {}}
+    assert plan.read_picks(path) == {"format": plan.PICKS_FORMAT, "gpus": {}}
     assert "ignoring the shipped linear picks" in caplog.text
 
 
@@ -107,7 +107,7 @@ def test_merging_picks_replaces_this_gpus_and_keeps_the_others(tmp_path):
 
 def test_every_shipped_gemv_pick_is_a_valid_config():
     # A GemvConfig change must come with the file timed again (python -m bench.linear_picks on each GPU).
-    for gpu, picks in linear_picks.read(linear_picks.PATH)["gpus"].items():
+    for gpu, picks in plan.read_picks(plan.PICKS_PATH)["gpus"].items():
         for key, pick in picks.items():
             assert key.startswith(("gemv fold ", "gemm rows w ")), (gpu, key)
             if key.startswith("gemv") and pick is not None:
@@ -191,7 +191,7 @@ def test_a_restart_compiles_every_kernel_in_its_dry_run_and_captures_without_war
 
     from frontend.model_resolution import resolve_config
     from protocol.config import EngineConfig
-    from worker.model_runner import ModelRunner
+    from worker import startup
 
     monkeypatch.setenv("PICO_VLLM_CACHE", str(tmp_path))
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))  # empty: the first dry run forks its compiles
@@ -207,7 +207,7 @@ def test_a_restart_compiles_every_kernel_in_its_dry_run_and_captures_without_war
         max_num_seqs=24,
         max_num_batched_tokens=256,
     )  # decode sizes 1-24: GEMV picks and padded cuBLAS rows
-    first = ModelRunner(resolve_config(EngineConfig(**kw)))
+    first = startup.build_runner(resolve_config(EngineConfig(**kw)))
     assert first.graphs.warmup_s > 0  # its picks were timed at the warm-ups
     del first
     for module in [m for name, m in sys.modules.items() if name.startswith("kernels.")]:
@@ -218,20 +218,20 @@ def test_a_restart_compiles_every_kernel_in_its_dry_run_and_captures_without_war
         cache.clear()
     plan._kept_choices.cache_clear()
     compiled_later = []
-    init_kv_cache = ModelRunner._init_kv_cache
+    init_kv_cache = startup._init_kv_cache
 
-    def after_the_dry_run(self):
+    def after_the_dry_run(*args):
         monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", lambda **kw: compiled_later.append(kw["repr"]))
-        init_kv_cache(self)
+        init_kv_cache(*args)
 
-    monkeypatch.setattr(ModelRunner, "_init_kv_cache", after_the_dry_run)
+    monkeypatch.setattr(startup, "_init_kv_cache", after_the_dry_run)
     compiles, do_compile = [], jit.JITFunction._do_compile
     monkeypatch.setattr(
         jit.JITFunction,
         "_do_compile",
         lambda self, key, *args: compiles.append((self, key)) or do_compile(self, key, *args),
     )
-    runner = ModelRunner(resolve_config(EngineConfig(**kw)))
+    runner = startup.build_runner(resolve_config(EngineConfig(**kw)))
     assert runner.startup["kernels_compiled"] > 0 and runner.graphs.warmup_s == 0.0
     assert compiled_later == []
     assert len(compiles) == len(set(compiles))  # once per specialisation, not at every launch of the dry run

@@ -294,7 +294,7 @@ def test_a_grammar_past_the_time_limit_ends_its_request_alone_holding_nothing(mo
         time.sleep(0.05)
     [(client, batch)] = replies
     assert client == b"c" and batch.finished == {"slow": "error"} and "took over" in batch.errors["slow"]
-    assert not sched.compiling and [r.request_id for r in sched.running] == ["free"] and not sched.waiting
+    assert not sched.structured.compiling and [r.request_id for r in sched.running] == ["free"] and not sched.waiting
     assert sched.block_manager.num_free_blocks == 16 - len(sched.running[0].block_table)
 
 
@@ -317,7 +317,7 @@ deadline = time.monotonic() + 120
 while not sched.waiting and time.monotonic() < deadline:
     assert sched.admit_compiled() == []
     time.sleep(0.05)
-assert not sched.compiling and sched.waiting[0].matcher is not None
+assert not sched.structured.compiling and sched.waiting[0].matcher is not None
 plan = sched.schedule()
 assert list(plan.masked) == [0] and sched.take_mask().rows == 1  # the first step's mask, filled at once
 print(sorted(m for m in sys.modules if m.split(".")[0] == "frontend"))

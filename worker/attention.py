@@ -28,13 +28,6 @@ class AttentionMetadata:
     # A decode step's [B] mirror rows: block_tables is then the runner's whole table, row b's at table_rows[b].
     table_rows: torch.Tensor | None = None
 
-    def __post_init__(self) -> None:
-        if self.table_rows is not None and self.work is not None:
-            raise ValueError(
-                "AttentionMetadata.table_rows is for decode steps (work None): a prompt step's "
-                "block_tables must be its sequences' own rows"
-            )
-
 
 class AttentionBackend:
     """Builds a step's AttentionMetadata from its staged views over the runner's device block tables."""
@@ -53,14 +46,11 @@ class AttentionBackend:
         rows = views["rows"]
         # A few rows read their tables through `rows` inside the kernel; many rows gather them once here, which
         # keeps the many-rows kernel's registers low.
-        through = few_rows_launch(rows.shape[0], self.num_kv_heads)
-        tables = self.block_tables if through else self.block_tables[rows]
+        few = few_rows_launch(rows.shape[0], self.num_kv_heads)
+        tables = self.block_tables if few else self.block_tables[rows]
+        cu = self._decode_cu[: rows.shape[0] + 1]
         return AttentionMetadata(
-            views["slot_mapping"],
-            tables,
-            views["context_lens"],
-            self._decode_cu[: rows.shape[0] + 1],
-            table_rows=rows if through else None,
+            views["slot_mapping"], tables, views["context_lens"], cu, table_rows=rows if few else None
         )
 
     def prefill_metadata(self, views: Views) -> AttentionMetadata:

@@ -1,8 +1,5 @@
-"""Every CUDA graph of a runner, in one registry: decode steps per batch size, prompt steps per token bucket. A step
-replays the smallest graph of its kind that holds it, staged padded to that size. Capture goes largest first into one
-memory pool per kind, so smaller graphs reuse the largest one's memory. Padded lanes read and write a spare dummy row,
-store to slot -1 (skipped), attend to nothing (context length 0, no queries, no work items), and every op outside
-attention is row-wise, so they never reach the real rows."""
+"""Every CUDA graph of a runner: decode steps per batch size, prompt steps per token bucket; a step replays the
+smallest that holds it. Padded lanes read and write a spare dummy row, store to slot -1 and attend to nothing."""
 
 from __future__ import annotations
 

@@ -35,10 +35,11 @@ _PREFILL_READS = ("rows", "positions", "slot_mapping", "context_lens", "cu_seqle
 FIELD_ALIGN = 16
 
 
+Layout = dict[str, tuple[int, int, type]]  # field -> byte offset, byte length, dtype
+
+
 @functools.lru_cache(maxsize=4096)
-def _layout(
-    tokens: int, seqs: int, samples: int, deltas: int, work: int
-) -> tuple[dict[str, tuple[int, int, type]], int]:
+def _layout(tokens: int, seqs: int, samples: int, deltas: int, work: int) -> tuple[Layout, int]:
     """Byte offset, byte length and dtype of every field, and the end; each field starts FIELD_ALIGN-aligned."""
     sizes = {"T": tokens, "B": seqs, "B1": seqs + 1, "S": samples, "D": deltas, "W2": 2 * work}
     out, offset = {}, 0
@@ -62,7 +63,7 @@ class StepBuffers:
         self._host_np = [h.numpy() for h in self._host]
         self.device_buf = torch.zeros(capacity, dtype=torch.uint8, device=device)
         self._turn = 0
-        self._layout: dict = {}
+        self._layout: Layout = {}
         self._end = 0
         self._host_views: dict[tuple, dict[str, np.ndarray]] = {}
 
@@ -83,9 +84,6 @@ class StepBuffers:
             buf = self._host_np[self._turn]
             views = self._host_views[key] = {name: buf[off : off + n].view(dt) for name, (off, n, dt) in layout.items()}
         return views
-
-    def upload(self) -> None:
-        self.device_buf[: self._end].copy_(self._host[self._turn][: self._end], non_blocking=True)
 
     def write(
         self,
@@ -119,7 +117,7 @@ class StepBuffers:
         if len(deltas[0]):
             v["delta_idx"][:] = deltas[0]
             v["delta_val"][:] = deltas[1]
-        self.upload()
+        self.device_buf[: self._end].copy_(self._host[self._turn][: self._end], non_blocking=True)
 
     def view(self, name: str) -> torch.Tensor:
         return self._device_view(*self._layout[name])

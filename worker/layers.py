@@ -1,11 +1,6 @@
 """Tensor-parallel building blocks of a decoder: packed linears, vocab-parallel embedding and lm_head, RMSNorm, RoPE.
-
-Every parameter carries weight_loader(param, loaded, shard_id=None): it checks the full checkpoint tensor's shape
-and copies this rank's TP shard of it into place. Parameters take torch's default dtype and device (build the
-model under them). Linears run worker.linear: for a few rows on the GPU, a Triton GEMV where timed faster than
-cuBLAS, with the RMSNorm before it (FusedRMSNorm) and SwiGLU after gate_up (GateUpSwiGLU) folded in. With FP8 (a
-linear's fp8_block) its weight is e4m3 beside weight_scale, one float32 per block, loaded through the same
-weight_loader: a scale's shard is its weight's, in whole blocks."""
+Every parameter carries weight_loader(param, loaded, shard_id=None), which checks the full checkpoint tensor's shape
+and copies this rank's shard into place (an FP8 scale's shard is its weight's, in whole blocks)."""
 
 from __future__ import annotations
 
@@ -38,10 +33,10 @@ def _param(*shape: int, loader: Callable, shard_ids: tuple = (None,), dtype: tor
 
 
 def _linear_weight(
-    module: nn.Module, out: int, in_: int, loader: Callable, block: tuple[int, int] | None, shard_ids: tuple = (None,)
+    module: nn.Module, out: int, in_: int, loader: Callable, config: ModelConfig, shard_ids: tuple = (None,)
 ) -> None:
     """module.weight [out, in_] in the default dtype, or e4m3 beside module.weight_scale (one float32 per block)."""
-    module.fp8_block = block
+    block = module.fp8_block = fp8_block(config)
     module.weight = _param(out, in_, loader=loader, shard_ids=shard_ids, dtype=FP8 if block else None)
     if block:
         module.weight_scale = _param(
@@ -90,19 +85,10 @@ class QKVParallelLinear(nn.Module):
     """Column-parallel q|k|v projection (with or without bias), this rank's heads packed as [q heads, k heads, v heads];
     returns q [T, heads, D], k and v [T, kv heads, D], views of one output."""
 
-    def __init__(
-        self,
-        hidden_size: int,
-        head_dim: int,
-        num_heads: int,
-        num_kv_heads: int,
-        tp_rank: int = 0,
-        tp_size: int = 1,
-        bias: bool = True,
-        fp8_block: tuple[int, int] | None = None,
-    ) -> None:
+    def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int, bias: bool) -> None:
         super().__init__()
-        self.head_dim, self.hidden_size = head_dim, hidden_size
+        num_heads, num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim, self.hidden_size = config.head_dim, config.hidden_size
         self.total = {"q": num_heads, "k": num_kv_heads, "v": num_kv_heads}
         self.num_heads, self.num_kv_heads = num_heads // tp_size, local_kv_heads(num_kv_heads, tp_size)
         # Split KV heads start at rank * kv/tp; a replicated one (tp > kv) is shared by tp/kv neighbouring
@@ -110,8 +96,8 @@ class QKVParallelLinear(nn.Module):
         kv_start = tp_rank * num_kv_heads // tp_size
         self.first_head = {"q": tp_rank * self.num_heads, "k": kv_start, "v": kv_start}
         self.offset = {"q": 0, "k": self.num_heads, "v": self.num_heads + self.num_kv_heads}
-        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
-        _linear_weight(self, out, hidden_size, self.weight_loader, fp8_block, ("q", "k", "v"))
+        out = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        _linear_weight(self, out, self.hidden_size, self.weight_loader, config, ("q", "k", "v"))
         self.bias = _param(out, loader=self.weight_loader, shard_ids=("q", "k", "v")) if bias else None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
@@ -129,18 +115,11 @@ class GateUpSwiGLU(nn.Module):
     """silu(x @ gate^T) * (x @ up^T), column-parallel, [gate | up] in one weight (shard 0 gate_proj, 1 up_proj):
     SwiGLU runs in the GEMV's stores where that is faster."""
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        tp_rank: int = 0,
-        tp_size: int = 1,
-        fp8_block: tuple[int, int] | None = None,
-    ) -> None:
+    def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int) -> None:
         super().__init__()
-        self.full, self.local, self.tp_rank = out_features, out_features // tp_size, tp_rank
-        self.in_features = in_features
-        _linear_weight(self, 2 * self.local, in_features, self.weight_loader, fp8_block, (0, 1))
+        self.full, self.local, self.tp_rank = config.intermediate_size, config.intermediate_size // tp_size, tp_rank
+        self.in_features = config.hidden_size
+        _linear_weight(self, 2 * self.local, self.in_features, self.weight_loader, config, (0, 1))
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
         _check_shape(param, loaded, (self.full, self.in_features))
@@ -151,19 +130,12 @@ class GateUpSwiGLU(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """Row-parallel projection (no bias): each rank holds a slice of the input dim; outputs are summed."""
+    """Row-parallel projection onto the hidden size (no bias): each rank holds a slice of the input dim; sums them."""
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        tp_rank: int = 0,
-        tp_size: int = 1,
-        fp8_block: tuple[int, int] | None = None,
-    ) -> None:
+    def __init__(self, in_features: int, config: ModelConfig, tp_rank: int, tp_size: int) -> None:
         super().__init__()
-        self.full_in, self.out_features, self.tp_rank, self.tp_size = in_features, out_features, tp_rank, tp_size
-        _linear_weight(self, out_features, in_features // tp_size, self.weight_loader, fp8_block)
+        self.full_in, self.out_features, self.tp_rank, self.tp_size = in_features, config.hidden_size, tp_rank, tp_size
+        _linear_weight(self, self.out_features, in_features // tp_size, self.weight_loader, config)
         self.weight.full_in = in_features  # the fan-in that random init scales by
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: None = None) -> None:
@@ -233,10 +205,11 @@ class FusedRMSNorm(RMSNorm):
 class RotaryEmbedding(nn.Module):
     """The RoPE table cos_sin [max_position, head_dim] (make_cos_sin's) that the attention kernels read, float32."""
 
-    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None = None) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.shape, self.scaling = (max_position, head_dim, theta), scaling
-        self.register_buffer("cos_sin", make_cos_sin(*self.shape, None, scaling), persistent=False)
+        self.shape = (config.max_position_embeddings, config.head_dim, config.rope_theta)
+        self.scaling = config.rope_scaling
+        self.register_buffer("cos_sin", make_cos_sin(*self.shape, None, self.scaling), persistent=False)
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)  # .to(dtype) casts buffers too: rebuild the table in float32 on its device

@@ -1,6 +1,5 @@
 """The linear plan: for each linear shape of a few rows, the Triton GEMV config that runs it, or None for the
-unfused path; past GEMV_MAX_M rows, the row count to run cuBLAS on. Shipped for known GPUs (worker/linear_picks.py),
-else timed at a shape's first eager call (a shape first met during capture, or untimed in a compile-only run, runs
+unfused path; past GEMV_MAX_M rows, the row count to run cuBLAS on. Shipped for known GPUs (PICKS_PATH), else timed at a shape's first eager call (a shape first met during capture, or untimed in a compile-only run, runs
 unfused until then), in a CUDA graph over weights not in L2, and kept on disk under the cache directory, keyed by
 the GPU, torch, Triton and the kernels' source."""
 
@@ -26,7 +25,6 @@ from triton.runtime.errors import OutOfResources
 from kernels.fp8 import Fp8Weight
 from kernels.gemv import GEMV_MAX_M, GemvConfig, Weight, candidate_configs, num_sms
 from protocol.config import cache_root
-from worker import linear_picks
 from worker.precompile import compile_only, dry_run
 
 GRAPH_CALLS = 32  # timed calls in one CUDA graph
@@ -37,6 +35,10 @@ PAD_STEP = 8  # decode graphs hold multiples of 8 rows past 8 (worker/cuda_graph
 PAD_MAX_ROWS = 256  # max_num_seqs' default: the largest decode graph, hence the rows worth timing
 FILE_NAME = "kernel-choices-v1.json"
 _ROOT = Path(__file__).resolve().parents[1]
+# Written by `python -m bench.linear_picks` on each GPU; PICO_VLLM_SHIPPED_PICKS=0 ignores it (every shape is timed).
+PICKS_PATH = Path(__file__).with_name("linear_picks.json")
+PICKS_FORMAT = 1  # the file's layout: {"format": 1, "gpus": {device name: {pick key: pick}}}
+PICKS_ENV = "PICO_VLLM_SHIPPED_PICKS"
 _SOURCES = ("worker/linear.py", "worker/linear_plan.py", "kernels/fp8.py", "kernels/gemv*.py")  # under _ROOT
 
 Op = Callable[[Weight, torch.Tensor | None, GemvConfig | None], object]  # (w, bias, config; None: unfused)
@@ -193,8 +195,28 @@ def _scale_block(w: Weight) -> tuple[int, int] | None:
 
 def _kept(kind: str, shape: str, device: torch.device) -> object:
     """This GPU's shipped pick for the shape, else the one timed here before; False when neither has it."""
-    shipped = linear_picks.shipped(_gpu(device)).get(f"{kind} {shape}", False)
+    shipped = shipped_picks(_gpu(device)).get(f"{kind} {shape}", False)
     return _kept_choices().get(f"{kind} {_stale_when(device)} {shape}", False) if shipped is False else shipped
+
+
+def read_picks(path: Path) -> dict:
+    """The picks file's content; an empty one (no GPU) when it is missing, unreadable or of another format."""
+    try:
+        data = json.loads(path.read_text())
+        if data.get("format") != PICKS_FORMAT:
+            raise ValueError(f"format {data.get('format')!r}, this code reads {PICKS_FORMAT}")
+    except FileNotFoundError:
+        data = {}
+    except (OSError, ValueError, AttributeError) as e:
+        log.warning("ignoring the shipped linear picks %s (%s): their shapes are timed here", path, e)
+        data = {}
+    return data or {"format": PICKS_FORMAT, "gpus": {}}
+
+
+@functools.cache
+def shipped_picks(gpu: str) -> dict[str, object]:
+    """This GPU's picks by key ("gemv fold ..." a GEMV config or None, "gemm rows w ..." µs by row count)."""
+    return {} if os.environ.get(PICKS_ENV, "1") == "0" else read_picks(PICKS_PATH)["gpus"].get(gpu, {})
 
 
 def _gpu(device: torch.device) -> str:

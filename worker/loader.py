@@ -1,7 +1,6 @@
-"""Weights into a model: Hugging Face safetensors (one file or shards), or deterministic random ones. Each parameter's
-weight_loader cuts its TP shard and packs q/k/v and gate/up; this file maps checkpoint names onto parameters and checks
-that each was filled and no tensor left over. An FP8 linear takes an FP8 checkpoint's e4m3 weight and weight_scale_inv
-as they are, or quantizes a float weight whole (a row's scale the same at every TP size) before its shard is cut."""
+"""Weights into a model: Hugging Face safetensors (one file or shards), or deterministic random ones. Checkpoint names
+map onto parameters; every parameter must be filled and no tensor left over. A float weight of an FP8 linear is
+quantized whole before its shard is cut, so a row's scale is the same at every TP size."""
 
 from __future__ import annotations
 

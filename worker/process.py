@@ -11,7 +11,6 @@ import os
 import threading
 import time
 
-import numpy as np
 import zmq
 
 from protocol.addresses import Addresses
@@ -40,8 +39,10 @@ def run_worker(config_dict: dict, addresses_dict: dict, rank: int, parent_pid: i
         runner = _build_runner(config, addresses, rank, clock)
         gc.collect()
         gc.freeze()  # torch's and the model's objects leave the collector's view: no long pauses between steps
-        clock.update(runner.clock, worker_ready=time.time())
+        clock["worker_ready"] = time.time()
         if rank == 0:
+            from worker.startup import startup_summary  # loaded already, with torch
+
             log.info("%s", startup_summary(runner.startup, clock))
         info = {"num_kv_blocks": runner.num_kv_blocks, "startup": {**runner.startup, "clock": clock}}
         results.send(encode(Ready(role="worker", rank=rank, info=info)))
@@ -63,25 +64,12 @@ def run_worker(config_dict: dict, addresses_dict: dict, rank: int, parent_pid: i
         raise SystemExit(1)
 
 
-def startup_summary(parts: dict, clock: dict[str, float]) -> str:
-    """One line: the seconds to ready, and each stage's."""
-    stages = {
-        "importing torch": clock["torch_imported"] - clock["worker_entered"],
-        "weights": parts["weights_s"],
-        f"compiling {parts['kernels_compiled']} Triton kernels": parts["compile_s"],
-        "KV cache": parts["kv_cache_s"],
-        "CUDA graphs": parts["graph_capture_s"],
-    }
-    return f"worker ready in {clock['worker_ready'] - clock['worker_entered']:.2f} s: " + ", ".join(
-        f"{name} {seconds:.2f} s" for name, seconds in stages.items()
-    )
-
-
 def _build_runner(config: EngineConfig, addresses: Addresses, rank: int, clock: dict[str, float]):
     # While torch imports (1.5-2 s): the driver makes the CUDA context, and Triton hashes its own files (~0.5 s),
     # which every Triton cache key starts with. Both threads mostly run without the GIL.
+    local_rank = rank - config.local_ranks.start  # this node's GPU index
     if config.device != "cpu":
-        threading.Thread(target=_make_cuda_context, args=(rank,), name="cuda-context", daemon=True).start()
+        threading.Thread(target=_make_cuda_context, args=(local_rank,), name="cuda-context", daemon=True).start()
     with contextlib.suppress(ImportError):  # private: without it, Triton hashes its files at the first compile
         from triton.runtime.cache import triton_key
 
@@ -89,20 +77,22 @@ def _build_runner(config: EngineConfig, addresses: Addresses, rank: int, clock: 
     # Imported here: torch and CUDA load only once this process is committed to being a worker.
     import torch
 
-    from worker.model_runner import ModelRunner, select_device
     from worker.parallel import init_tp_group
+    from worker.startup import build_runner, select_device
 
     clock["torch_imported"] = time.time()
     tp_size = config.tensor_parallel_size
-    device = select_device(config.device, rank)
+    device = select_device(config.device, local_rank)
     clock["device_selected"] = time.time()
     if device.type == "cuda":  # the host's torch ops are small copies: idle OpenMP threads would spin on every core
         torch.set_num_threads(1)
     if tp_size > 1:
-        # A file in the engine's private ipc directory: no TCP port to collide with another engine's.
-        init_method = f"file://{addresses.ipc_dir}/tp-rendezvous" if addresses.ipc_dir else "tcp://127.0.0.1:29500"
+        # One host: a file in the engine's private ipc directory, no TCP port to collide with another engine's.
+        init_method = f"file://{addresses.ipc_dir}/tp-rendezvous"
+        if config.nnodes > 1 or not addresses.ipc_dir:
+            init_method = f"tcp://{config.master_addr}:{config.master_port}"
         init_tp_group(rank, tp_size, device.type, init_method)
-    return ModelRunner(config, rank, tp_size)
+    return build_runner(config, rank, tp_size, clock)
 
 
 def _make_cuda_context(rank: int) -> None:
@@ -113,52 +103,45 @@ def _make_cuda_context(rank: int) -> None:
             cuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), device)
 
 
-class _Stopped(Exception):
-    """Shutdown came while a step waited for its GrammarMask."""
-
-
 def _serve(runner, plans: zmq.Socket, results: zmq.Socket, rank: int, tracer: Tracer, mask_file: str) -> None:
     """Launch each plan as it comes, so plan N+1 queues behind step N on the GPU; collect a step once it is done."""
     pending = masks = None
-
-    def wait_mask(step: int) -> np.ndarray:
-        """Step `step`'s mask rows in the shared file; step N's result goes out first (step N + 1's masks need it)."""
-        nonlocal pending, masks
-        if pending is not None:
-            _finish(runner, pending, results, rank, tracer)
-            pending = None
-        with tracer.span("worker.wait_mask", step):
-            while not plans.poll(0):  # spin: waking from a blocking recv costs ~0.1 ms, on the step's critical path
-                pass
-            msg = decode(plans.recv())
-        if isinstance(msg, Shutdown):
-            raise _Stopped
-        if not isinstance(msg, GrammarMask) or msg.step != step:
-            raise ValueError(f"worker received a {type(msg).__name__} while step {step} waited for its GrammarMask")
-        if masks is None:  # the scheduler made the file before its first GrammarMask
-            masks = _map_masks(mask_file, runner)
-        return masks.slot(step, msg.rows)
-
     while True:
         if pending is not None and not plans.poll(0):
             if runner.is_done(pending):  # spin: a poll is a few microseconds, a step a millisecond
-                _finish(runner, pending, results, rank, tracer)
-                pending = None
+                pending = _finish(runner, pending, results, rank, tracer)
             continue
         msg = decode(plans.recv())
         if isinstance(msg, Shutdown):
-            if pending is not None:
-                _finish(runner, pending, results, rank, tracer)
+            _finish(runner, pending, results, rank, tracer)
             return
         if not isinstance(msg, StepPlan):
             raise ValueError(f"worker received a {type(msg).__name__}: only StepPlan and Shutdown are expected")
-        try:
-            launched = runner.launch(msg, wait_mask)
-        except _Stopped:
-            return
-        if pending is not None:
-            _finish(runner, pending, results, rank, tracer)
+        launched, mask = runner.forward(msg), None
+        if len(launched.masked):  # step N's result goes out first: step N + 1's masks need it
+            pending = _finish(runner, pending, results, rank, tracer)
+            rows = _receive_mask(plans, msg.step, tracer)
+            if rows is None:
+                return
+            if masks is None:  # the scheduler made the file before its first GrammarMask
+                masks = _map_masks(mask_file, runner)
+            mask = masks.slot(msg.step, rows)
+        runner.sample(launched, mask)
+        _finish(runner, pending, results, rank, tracer)
         pending = launched
+
+
+def _receive_mask(plans: zmq.Socket, step: int, tracer: Tracer) -> int | None:
+    """The number of mask rows step `step`'s GrammarMask names in the shared file; None: Shutdown came instead."""
+    with tracer.span("worker.wait_mask", step):
+        while not plans.poll(0):  # spin: waking from a blocking recv costs ~0.1 ms, on the step's critical path
+            pass
+        msg = decode(plans.recv())
+    if isinstance(msg, Shutdown):
+        return None
+    if not isinstance(msg, GrammarMask) or msg.step != step:
+        raise ValueError(f"worker received a {type(msg).__name__} while step {step} waited for its GrammarMask")
+    return msg.rows
 
 
 def _map_masks(path: str, runner) -> SharedMasks:
@@ -172,6 +155,8 @@ def _map_masks(path: str, runner) -> SharedMasks:
 
 
 def _finish(runner, launched, results: zmq.Socket, rank: int, tracer: Tracer) -> None:
+    if launched is None:  # no step pending
+        return
     result = runner.collect(launched)
     if t := result.timings:
         tracer.record("worker.launch", t["start_ns"], t["end_ns"] - t["start_ns"], result.step)

@@ -47,7 +47,8 @@ class RowMirror:
         self._arange = np.arange(max_rows + 1, dtype=np.int64)
         self._deltas: list[tuple[np.ndarray, np.ndarray]] = []  # for the device copy of the block table
 
-    def add(self, new: NewRow) -> None:
+    def enter_row(self, new: NewRow) -> None:
+        """A request enters its row: its known tokens and block table replace whatever the row held."""
         row, tokens = new.row, np.asarray(new.token_ids, np.int32)
         self._check_row(row, "NewRow.row")
         if not 0 <= new.num_computed < len(tokens):

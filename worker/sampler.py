@@ -1,8 +1,6 @@
-"""The sampler: logits -> token ids on the device, every row with its own params, no host sync.
-
-Per-row params live in device tables indexed by row, written once when the row is added; host counts of the
-rows using each feature let a stage no row needs cost nothing. Random rows draw hashed Gumbel noise, so a
-request samples the same tokens alone or in any batch, and again after a preemption."""
+"""The sampler: logits -> token ids on the device, every row with its own params, no host sync. Host counts of the
+rows using each feature let a stage no row needs cost nothing; hashed Gumbel noise makes a seeded row sample the
+same tokens alone or in any batch, and again after a preemption."""
 
 from __future__ import annotations
 
@@ -12,17 +10,13 @@ import numpy as np
 import torch
 
 from kernels import apply_token_bitmask_, gumbel_argmax
-from protocol.sampling import SamplingParams
+from protocol.messages import RowSampling
 
-# Column order of the float and int parameter tables.
-_TEMP, _TOP_P, _MIN_P, _PRESENCE, _FREQUENCY, _REPETITION = range(6)
+# Column order of the float and int parameter tables: the float one holds these RowSampling fields.
+_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+_TEMP, _TOP_P, _MIN_P, _PRESENCE, _FREQUENCY, _REPETITION = range(len(_FLOATS))
 _TOP_K, _SEED, _MIN_UNTIL = range(3)
 _FEATURES = ("random", "penalties", "top_k_top_p", "min_p", "logprobs", "min_tokens", "logit_bias", "grammar")
-
-
-def seed_to_i64(seed: int) -> int:
-    """Any Python int seed (SamplingParams allows -2**63 .. 2**64-1) as int64 bits."""
-    return ((seed + (1 << 63)) % (1 << 64)) - (1 << 63)
 
 
 @dataclass(slots=True)
@@ -63,46 +57,40 @@ class Sampler:
         self.bias = torch.zeros((max_rows, vocab_size), dtype=torch.float32, device=device)  # logit_bias
         self._lanes_host = self._mask = None  # grammar masks: the lane map's pinned copy; on the device [lanes, rows]
 
-    # ---- rows ---------------------------------------------------------------------------------------
-
-    def add_row(self, row: int, params: SamplingParams, prompt_ids: np.ndarray, output_ids: np.ndarray) -> None:
-        """output_ids: tokens generated before a preemption (they count for penalties). params come resolved
-        by the scheduler: a seed, and stop_token_ids with the EOS ids unless ignore_eos."""
+    def add_row(self, row: int, params: RowSampling, prompt_ids: np.ndarray, output_ids: np.ndarray) -> None:
+        """output_ids: tokens generated before a preemption (they count for penalties)."""
         self.remove_row(row)
-        top_k = params.top_k if params.top_k > 0 else 0
-        self._floats[row] = (
-            params.temperature,
-            params.top_p,
-            params.min_p,
-            params.presence_penalty,
-            params.frequency_penalty,
-            params.repetition_penalty,
-        )
+        self._floats[row] = [getattr(params, name) for name in _FLOATS]
         # vLLM bans the stop tokens until min_tokens outputs; ids past the vocabulary never come.
         banned = (
             [t for t in params.stop_token_ids if t < self.vocab_size] if params.min_tokens > len(output_ids) else []
         )
-        self._ints[row] = (top_k, seed_to_i64(params.seed or 0), len(prompt_ids) + params.min_tokens if banned else 0)
+        self._ints[row] = (params.top_k, params.seed, len(prompt_ids) + params.min_tokens if banned else 0)
         penalties = (
             params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 or params.repetition_penalty != 1.0
         )
         flags = {
             "random": params.temperature > 0.0,
             "penalties": penalties,
-            "top_k_top_p": params.temperature > 0.0 and (top_k > 0 or params.top_p < 1.0),
+            "top_k_top_p": params.temperature > 0.0 and (params.top_k > 0 or params.top_p < 1.0),
             "min_p": params.temperature > 0.0 and params.min_p > 0.0,
-            "logprobs": params.logprobs is not None,
+            "logprobs": params.logprobs >= 0,
             "min_tokens": bool(banned),
             "logit_bias": bool(params.logit_bias),
-            "grammar": params.structured_outputs is not None,
+            "grammar": params.grammar,
         }
         for name, on in flags.items():
             self._feature[name][row] = on
             self._count[name] += int(on)
-        self._logprobs_k[row] = -1 if params.logprobs is None else params.logprobs
+        self._logprobs_k[row] = params.logprobs
         self._dirty = True
         if penalties:
-            self._reset_penalty_state(row, prompt_ids, output_ids)
+            self.output_counts[row].zero_()
+            self.prompt_mask[row].zero_()
+            self.prompt_mask[row, _upload(np.asarray(prompt_ids, np.int64), self.device)] = True
+            if len(output_ids):
+                out = _upload(np.asarray(output_ids, np.int64), self.device)
+                self.output_counts[row].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
         if banned:
             self.banned[row].zero_()
             self.banned[row, _upload(np.asarray(banned, np.int64), self.device)] = True
@@ -118,27 +106,16 @@ class Sampler:
             self._feature[name][row] = False
         self._logprobs_k[row] = -1
 
-    def _reset_penalty_state(self, row: int, prompt_ids: np.ndarray, output_ids: np.ndarray) -> None:
-        self.output_counts[row].zero_()
-        self.prompt_mask[row].zero_()
-        prompt = _upload(np.asarray(prompt_ids, np.int64), self.device)
-        self.prompt_mask[row, prompt] = True
-        if len(output_ids):
-            out = _upload(np.asarray(output_ids, np.int64), self.device)
-            self.output_counts[row].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
-
     def profile(self, logits: torch.Tensor) -> None:
         """Every stage once on logits[N], so a memory profile sees the sampler's peak (rows 0..N-1 borrowed)."""
         n = logits.shape[0]
-        params = SamplingParams(
-            temperature=1.0,
-            top_k=50,
+        params = RowSampling(
             top_p=0.9,
+            top_k=50,
             min_p=0.05,
-            seed=0,
-            logprobs=20,
-            repetition_penalty=1.1,
             presence_penalty=0.1,
+            repetition_penalty=1.1,
+            logprobs=20,
             min_tokens=1,
             stop_token_ids=[0],
             logit_bias={0: 1.0},
@@ -168,8 +145,6 @@ class Sampler:
             self.ints.copy_(_upload(self._ints, self.device))
             self._dirty = False
 
-    # ---- sampling -----------------------------------------------------------------------------------
-
     def __call__(
         self,
         logits: torch.Tensor,
@@ -183,14 +158,12 @@ class Sampler:
         indices in their sequences (the seeds hash them); rows_host is read only for top-k/top-p; grammar is
         (indices into N, their packed bitmasks [k, words]) of the constrained rows."""
         self.sync_params()
-        out = SamplerOutput(token_ids=None)
-        if self.plain:
-            out.token_ids = gumbel_argmax(
-                logits, self.floats[:, _TEMP], self.ints[:, _SEED], positions, rows, last_token
-            )
-            return out
-        if self._count["logprobs"]:
-            self._raw_logprobs(logits, out)
+        out = SamplerOutput(token_ids=None)  # a plain step skips every stage below but the draw
+        if self._count["logprobs"]:  # of the raw logits (vLLM's default); the sampled one is gathered after the draw
+            out.logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+            k = int(self._logprobs_k.max())
+            if k > 0:
+                out.top_logprobs, out.top_ids = out.logprobs.topk(k, dim=-1)
         if grammar is not None:
             self.stage_masks(*grammar)
             apply_token_bitmask_(logits, *self._staged_masks())
@@ -230,18 +203,10 @@ class Sampler:
     ) -> torch.Tensor:
         """The plain draw (see __call__) under the staged masks: what a masked draw's graph captures."""
         apply_token_bitmask_(logits, *self._staged_masks())
-        return gumbel_argmax(logits, self.floats[:, _TEMP], self.ints[:, _SEED], positions, rows, last_token)
+        return self._sample(logits, rows, positions, None, last_token)
 
     def _staged_masks(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self._mask[: self.max_lanes], self._mask[self.max_lanes :].view(self.max_lanes, -1)
-
-    def _raw_logprobs(self, logits: torch.Tensor, out: SamplerOutput) -> None:
-        """log_softmax of the raw logits (vLLM's default); the sampled gather happens after sampling."""
-        logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
-        k = int(self._logprobs_k.max())
-        if k > 0:
-            out.top_logprobs, out.top_ids = logprobs.topk(k, dim=-1)
-        out.logprobs = logprobs
 
     def _apply_penalties(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Repetition as HF/vLLM (prompt or output tokens), frequency and presence as OpenAI (output only)."""
@@ -268,8 +233,10 @@ class Sampler:
         # The filters work on the tempered logits; the draw then only adds noise (temperature 1).
         temps = self.floats[rows, _TEMP]
         logits = logits / torch.where(temps > 0, temps, torch.ones_like(temps))[:, None]
-        if self._count["min_p"]:
-            logits = _apply_min_p(logits, self.floats[rows, _MIN_P])
+        if self._count["min_p"]:  # drop tokens less likely than min_p times the top token
+            probs = torch.softmax(logits, dim=-1)
+            threshold = probs.amax(dim=-1, keepdim=True) * self.floats[rows, _MIN_P, None]
+            logits = logits.masked_fill(probs < threshold, float("-inf"))
         if self._count["top_k_top_p"]:
             logits = self._apply_top_k_top_p(logits, rows, rows_host)
         tokens = gumbel_argmax(logits, (temps > 0).to(temps.dtype), self.ints[rows, _SEED], positions)
@@ -288,13 +255,6 @@ class Sampler:
         logits = logits.clone()
         logits[idx] = _top_k_top_p(logits[idx], self.ints[sel_rows, _TOP_K], self.floats[sel_rows, _TOP_P])
         return logits
-
-
-def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Drop tokens whose probability is below min_p times the top token's."""
-    probs = torch.softmax(logits, dim=-1)
-    threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
-    return logits.masked_fill(probs < threshold, float("-inf"))
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -1,26 +1,33 @@
-"""What a launched step leaves behind: its host copies in flight, and the StepResult they become."""
+"""What a launched step leaves behind: its draw, its host copies in flight, and the StepResult they become."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from protocol.messages import StepResult
+from worker.sampler import SamplerOutput
+
+Draw = Callable[[tuple[np.ndarray, np.ndarray] | None], SamplerOutput | None]
 
 
 @dataclass(slots=True)
 class Launched:
-    """A step queued on the device; ModelRunner.collect turns it into its StepResult."""
+    """A step queued on the device; ModelRunner.sample draws its tokens, ModelRunner.collect makes its StepResult."""
 
     step: int
     samples: np.ndarray  # [B] bool: rows whose token is real
+    draw: Draw  # samples the step's logits: given (masked lanes, their GrammarMask rows) when it has masked rows
+    masked: np.ndarray  # the lane (index among sampled rows) of each masked row
     tokens: torch.Tensor | None = None  # pinned host [S] int64, filled by an asynchronous copy
     logprobs: tuple | None = None  # host (sampled [S], top ids [S, k] | None, top logprobs | None)
     done: torch.cuda.Event | None = None  # recorded after the copies (CUDA only)
-    trace: tuple | None = None  # (start_ns, launched_ns, GPU events, is decode) when the plan asks for timings
+    trace: tuple | None = None  # (start_ns, GPU events, is decode) when the plan asks for timings
+    launched_ns: int = 0  # when sample() had queued the whole step
 
 
 def step_result(launched: Launched) -> StepResult:
@@ -30,8 +37,8 @@ def step_result(launched: Launched) -> StepResult:
         token_ids[launched.samples] = launched.tokens.numpy()
     result = StepResult(launched.step, token_ids, _logprobs(launched.logprobs, launched.samples))
     if launched.trace is not None:  # host launch span; with CUDA events, GPU time and when the host saw it finish
-        start_ns, launched_ns, events, decode = launched.trace
-        result.timings = {"start_ns": start_ns, "end_ns": launched_ns, "decode": bool(decode)}
+        start_ns, events, decode = launched.trace
+        result.timings = {"start_ns": start_ns, "end_ns": launched.launched_ns, "decode": bool(decode)}
         if events is not None:
             events[1].synchronize()
             result.timings["synced_ns"] = time.perf_counter_ns()

@@ -1,6 +1,5 @@
-"""LlamaForCausalLM (Llama 3.x): Qwen2's decoder (worker/models/qwen2.py) without a bias on q, k and v. What else sets
-Llama 3 apart lives outside the layer: its RoPE scaling is in the table the attention kernels read
-(ModelConfig.rope_scaling, kernels/kv_store.make_cos_sin), and its BOS token comes from the tokenizer."""
+"""LlamaForCausalLM (Llama 3.x): Qwen2's decoder without a bias on q, k and v; its RoPE scaling is in the RoPE table
+(kernels/kv_store.make_cos_sin), its BOS token comes from the tokenizer."""
 
 from __future__ import annotations
 

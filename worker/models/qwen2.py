@@ -1,6 +1,5 @@
 """Qwen2ForCausalLM over a paged KV cache: a flat batch of tokens from many sequences, TP-sharded. Parameter names are
-Hugging Face's, with q/k/v packed into qkv_proj and gate/up into gate_up_proj. Each norm of a layer is computed by the
-linear after it (FusedRMSNorm), which also writes the new residual."""
+Hugging Face's, with q/k/v packed into qkv_proj and gate/up into gate_up_proj."""
 
 from __future__ import annotations
 
@@ -19,7 +18,6 @@ from worker.layers import (
     RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
-    fp8_block,
 )
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -30,19 +28,9 @@ class Qwen2Attention(nn.Module):
 
     def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int) -> None:
         super().__init__()
-        d, block = config.head_dim, fp8_block(config)
-        self.qkv_proj = QKVParallelLinear(
-            config.hidden_size,
-            d,
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            tp_rank,
-            tp_size,
-            self.qkv_bias,
-            block,
-        )
-        self.o_proj = RowParallelLinear(config.num_attention_heads * d, config.hidden_size, tp_rank, tp_size, block)
-        self.attn = Attention(d)
+        self.qkv_proj = QKVParallelLinear(config, tp_rank, tp_size, self.qkv_bias)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * config.head_dim, config, tp_rank, tp_size)
+        self.attn = Attention(config.head_dim)
 
     def forward(
         self, positions: torch.Tensor, hidden: Input, cos_sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
@@ -54,9 +42,8 @@ class Qwen2Attention(nn.Module):
 class Qwen2MLP(nn.Module):
     def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int) -> None:
         super().__init__()
-        block = fp8_block(config)
-        self.gate_up_proj = GateUpSwiGLU(config.hidden_size, config.intermediate_size, tp_rank, tp_size, block)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, tp_rank, tp_size, block)
+        self.gate_up_proj = GateUpSwiGLU(config, tp_rank, tp_size)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config, tp_rank, tp_size)
 
     def forward(self, hidden: Input) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj(hidden))
@@ -88,15 +75,12 @@ class Qwen2DecoderLayer(nn.Module):
 class Qwen2Model(nn.Module):
     def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int, attention_cls: type[nn.Module]) -> None:
         super().__init__()
-        self.config = config
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_rank, tp_size)
         self.layers = nn.ModuleList(
             Qwen2DecoderLayer(config, tp_rank, tp_size, attention_cls) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
-        )
+        self.rotary = RotaryEmbedding(config)
 
     def forward(
         self,
@@ -116,30 +100,23 @@ class Qwen2Model(nn.Module):
 
 
 class Qwen2ForCausalLM(nn.Module):
-    """forward(input_ids[T], positions[T], meta, kv_caches) -> hidden[T, H]; compute_logits -> [N, V]. Families with
-    this decoder and another attention (worker/models/llama.py, qwen3.py) set attention_cls."""
+    """forward: Qwen2Model's (-> hidden[T, H]); compute_logits -> [N, V]. Families with this decoder and another
+    attention (worker/models/llama.py, qwen3.py) set attention_cls."""
 
     attention_cls: type[nn.Module] = Qwen2Attention
 
     def __init__(self, config: ModelConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
         check_tp_size(config, tp_size)
-        self.config, self.tp_rank, self.tp_size = config, tp_rank, tp_size
+        self.config = config
         self.model = Qwen2Model(config, tp_rank, tp_size, self.attention_cls)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank, tp_size)
         if config.tie_word_embeddings:
             # One Parameter object: named_parameters() then lists only model.embed_tokens.weight.
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        kv_caches: list[KVCache],
-        input_rows: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, meta, kv_caches, input_rows)
+    def forward(self, *inputs: object) -> torch.Tensor:
+        return self.model(*inputs)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

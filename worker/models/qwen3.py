@@ -1,6 +1,5 @@
-"""Qwen3ForCausalLM (dense): Llama's decoder with an RMSNorm over each head of q and of k before RoPE. Its head_dim
-comes from config.json and is not always hidden / heads (Qwen3-0.6B: 16 heads of 128 on a hidden of 1,024). q_norm and
-k_norm hold one weight of head_dim each, per head, so every TP rank loads the same ones."""
+"""Qwen3ForCausalLM (dense): Llama's decoder with an RMSNorm over each head of q and of k before RoPE (one weight of
+head_dim each, the same on every TP rank). Its head_dim comes from config.json: not always hidden / heads."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from protocol.sampling import SamplingParams
 from scheduler.scheduler import Scheduler
 from worker.attention import AttentionBackend
 from worker.input_buffers import StepBuffers
-from worker.model_runner import ModelRunner
+from worker.startup import build_runner
 
 ABORTED = 3  # the request aborted after a few steps: its tokens so far must still be right
 
@@ -33,7 +33,7 @@ def _workload() -> tuple[list[list[int]], list[int]]:
 
 def _serve(config: EngineConfig, prompts: list[list[int]], max_tokens: list[int]) -> tuple[dict, Scheduler]:
     """Requests arrive over the first steps; plan N+1 is launched before step N is collected."""
-    runner = ModelRunner(config)
+    runner = build_runner(config)
     sched = Scheduler(config, runner.num_kv_blocks)
     out: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
     arriving, in_flight, step = deque(enumerate(prompts)), deque(), 0
