@@ -160,6 +160,9 @@ class SamplingRequest(_SamplingFields):
     def _tool_constraint(self) -> list[tuple[str, dict | None]]:
         return []
 
+    def bind(self, tokenizer: PreTrainedTokenizerBase, reasoning_parser: str | None) -> None:
+        """What the served model makes of the answer: only chat parses it (tool calls, thoughts)."""
+
 
 def generation_defaults(model_dir: str | None) -> dict:
     """Sampling defaults from the checkpoint's generation_config.json (empty when there is none)."""

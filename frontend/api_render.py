@@ -12,7 +12,7 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 from frontend.api_errors import APIError
 from frontend.api_params import Job, SamplingRequest
 from frontend.output_processor import CompletionOutput, RequestOutput
-from frontend.tool_calls import ToolCallStream, parse_tool_calls
+from frontend.reasoning import ReasoningStream, split_reasoning
 
 # Byte-level BPE vocabularies (Qwen2's) write each byte as one printable character; this maps them back.
 _BYTE_OF_CHAR = {char: byte for byte, char in bytes_to_unicode().items()}
@@ -32,8 +32,6 @@ class Renderer:
         self.tokens_as_ids = bool(request.return_tokens_as_token_ids)  # a logprob's token is "token_id:N"
         self.include_usage = request.include_usage  # stream_options.include_usage: a last chunk with the usage
         self.continuous_usage = request.continuous_usage  # vLLM's continuous_usage_stats: usage in every chunk
-        # choice -> its stream, when the answer is parsed for tool calls
-        self.tool_streams = defaultdict(ToolCallStream) if request.parses_tool_calls else None
         self.created = int(time.time())
         self.n = jobs[0].params.n
         self._sent: dict[int, tuple[int, int]] = {}  # choice -> (chars, tokens) already streamed
@@ -145,6 +143,13 @@ class CompletionRenderer(Renderer):
 class ChatRenderer(Renderer):
     object = "chat.completion.chunk"
 
+    def __init__(self, response_id: str, model: str, jobs: list[Job], tokenizer, request: SamplingRequest):
+        super().__init__(response_id, model, jobs, tokenizer, request)
+        self.tool_format = request.tool_format if request.parses_tool_calls else None
+        # choice -> its content (and tool calls, when the answer is parsed for them); its reasoning, if parsed
+        self.streams = defaultdict(self.tool_format.stream if self.tool_format else _ContentStream)
+        self.reasoning = defaultdict(ReasoningStream) if request.reasoning_parser else None
+
     def logprobs(self, o: CompletionOutput, start: int) -> dict | None:
         if o.logprobs is None:
             return None
@@ -172,18 +177,19 @@ class ChatRenderer(Renderer):
 
     def chunks(self, job: int, out: RequestOutput) -> list[dict]:
         chunks = []
-        for i, o, chars, tokens in self.deltas(job, out):
-            delta, finish = {"role": None, "content": o.text[chars:] or None}, o.finish_reason
-            if self.tool_streams is not None:
-                calls = self.tool_streams[i]
-                content, tool_deltas = calls.update(o.text, finish is not None)
-                delta["content"] = content or None
-                if tool_deltas:
-                    delta["tool_calls"] = tool_deltas
-                if finish == "stop" and calls.called:
-                    finish = "tool_calls"
-                if not (content or tool_deltas or finish or o.logprobs):
-                    continue  # held back: it may begin a call
+        for i, o, _, tokens in self.deltas(job, out):
+            finish, text, delta = o.finish_reason, o.text, {"role": None}
+            if self.reasoning is not None:
+                thought, text = self.reasoning[i].update(o.text, finish is not None)
+                delta["reasoning_content"] = delta["reasoning"] = thought or None
+            content, tool_deltas = self.streams[i].update(text, finish is not None)
+            delta["content"] = content or None
+            if tool_deltas:
+                delta["tool_calls"] = tool_deltas
+            if finish == "stop" and self.streams[i].called:
+                finish = "tool_calls"
+            if not (content or tool_deltas or delta.get("reasoning") or finish or o.logprobs):
+                continue  # held back: it may begin a call or a marker
             chunks.append(
                 self.chunk(
                     [{"index": i, "delta": delta, "logprobs": self.logprobs(o, tokens), "finish_reason": finish}],
@@ -196,8 +202,11 @@ class ChatRenderer(Renderer):
         choices = []
         for o in finals[0].outputs:
             message, finish = {"role": "assistant", "content": o.text}, o.finish_reason
-            if self.tool_streams is not None:
-                message["content"], calls = parse_tool_calls(o.text)
+            if self.reasoning is not None:
+                thought, message["content"] = split_reasoning(o.text, final=True)
+                message["reasoning_content"] = message["reasoning"] = thought
+            if self.tool_format is not None:
+                message["content"], calls = self.tool_format.parse(message["content"])
                 if calls:
                     message["tool_calls"] = calls
                     finish = "tool_calls" if finish == "stop" else finish
@@ -205,3 +214,16 @@ class ChatRenderer(Renderer):
                 {"index": o.index, "message": message, "logprobs": self.logprobs(o, 0), "finish_reason": finish}
             )
         return self.chunk(choices, self.usage(finals), "chat.completion")
+
+
+class _ContentStream:
+    """The content of an answer not parsed for tool calls, as the deltas of its cumulative text."""
+
+    called = False
+
+    def __init__(self) -> None:
+        self.sent = 0
+
+    def update(self, text: str, final: bool) -> tuple[str, list]:
+        new, self.sent = text[self.sent :], len(text)
+        return new, []

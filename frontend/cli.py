@@ -13,6 +13,7 @@ from typing import NoReturn
 from frontend.engine_client import EngineDeadError
 from frontend.launcher import run_headless, run_node
 from frontend.llm import LLM
+from frontend.reasoning import REASONING_PARSERS
 from frontend.server import ServerOptions, run_server
 from protocol.addresses import check_engine_address
 from protocol.config import EngineConfig, require
@@ -133,6 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
             metavar=metavar,
             help=help_text + shown,
         )
+    server.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        help="answer a reasoning model's <think> block as message.reasoning_content (vLLM's; not on by default)",
+    )
     headless = p.add_argument_group("headless engine, no HTTP")
     headless.add_argument(
         "--headless",

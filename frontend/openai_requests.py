@@ -5,11 +5,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar, Literal
 
+from pydantic import PrivateAttr
+
 from frontend.api_errors import bad_request
 from frontend.api_params import LenientModel, SamplingRequest
 from frontend.chat_prompt import ChatMessage, chat_prompt
 from frontend.output_constraints import tool_choice_spec
-from frontend.tool_calls import OPEN
+from frontend.reasoning import END
+from frontend.tool_formats import HERMES, ToolFormat, tool_format
 from protocol.sampling import MAX_LOGPROBS, SamplingParams
 
 if TYPE_CHECKING:
@@ -71,13 +74,45 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: Literal["none", "auto", "required"] | dict | None = None  # or {"type": "function", ...}
     parallel_tool_calls: bool | None = None  # false: required makes exactly one call
 
+    # What the served model's template and the server's --reasoning-parser make of the answer (bind sets them).
+    _tool_format: ToolFormat = PrivateAttr(default=HERMES)
+    _shows_tools: bool = PrivateAttr(default=True)
+    _reasoning_parser: str | None = PrivateAttr(default=None)
+
+    def bind(self, tokenizer: PreTrainedTokenizerBase, reasoning_parser: str | None) -> None:
+        """Read the answer in the tool format the chat template teaches; split thoughts off with the parser."""
+        self._tool_format, self._shows_tools = tool_format(tokenizer.chat_template)
+        self._reasoning_parser = reasoning_parser
+
+    @property
+    def tool_format(self) -> ToolFormat:
+        return self._tool_format
+
+    @property
+    def reasoning_parser(self) -> str | None:
+        return self._reasoning_parser
+
     @property
     def parses_tool_calls(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
 
     def _tool_constraint(self) -> list[tuple[str, dict | None]]:
         tools = [t.model_dump() for t in self.tools or []]
-        return [("tool_choice", tool_choice_spec(tools, self.tool_choice, self.parallel_tool_calls is not False))]
+        return [
+            (
+                "tool_choice",
+                tool_choice_spec(tools, self.tool_choice, self._tool_format, self.parallel_tool_calls is not False),
+            )
+        ]
+
+    def constraint(self) -> tuple[str | None, dict | None]:
+        """The output constraint; after the thoughts' end where a reasoning parser reads them, unless
+        chat_template_kwargs.enable_thinking is false (the template closes an empty block in the prompt)."""
+        field, spec = super().constraint()
+        thinks = (self.chat_template_kwargs or {}).get("enable_thinking", True) is not False
+        if spec is not None and self._reasoning_parser is not None and thinks:
+            spec = {**spec, "after": END}
+        return field, spec
 
     @property
     def max_tokens_field(self) -> str:
@@ -96,14 +131,14 @@ class ChatCompletionRequest(SamplingRequest):
     def prompts(self, tokenizer: PreTrainedTokenizerBase) -> list[list[int]]:
         # tool_choice "none" still shows the tools (as OpenAI and vLLM do); the answer is then not parsed for calls.
         tools = [t.model_dump(exclude_none=True) for t in self.tools or []] or None
-        if tools and OPEN not in (tokenizer.chat_template or ""):
-            if self.parses_tool_calls:
+        if tools and not self._shows_tools:
+            if self.parses_tool_calls and self.tool_choice in (None, "auto"):
                 raise bad_request(
-                    "tools are served in Qwen's <tool_call> format, which this model's chat template "
-                    "does not use (Qwen2.5 and Qwen3 do; Llama 3 does not): leave tools out",
+                    "this model's chat template does not show tools to the model, so tool_choice auto would never "
+                    'call one: send tool_choice "required" or a named function (a grammar writes the call)',
                     "tools",
                 )
-            tools = None  # tool_choice "none" on a template that cannot show them: nothing to call anyway
+            tools = None  # required and named calls need no template; none has nothing to call
         return [
             chat_prompt(
                 self.messages,

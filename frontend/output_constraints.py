@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from frontend.tool_calls import tool_grammar
+from frontend.tool_formats import HERMES, ToolFormat
 from protocol.config import InvalidParam
 
 
@@ -31,14 +31,16 @@ def response_format_spec(fmt: dict | None) -> dict | None:
     return None
 
 
-def tool_choice_spec(tools: list[dict], choice: str | dict | None, parallel: bool = True) -> dict | None:
-    """required and a named function are a grammar over the tools' calls (required: one call unless parallel);
-    auto and none constrain nothing."""
+def tool_choice_spec(
+    tools: list[dict], choice: str | dict | None, fmt: ToolFormat = HERMES, parallel: bool = True
+) -> dict | None:
+    """required and a named function are a grammar over the tools' calls in the format (required: one call unless
+    parallel); auto and none constrain nothing."""
     if choice in (None, "auto", "none"):
         return None
     names = [t["function"]["name"] for t in tools]
     if choice == "required" and names:
-        return tool_grammar(tools, names, only_one=not parallel)
+        return fmt.grammar(tools, names, not parallel)
     named = choice if isinstance(choice, dict) and choice.get("type") == "function" else {}
     name = (named.get("function") or {}).get("name")
     if name not in names:
@@ -48,4 +50,4 @@ def tool_choice_spec(tools: list[dict], choice: str | dict | None, parallel: boo
             '{"type": "function", "function": {"name": ...}}, or use "auto", "none" or "required" '
             "(with tools)",
         )
-    return tool_grammar(tools, [name], only_one=True)
+    return fmt.grammar(tools, [name], True)

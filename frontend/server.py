@@ -62,6 +62,7 @@ class ServerOptions:
     served_model_name: list[str] | None = None  # names the API answers to; the first is reported
     api_key: str | None = None
     shutdown_timeout: float = 10.0  # on SIGTERM, in-flight requests may take this long, then are aborted
+    reasoning_parser: str | None = None  # vLLM's --reasoning-parser: thoughts apart from the answer (qwen3)
 
 
 class ServerState:
@@ -259,6 +260,7 @@ def _routes(state: ServerState) -> APIRouter:
 
     async def run(request: Request, engine: AsyncLLM, req: SamplingRequest, rid: str, render: Callable) -> Response:
         """Each prompt of the request is one engine request (its n samples fan out inside AsyncLLM)."""
+        req.bind(engine.tokenizer, state.options.reasoning_parser)
         params = req.sampling_params(state.defaults)
         if params.structured_outputs is not None:  # a bad schema, regex or grammar is a 400 before the engine
             try:  # in a thread: the first one imports xgrammar (seconds), and the loop keeps serving

@@ -15,20 +15,27 @@ _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\
 
 def tool_grammar(tools: list[dict], names: list[str], only_one: bool) -> dict:
     """structured_outputs for calls of the named tools only: at least one block (exactly one if only_one)."""
+    return calls_grammar(
+        tools, names, only_one, lambda name: f'{OPEN}\n{{"name": {name}, "arguments": ', "}\n" + CLOSE, "\n"
+    )
+
+
+def calls_grammar(tools: list[dict], names: list[str], only_one: bool, begin, end: str, separator: str) -> dict:
+    """A structural tag of calls of the named tools, each begin(its name as JSON), its arguments' schema, end."""
     params = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
     tags = [
         {
             "type": "tag",
-            "begin": f'{OPEN}\n{{"name": {json.dumps(name)}, "arguments": ',
+            "begin": begin(json.dumps(name)),
             "content": {"type": "json_schema", "json_schema": params[name], "max_whitespace_cnt": 1},
-            "end": "}\n" + CLOSE,
+            "end": end,
         }
         for name in names
     ]
     fmt = {
         "type": "tags_with_separator",
         "tags": tags,
-        "separator": "\n",
+        "separator": separator,
         "at_least_one": True,
         "stop_after_first": only_one,
     }
@@ -67,7 +74,7 @@ def _call(body: str, closed: bool) -> tuple[str | None, str, bool]:
         if not (isinstance(name, str) and isinstance(args, dict) and len(call) == 2):
             return None, "", False
         raw = body[head.end() : body.rstrip().rindex("}")].rstrip() if head else ""
-        return name, (raw if head and _same_json(raw, args) else json.dumps(args, ensure_ascii=False)), True
+        return name, (raw if head and same_json(raw, args) else json.dumps(args, ensure_ascii=False)), True
     if head is None:
         return None, "", True
     rest = body[head.end() :]
@@ -75,14 +82,14 @@ def _call(body: str, closed: bool) -> tuple[str | None, str, bool]:
     return json.loads(head.group(1)), rest[: cut if cut >= 0 else len(rest)].rstrip(), True
 
 
-def _same_json(raw: str, value: object) -> bool:
+def same_json(raw: str, value: object) -> bool:
     try:
         return json.loads(raw) == value
     except ValueError:
         return False
 
 
-def _call_id() -> str:
+def call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
@@ -93,7 +100,7 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
     for i, (body, closed) in enumerate(blocks):
         name, args, valid = _call(body, closed)
         if closed and valid:
-            calls.append({"id": _call_id(), "type": "function", "function": {"name": name, "arguments": args}})
+            calls.append({"id": call_id(), "type": "function", "function": {"name": name, "arguments": args}})
         else:
             pieces.append(OPEN + body + (CLOSE if closed else ""))
         pieces.extend(content[i + 1 : i + 2])
@@ -134,7 +141,7 @@ class ToolCallStream:
             deltas.append(
                 {
                     "index": self.slots[block][0],
-                    "id": _call_id(),
+                    "id": call_id(),
                     "type": "function",
                     "function": {"name": name, "arguments": ""},
                 }

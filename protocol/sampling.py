@@ -40,7 +40,8 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True  # only slow (Python) tokenizers honour it, as in vLLM
     include_stop_str_in_output: bool = False  # keep the stop string (or stop token's text) ending the text
     # vLLM's shape: one of json (a schema), json_object, regex, choice, grammar (EBNF) or structural_tag (xgrammar's
-    # JSON), and any_whitespace (JSON's free whitespace; off by default, so a model cannot stall in spaces).
+    # JSON), and any_whitespace (JSON's free whitespace; off by default, so a model cannot stall in spaces); ours:
+    # after, a text such as "</think>" before which the output is free (a reasoning model's thoughts).
     structured_outputs: dict | None = None
 
     def __post_init__(self) -> None:
@@ -104,16 +105,20 @@ class SamplingParams:
 
 
 def check_structured_outputs(spec: object) -> dict | None:
-    """None, or {kind: its value as text, "any_whitespace": bool} with exactly one kind of CONSTRAINT_KINDS."""
+    """None, or {kind: its value as text, "any_whitespace": bool, and "after" if given} with exactly one kind of
+    CONSTRAINT_KINDS."""
     if spec is None:
         return None
     fix = (
         f"send a map with exactly one of {list(CONSTRAINT_KINDS)} (json: a schema; json_object: true; regex, "
-        "grammar, structural_tag: a string; choice: a list of strings) and optionally any_whitespace: bool"
+        "grammar, structural_tag: a string; choice: a list of strings) and optionally any_whitespace: bool and "
+        "after: a string"
     )
     require(isinstance(spec, dict), "structured_outputs", spec, fix)
     kinds = [k for k in CONSTRAINT_KINDS if spec.get(k) not in (None, False)]
-    require(len(kinds) == 1 and set(spec) <= {*CONSTRAINT_KINDS, "any_whitespace"}, "structured_outputs", spec, fix)
+    require(
+        len(kinds) == 1 and set(spec) <= {*CONSTRAINT_KINDS, "any_whitespace", "after"}, "structured_outputs", spec, fix
+    )
     kind, value = kinds[0], spec[kinds[0]]
     if kind in ("json", "structural_tag") and isinstance(value, dict):
         value = json.dumps(value)
@@ -122,7 +127,9 @@ def check_structured_outputs(spec: object) -> dict | None:
         "choice": isinstance(value, list) and value and all(isinstance(c, str) and c for c in value),
     }.get(kind, isinstance(value, str) and value != "")
     require(ok and isinstance(spec.get("any_whitespace", False), bool), "structured_outputs", spec, fix)
-    return {kind: value, "any_whitespace": spec.get("any_whitespace", False)}
+    require(isinstance(spec.get("after", ""), str), "structured_outputs", spec, fix)
+    checked = {kind: value, "any_whitespace": spec.get("any_whitespace", False)}
+    return {**checked, "after": spec["after"]} if spec.get("after") else checked
 
 
 def _is_int(v: object) -> bool:

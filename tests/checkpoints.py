@@ -74,12 +74,16 @@ def make_checkpoint(
     seed: int = 0,
     max_position_embeddings: int = 4096,
     family: str = "qwen2",
+    tokenizer=None,
 ) -> Path:
-    """Write a random float32 model of the family (qwen2, qwen3, llama: with LLAMA3_SCALING) with its tokenizer;
-    return the directory."""
+    """Write a random float32 model of the family (qwen2, qwen3, llama: with LLAMA3_SCALING) with its tokenizer (a
+    tiny trained BPE, or the one given, e.g. an offline Qwen3's: vocab_size must hold it); return the directory."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = make_tokenizer(out)
+    if tokenizer is None:
+        tokenizer = make_tokenizer(out)
+    else:
+        tokenizer.save_pretrained(out)
     config_cls, model_cls = FAMILIES[family]
     scaling = {"rope_scaling": dict(LLAMA3_SCALING)} if family == "llama" else {}
     config = config_cls(
@@ -95,7 +99,7 @@ def make_checkpoint(
         rms_norm_eps=1e-6,
         tie_word_embeddings=tie,
         torch_dtype="float32",
-        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
         **scaling,
     )

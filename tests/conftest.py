@@ -63,6 +63,11 @@ def qwen_tokenizer(qwen_cache_root):
     return offline_tokenizer(qwen_cache_root, "qwen2.5-1.5b")
 
 
+@pytest.fixture(scope="session")
+def qwen3_tokenizer(qwen_cache_root):
+    return offline_tokenizer(qwen_cache_root, "qwen3-1.7b")
+
+
 @pytest.fixture
 def fresh_choices(monkeypatch, tmp_path):
     """No linear pick in memory, an empty disk cache under tmp_path, nothing read from it yet, no capture."""

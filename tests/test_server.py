@@ -514,7 +514,7 @@ BAD_INPUTS = [  # (name, path, body, status, param)
         "response_format",
     ),
     (
-        "tools on a chat template without Qwen's <tool_call>",
+        "tool_choice auto on a chat template that shows no tools",
         CHAT,
         {**OK_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
         400,

@@ -237,11 +237,6 @@ def test_missing_bpe_ranks_package_is_a_clear_error(monkeypatch):
 
 
 @pytest.fixture(scope="session")
-def qwen3_tokenizer(qwen_cache_root):
-    return offline_tokenizer(qwen_cache_root, "qwen3-1.7b")
-
-
-@pytest.fixture(scope="session")
 def llama_cache_root(tmp_path_factory):
     return offline_cache_root(tmp_path_factory, "llama_models", "pip install llama-models", "pico-vllm-llama-cache")
 
