@@ -46,12 +46,10 @@ def from_invalid_param(
     exc: InvalidParam, prompt_field: str = "prompt", max_tokens_field: str = "max_tokens"
 ) -> APIError:
     """A 400 naming the field the client sent (chat: messages, maybe max_completion_tokens)."""
-    renamed = {"prompt": prompt_field, "max_tokens": max_tokens_field}
-    message = str(exc)
-    if exc.field == "max_tokens":
-        message = message.replace("max_tokens", max_tokens_field)
+    field = {"prompt": prompt_field, "max_tokens": max_tokens_field}.get(exc.field, exc.field)
+    message = str(exc).replace("max_tokens", max_tokens_field) if exc.field == "max_tokens" else str(exc)
     code = "context_length_exceeded" if isinstance(exc, ContextTooLong) else "invalid_value"
-    return bad_request(message, renamed.get(exc.field, exc.field), code)
+    return bad_request(message, field, code)
 
 
 def parse_request(model: type[BaseModel], body: bytes) -> BaseModel:

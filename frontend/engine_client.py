@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import logging
@@ -137,12 +138,10 @@ class EngineClient:
         """Stop the engine we started (nothing when attached to a remote one) and close the socket."""
         linger_ms = 0
         if self.procs is not None and not self.sock.closed:
-            try:
+            with contextlib.suppress(zmq.ZMQError):
                 self.send(Shutdown())
                 # With no linger close() may drop the queued Shutdown, and the scheduler waits to be terminated.
                 linger_ms = 0 if self.dead_reason else SHUTDOWN_LINGER_MS
-            except zmq.ZMQError:
-                pass
         if not self.sock.closed:
             self.sock.close(linger=linger_ms)
         if self.procs is not None:

@@ -102,21 +102,22 @@ def chat_template(name: str) -> str:
 
 def load_tokenizer(model: str, model_dir: str | None) -> PreTrainedTokenizerBase:
     """The tokenizer (with chat template) of `model`, read from model_dir; short names work offline."""
-    if model_dir is not None and has_tokenizer_files(model_dir):
+    path = tokenizer_dir(model, model_dir)
+    if path is None:
+        where = f"in {model_dir!r}" if model_dir is not None else "(no model directory)"
+        raise ValueError(
+            f"no tokenizer for model {model!r}: found no tokenizer.json, vocab.json + merges.txt or "
+            f"tokenizer.model {where}, and there is no offline fallback for it; use a model directory "
+            f"with tokenizer files or a short name such as qwen2.5-1.5b, qwen3-1.7b or llama-3.2-1b"
+        )
+    if path == model_dir:
         return _from_pretrained(model_dir)
-    if (short := short_model(model)) is not None:
-        repo = short[0]
-        if repo.startswith("meta-llama/"):
-            return load_llama3_tokenizer(repo.endswith("-Instruct"), "3.1" if "Llama-3.1" in repo else "3.2")
-        if repo.startswith("Qwen/Qwen3-"):
-            return load_qwen3_tokenizer(not repo.endswith("-Base"))
-        return load_qwen25_tokenizer(repo.endswith("-Instruct"))
-    where = f"in {model_dir!r}" if model_dir is not None else "(no model directory)"
-    raise ValueError(
-        f"no tokenizer for model {model!r}: found no tokenizer.json, vocab.json + merges.txt or "
-        f"tokenizer.model {where}, and there is no offline fallback for it; use a model directory "
-        f"with tokenizer files or a short name such as qwen2.5-1.5b, qwen3-1.7b or llama-3.2-1b"
-    )
+    repo = short_model(model)[0]
+    if repo.startswith("meta-llama/"):
+        return load_llama3_tokenizer(Path(path), repo.endswith("-Instruct"), "3.1" if "Llama-3.1" in repo else "3.2")
+    if repo.startswith("Qwen/Qwen3-"):
+        return load_qwen3_tokenizer(Path(path), not repo.endswith("-Base"))
+    return load_qwen25_tokenizer(Path(path), repo.endswith("-Instruct"))
 
 
 def tokenizer_dir(model: str, model_dir: str | None) -> str | None:
@@ -126,11 +127,9 @@ def tokenizer_dir(model: str, model_dir: str | None) -> str | None:
         return model_dir
     if (short := short_model(model)) is None:
         return None
-    if short[0].startswith("meta-llama/"):
-        return str(cache_root() / "llama3-tokenizer-v1")
-    if short[0].startswith("Qwen/Qwen3-"):
-        return str(cache_root() / "qwen3-tokenizer-v1")
-    return str(default_cache_dir())
+    repo = short[0]
+    family = "llama3" if repo.startswith("meta-llama/") else "qwen3" if repo.startswith("Qwen/Qwen3-") else "qwen2.5"
+    return str(cache_root() / f"{family}-tokenizer-v1")  # bump the suffix when what we write changes
 
 
 def _from_pretrained(path, **kwargs) -> PreTrainedTokenizerBase:
@@ -162,9 +161,8 @@ def has_tokenizer_files(model_dir: str | os.PathLike) -> bool:
     )
 
 
-def load_qwen25_tokenizer(instruct: bool = True) -> PreTrainedTokenizerBase:
-    """Qwen2.5's tokenizer rebuilt from Qwen's BPE ranks (built once, then read from the disk cache)."""
-    path = default_cache_dir()
+def load_qwen25_tokenizer(path: Path, instruct: bool) -> PreTrainedTokenizerBase:
+    """Qwen2.5's tokenizer rebuilt from Qwen's BPE ranks (built once into `path`, then read from there)."""
     _build_once(path, lambda: build_qwen25_tokenizer(read_qwen_ranks()), _tokenizer_config)
     if instruct:
         return _from_pretrained(path)
@@ -172,25 +170,19 @@ def load_qwen25_tokenizer(instruct: bool = True) -> PreTrainedTokenizerBase:
     return _from_pretrained(path, eos_token="<|endoftext|>", chat_template=qwen25_chat_template(False))
 
 
-def load_qwen3_tokenizer(instruct: bool = True) -> PreTrainedTokenizerBase:
+def load_qwen3_tokenizer(path: Path, instruct: bool) -> PreTrainedTokenizerBase:
     """Qwen2.5's vocabulary with QWEN3_ADDED_TOKENS; one chat template (enable_thinking) for base and post-trained."""
-    path = cache_root() / "qwen3-tokenizer-v1"
     config = lambda: _tokenizer_config(QWEN3_ADDED_TOKENS, chat_template("qwen3"))  # noqa: E731
     _build_once(path, lambda: build_qwen25_tokenizer(read_qwen_ranks(), QWEN3_ADDED_TOKENS), config)
     return _from_pretrained(path) if instruct else _from_pretrained(path, eos_token="<|endoftext|>")
 
 
-def load_llama3_tokenizer(instruct: bool = True, version: str = "3.2") -> PreTrainedTokenizerBase:
+def load_llama3_tokenizer(path: Path, instruct: bool, version: str) -> PreTrainedTokenizerBase:
     """Llama 3's tokenizer rebuilt from Meta's ranks, BOS added on encode; the chat template of Llama 3.1 or 3.2."""
-    path = cache_root() / "llama3-tokenizer-v1"
     _build_once(path, build_llama3_tokenizer, _llama3_tokenizer_config)
     template = chat_template("llama31" if version == "3.1" else "llama32")
     # Instruct repos end a turn with <|eot_id|>, base ones a document with <|end_of_text|>.
     return _from_pretrained(path, eos_token="<|eot_id|>" if instruct else "<|end_of_text|>", chat_template=template)
-
-
-def default_cache_dir() -> Path:
-    return cache_root() / "qwen2.5-tokenizer-v1"  # bump the suffix when what we write changes
 
 
 def _build_once(path: Path, build: Callable[[], Tokenizer], config: Callable[[], dict]) -> None:

@@ -58,11 +58,9 @@ class BlockManager:
         return len(hits) * self.block_size
 
     def may_append(self, req: Request, num_tokens: int) -> bool:
-        """Whether the table can grow to hold `num_tokens` tokens in all."""
         return self.blocks_needed(num_tokens) - len(req.block_table) <= len(self._free)
 
     def append_slot(self, req: Request, num_tokens: int) -> list[int]:
-        """Grow the table to hold `num_tokens` tokens; return the new block ids."""
         new = [self._take_free() for _ in range(self.blocks_needed(num_tokens) - len(req.block_table))]
         req.block_table.extend(new)
         return new

@@ -19,11 +19,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_a_qwen2_tokenizer_is_autotokenizers_own_class_without_importing_torch(qwen_tokenizer, qwen_cache_root):
-    from frontend.tokenizer import default_cache_dir
-
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PICO_VLLM_CACHE", str(qwen_cache_root))
-        auto = AutoTokenizer.from_pretrained(default_cache_dir())
+        auto = AutoTokenizer.from_pretrained(tokenizer_dir("qwen2.5-1.5b", None))
     assert type(qwen_tokenizer) is type(auto)
     texts = ["Hello world", "<|im_start|>user\nhi<|im_end|>\n", "12345 + 678"]
     assert [qwen_tokenizer.encode(t) for t in texts] == [auto.encode(t) for t in texts]
