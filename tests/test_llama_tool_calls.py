@@ -12,24 +12,12 @@ import pytest
 from frontend.llama_tool_calls import LlamaToolCallStream, parse_llama_tool_calls
 from frontend.tokenizer import chat_template
 from frontend.tool_formats import HERMES, LLAMA3_JSON, tool_format
+from tests.test_structured_outputs import PARAMS, TOOLS, USER  # the same two tools and question
 
 openai = pytest.importorskip("openai")
 
 WEATHER = {"city": "Paris", "opts": {"days": [1, {}]}}
 ANSWER = '{"name": "get_weather", "parameters": ' + json.dumps(WEATHER) + '}; {"name": "noop", "arguments": {}}'
-CITY = {
-    "type": "object",
-    "additionalProperties": False,
-    "required": ["city", "days"],
-    "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-}
-EMPTY = {"type": "object", "properties": {}, "additionalProperties": False}
-TOOLS = [
-    {"type": "function", "function": {"name": "weather", "description": "The forecast", "parameters": CITY}},
-    {"type": "function", "function": {"name": "noop", "parameters": EMPTY}},
-]
-PARAMS = {"weather": CITY, "noop": EMPTY}
-USER = [{"role": "user", "content": "Weather in Paris?"}]
 
 
 def _streamed(text: str, step: int) -> tuple[str, list[tuple[str, str]]]:
