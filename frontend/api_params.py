@@ -30,7 +30,6 @@ UNSERVED_FIELDS: dict[str, tuple[tuple, str]] = {
     "functions": (([],), _NO_FUNCTIONS),
     "function_call": (("none",), _NO_FUNCTIONS),
     "suffix": (("",), "text is not inserted before a suffix: send the prompt only"),
-    "prompt_logprobs": ((), "prompt logprobs are not computed, only those of generated tokens"),
     "use_beam_search": ((False,), "beam search is not supported: ask for n samples instead"),
 }
 
@@ -100,7 +99,14 @@ class SamplingRequest(_SamplingFields):
     def _check_stream_options(self) -> SamplingRequest:
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream=true", "stream_options")
+        if self.prompt_logprobs is not None and self.stream:  # as vLLM: they would all come in one chunk
+            raise bad_request("prompt_logprobs is not served with stream=true: send stream=false", "prompt_logprobs")
         return self
+
+    @property
+    def prompt_only(self) -> bool:
+        """The answer is the prompt alone (the completions API's echo with max_tokens 0)."""
+        return False
 
     @property
     def include_usage(self) -> bool:

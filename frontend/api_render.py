@@ -30,6 +30,8 @@ class Renderer:
     def __init__(self, response_id: str, model: str, jobs: list[Job], tokenizer, request: SamplingRequest):
         self.id, self.model, self.jobs, self.tokenizer, self.echo = response_id, model, jobs, tokenizer, request.echo
         self.tokens_as_ids = bool(request.return_tokens_as_token_ids)  # a logprob's token is "token_id:N"
+        self.prompt_only = request.prompt_only
+        self.prompt_k = request.prompt_logprobs  # vLLM's prompt_logprobs field: None unless asked
         self.include_usage = request.include_usage  # stream_options.include_usage: a last chunk with the usage
         self.continuous_usage = request.continuous_usage  # vLLM's continuous_usage_stats: usage in every chunk
         self.created = int(time.time())
@@ -52,30 +54,46 @@ class Renderer:
                 self._done.add(index)
         return news
 
-    def logprob_rows(self, o: CompletionOutput, start: int) -> list[tuple[Entry, list[Entry]]]:
-        """(the sampled token's entry, the top-k entries) for the tokens from `start` on."""
+    def entry(self, token_id: int, logprob: float | None) -> Entry:
+        if self.tokens_as_ids:
+            return f"token_id:{token_id}", logprob, list(f"token_id:{token_id}".encode())
+        # A token holding part of a character decodes to U+FFFD; its own bytes, joined with the next token's,
+        # give the character. Whole characters, or a vocabulary that is not byte-level: the text's bytes.
+        text = self.tokenizer.decode([token_id])
+        piece = self.tokenizer.convert_ids_to_tokens(token_id) if "\ufffd" in text else None
+        if isinstance(piece, str) and piece and all(c in _BYTE_OF_CHAR for c in piece):
+            return text, logprob, [_BYTE_OF_CHAR[c] for c in piece]
+        return text, logprob, list(text.encode())
 
-        def entry(token_id: int, logprob: float) -> Entry:
-            if self.tokens_as_ids:
-                return f"token_id:{token_id}", logprob, list(f"token_id:{token_id}".encode())
-            # A token holding part of a character decodes to U+FFFD; its own bytes, joined with the next token's,
-            # give the character. Whole characters, or a vocabulary that is not byte-level: the text's bytes.
-            text = self.tokenizer.decode([token_id])
-            piece = self.tokenizer.convert_ids_to_tokens(token_id) if "\ufffd" in text else None
-            if isinstance(piece, str) and piece and all(c in _BYTE_OF_CHAR for c in piece):
-                return text, logprob, [_BYTE_OF_CHAR[c] for c in piece]
-            return text, logprob, list(text.encode())
-
+    def logprob_rows(self, tokens: list[int], logprobs: list[dict[int, float]]) -> list[tuple[Entry, list[Entry]]]:
+        """(each token's entry, its top-k entries) of tokens and their {token id: logprob} maps."""
         k = self.jobs[0].params.logprobs or 0
         return [
-            (entry(token, lps[token]), [entry(t, lp) for t, lp in sorted(lps.items(), key=lambda kv: -kv[1])[:k]])
-            for token, lps in zip(o.token_ids[start:], o.logprobs[start:])
+            (self.entry(token, lps[token]), [self.entry(t, lp) for t, lp in _top(lps, k)])
+            for token, lps in zip(tokens, logprobs)
         ]
+
+    def vllm_prompt_logprobs(self, out: RequestOutput) -> list[dict | None] | None:
+        """vLLM's prompt_logprobs: per prompt token, None (the first) or {token id: logprob, rank, decoded_token} of
+        it and the top prompt_logprobs tokens."""
+        if self.prompt_k is None or out.prompt_logprobs is None:
+            return None
+        rows: list[dict | None] = [None]
+        for token, lps, rank in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:], out.prompt_ranks[1:]):
+            top = _top(lps, self.prompt_k)
+            ranks = {t: i + 1 for i, (t, _) in enumerate(top)} | {token: rank}
+            rows.append(
+                {
+                    str(t): {"logprob": lp, "rank": ranks[t], "decoded_token": self.entry(t, lp)[0]}
+                    for t, lp in [(token, lps[token]), *top]
+                }
+            )
+        return rows
 
     def usage(self, finals: list[RequestOutput]) -> dict:
         """Prompt tokens once per prompt (not per sample); completion tokens of every sample."""
         prompt = sum(len(job.token_ids) for job in self.jobs)
-        completion = sum(len(o.token_ids) for out in finals for o in out.outputs)
+        completion = 0 if self.prompt_only else sum(len(o.token_ids) for out in finals for o in out.outputs)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def usage_so_far(self, job: int, o: CompletionOutput | None) -> dict | None:
@@ -113,30 +131,43 @@ class Renderer:
 class CompletionRenderer(Renderer):
     object = "text_completion"  # a whole completion too: OpenAI uses one shape for both
 
-    def choice(self, job: int, index: int, o: CompletionOutput, chars: int, tokens: int) -> dict:
-        prompt = self.jobs[job]
+    def choice(self, job: int, out: RequestOutput, index: int, o: CompletionOutput, chars: int, tokens: int) -> dict:
+        """A choice, or the part of it past `chars` and `tokens` (the echoed prompt comes with the first part)."""
+        prompt, first = self.jobs[job], chars == tokens == 0
         echo = (self.tokenizer.decode(prompt.token_ids) if prompt.text is None else prompt.text) if self.echo else ""
-        text = (echo if chars == tokens == 0 else "") + o.text[chars:]
-        logprobs = None
+        text = (echo if first else "") + ("" if self.prompt_only else o.text[chars:])
+        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": o.finish_reason}
+        if self.prompt_only and o.finish_reason is not None:
+            choice["finish_reason"] = "length"  # of the 0 tokens asked for
         if o.logprobs is not None:
-            rows = self.logprob_rows(o, tokens)
+            rows = [] if self.prompt_only else self.logprob_rows(o.token_ids[tokens:], o.logprobs[tokens:])
             offsets = list(accumulate([len(entry[0]) for entry, _ in rows], initial=len(echo) + chars))[:-1]
+            if self.echo and first:  # the prompt's own rows: its first token has no logprob
+                prompt_rows = [(self.entry(prompt.token_ids[0], None), None)]
+                prompt_rows += self.logprob_rows(prompt.token_ids[1:], out.prompt_logprobs[1:])
+                prompt_offsets = accumulate([len(entry[0]) for entry, _ in prompt_rows], initial=0)
+                rows, offsets = prompt_rows + rows, list(prompt_offsets)[:-1] + offsets
             # reversed: of top tokens that decode to the same text, the likeliest is written last and kept
-            logprobs = {
+            choice["logprobs"] = {
                 "tokens": [entry[0] for entry, _ in rows],
                 "token_logprobs": [entry[1] for entry, _ in rows],
-                "top_logprobs": [{t: lp for t, lp, _ in reversed(top)} for _, top in rows],
+                "top_logprobs": [None if top is None else {t: lp for t, lp, _ in reversed(top)} for _, top in rows],
                 "text_offset": offsets,
             }
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": o.finish_reason}
+        if self.prompt_k is not None:
+            choice["prompt_logprobs"] = self.vllm_prompt_logprobs(out)
+        return choice
 
     def chunks(self, job: int, out: RequestOutput) -> list[dict]:
         return [
-            self.chunk([self.choice(job, *delta)], self.usage_so_far(job, delta[1])) for delta in self.deltas(job, out)
+            self.chunk([self.choice(job, out, *delta)], self.usage_so_far(job, delta[1]))
+            for delta in self.deltas(job, out)
         ]
 
     def response(self, finals: list[RequestOutput]) -> dict:
-        choices = [self.choice(i, i * self.n + o.index, o, 0, 0) for i, out in enumerate(finals) for o in out.outputs]
+        choices = [
+            self.choice(i, out, i * self.n + o.index, o, 0, 0) for i, out in enumerate(finals) for o in out.outputs
+        ]
         return self.chunk(choices, self.usage(finals))
 
 
@@ -161,7 +192,7 @@ class ChatRenderer(Renderer):
                     "bytes": raw,
                     "top_logprobs": [{"token": t, "logprob": l, "bytes": b} for t, l, b in top],
                 }
-                for (text, lp, raw), top in self.logprob_rows(o, start)
+                for (text, lp, raw), top in self.logprob_rows(o.token_ids[start:], o.logprobs[start:])
             ]
         }
 
@@ -213,7 +244,10 @@ class ChatRenderer(Renderer):
             choices.append(
                 {"index": o.index, "message": message, "logprobs": self.logprobs(o, 0), "finish_reason": finish}
             )
-        return self.chunk(choices, self.usage(finals), "chat.completion")
+        response = self.chunk(choices, self.usage(finals), "chat.completion")
+        if self.prompt_k is not None:  # vLLM's place for them in a chat: the response's
+            response["prompt_logprobs"] = self.vllm_prompt_logprobs(finals[0])
+        return response
 
 
 class _ContentStream:
@@ -227,3 +261,7 @@ class _ContentStream:
     def update(self, text: str, final: bool) -> tuple[str, list]:
         new, self.sent = text[self.sent :], len(text)
         return new, []
+
+
+def _top(logprobs: dict[int, float], k: int) -> list[tuple[int, float]]:
+    return sorted(logprobs.items(), key=lambda kv: -kv[1])[:k]

@@ -28,8 +28,8 @@ class CompletionRequest(SamplingRequest):
     best_of: int | None = None  # only best_of <= n is served: samples are not ranked
 
     def sampling_params(self, defaults: dict) -> SamplingParams:
-        if self.echo and self.logprobs is not None:
-            raise bad_request("echo with logprobs is not supported: prompt logprobs are not computed", "echo")
+        """echo with logprobs asks for the prompt's logprobs too; max_tokens 0 (with echo) scores the prompt only:
+        the engine samples one token, which the answer leaves out."""
         if self.best_of is not None and self.best_of > (self.n or 1):
             raise bad_request(
                 f"best_of={self.best_of} over n={self.n or 1} is not supported: samples are not "
@@ -37,7 +37,20 @@ class CompletionRequest(SamplingRequest):
                 "best_of",
             )
         max_tokens = self.max_tokens if self.max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS
-        return self._params(defaults, max_tokens, self.logprobs)
+        if max_tokens == 0 and not self.echo:
+            raise bad_request(
+                "max_tokens=0 is only served with echo=true, which returns the prompt (and its logprobs): "
+                "send echo=true or ask for at least 1 token",
+                "max_tokens",
+            )
+        params = self._params(defaults, max_tokens or 1, self.logprobs)
+        if self.echo and self.logprobs is not None:
+            params.prompt_logprobs = max(self.logprobs, params.prompt_logprobs or 0)
+        return params
+
+    @property
+    def prompt_only(self) -> bool:
+        return bool(self.echo) and self.max_tokens == 0
 
     def prompts(self, tokenizer: PreTrainedTokenizerBase) -> list[str | list[int]]:
         """The four prompt shapes of /v1/completions as a list of prompts (each one engine request)."""

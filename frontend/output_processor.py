@@ -39,6 +39,10 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     error: str | None = None  # set when the engine failed the request
+    # SamplingParams.prompt_logprobs: per prompt token {token id: logprob} of it and the top k (None for the first),
+    # and its rank among the vocabulary (1: the likeliest); with the first output token
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_ranks: list[int | None] | None = None
 
 
 @dataclass(slots=True)
@@ -84,6 +88,8 @@ class OutputProcessor:
             # Sample i of a seeded request uses seed + i, wrapped as the sampler wraps seeds (modulo 2**64).
             seed = None if params.seed is None else params.seed + out.index
             sub = {**params.to_dict(), "n": 1, "seed": seed - 2**64 if seed is not None and seed >= 2**64 else seed}
+            if out.index:  # the prompt is the same for every sample: one computes its logprobs
+                sub["prompt_logprobs"] = None
             detok = make_detokenizer(
                 self.tokenizer, prompt_ids, params.skip_special_tokens, params.spaces_between_special_tokens
             )
@@ -105,6 +111,8 @@ class OutputProcessor:
             token = int(batch.token_ids[i])
             reason = batch.finished.get(engine_id)
             sample.out.engine_stats = batch.request_stats.get(engine_id, sample.out.engine_stats)
+            if batch.prompt_logprobs and engine_id in batch.prompt_logprobs:
+                _set_prompt_logprobs(sample.state.output, batch.prompt_logprobs[engine_id])
             if token >= 0:
                 self._append(sample, token, batch.logprobs[i] if batch.logprobs else None, reason == "stop")
                 if sample.out.finished:
@@ -170,3 +178,13 @@ class OutputProcessor:
     @property
     def num_pending(self) -> int:
         return len(self._requests)
+
+
+def _set_prompt_logprobs(output: RequestOutput, held: list) -> None:
+    """RequestOutput's prompt logprobs from the engine's [logprobs, ranks, top ids, top logprobs] of tokens 1..."""
+    logprobs, ranks, top_ids, top_lps = held
+    targets = output.prompt_token_ids[1:]
+    output.prompt_logprobs = [None] + [
+        {token: lp, **dict(zip(ids, lps))} for token, lp, ids, lps in zip(targets, logprobs, top_ids, top_lps)
+    ]
+    output.prompt_ranks = [None, *ranks]

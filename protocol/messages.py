@@ -48,6 +48,9 @@ class TokenBatch:
     finished: dict = field(default_factory=dict)  # request id -> "stop", "length", "abort" or "error"
     errors: dict = field(default_factory=dict)
     logprobs: list | None = None  # aligned with request_ids: None or [logprob, top_ids, top_logprobs]
+    # request id -> its prompt tokens' [logprobs, ranks, top ids, top logprobs] (from the second token), once, with
+    # its first token; only for requests that ask (SamplingParams.prompt_logprobs)
+    prompt_logprobs: dict | None = None
     stats: dict = field(default_factory=dict)
     request_stats: dict = field(default_factory=dict)  # request id -> queue time, cached tokens: with its first token
 
@@ -85,6 +88,7 @@ class RowSampling:
     repetition_penalty: float = 1.0
     seed: int = 0  # int64
     logprobs: int = -1  # how many top logprobs; -1: none
+    prompt_logprobs: int = -1  # the same, of the prompt's tokens in its prompt steps
     min_tokens: int = 0
     stop_token_ids: list = field(default_factory=list)  # banned until min_tokens outputs (empty without them)
     logit_bias: dict = field(default_factory=dict)  # token id -> added to its logit
@@ -132,6 +136,7 @@ class StepResult:
     step: int
     token_ids: np.ndarray
     logprobs: dict | None = None
+    prompt_logprobs: dict | None = None  # of the prompt tokens this step computed, for rows that ask (PROTOCOL.md)
     timings: dict = field(default_factory=dict)
 
 

@@ -34,6 +34,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # top logprobs of each prompt token past the first (0: its own only)
     logit_bias: dict[int, float] | None = None  # token id (or its digits) -> added to its logit (OpenAI's -100..100)
     # How the frontend turns tokens into text (vLLM's names and defaults); the engine ignores them.
     skip_special_tokens: bool = True
@@ -97,6 +98,7 @@ class SamplingParams:
             repetition_penalty=float(self.repetition_penalty),
             seed=((self.seed or 0) + 2**63) % 2**64 - 2**63,  # SamplingParams allows -2**63 .. 2**64-1
             logprobs=-1 if self.logprobs is None else self.logprobs,
+            prompt_logprobs=-1 if self.prompt_logprobs is None else self.prompt_logprobs,
             min_tokens=self.min_tokens,
             stop_token_ids=self.stop_token_ids if self.min_tokens else [],
             logit_bias=self.logit_bias or {},
@@ -180,6 +182,11 @@ _RULES = (  # field, valid, fix: one InvalidParam naming the field each
     ("spaces_between_special_tokens", lambda v: isinstance(v, bool), "use true or false"),
     ("include_stop_str_in_output", lambda v: isinstance(v, bool), "use true or false"),
     ("logprobs", lambda v: v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS), f"use 0..{MAX_LOGPROBS} or None"),
+    (
+        "prompt_logprobs",
+        lambda v: v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS),
+        f"use 0..{MAX_LOGPROBS} or None",
+    ),
 )
 
 

@@ -89,7 +89,7 @@ class BlockManager:
         req.block_table, req.num_cached_blocks = [], 0
 
     def _match_prefix(self, req: Request) -> list[int]:
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or req.wants_prompt_logprobs:  # its every prompt position is computed
             return []
         # Leave the last token to compute, so the step samples (and writes no KV into a block others share).
         usable = (req.num_tokens - 1) // self.block_size

@@ -36,6 +36,13 @@ class Request:
     queued_at: float = 0.0  # time.monotonic() when it was added
     matcher: object | None = None  # its xgrammar GrammarMatcher: StructuredOutputs makes it and feeds it every token
     first_stats: dict | None = None  # TokenBatch.request_stats: set at its first admission, sent with its first token
+    prompt_logprobs: list | None = None  # [logprobs, ranks, top ids, top logprobs] of prompt tokens 1.. so far
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs are asked for and some are still to come: every prompt position must be computed."""
+        held = 0 if self.prompt_logprobs is None else len(self.prompt_logprobs[0])
+        return self.params.prompt_logprobs is not None and held < self.num_prompt_tokens - 1
 
     @property
     def num_tokens(self) -> int:

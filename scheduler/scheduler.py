@@ -18,6 +18,7 @@ from protocol.config import EngineConfig, InvalidParam
 from protocol.messages import OVERLOADED, AddRequest, Error, GrammarMask, NewRow, StepPlan, StepResult, TokenBatch, i32
 from protocol.sampling import SamplingParams, check_length, check_prompt
 from scheduler.block_manager import BlockManager
+from scheduler.logprobs import split_logprobs, take_prompt_logprobs
 from scheduler.request import Request, Status
 from scheduler.structured_outputs import StructuredOutputs
 
@@ -258,6 +259,9 @@ class Scheduler:
                 }
             req.num_row_tokens, req.status = req.num_tokens, Status.RUNNING
             bisect.insort(self.running, req, key=lambda r: r.arrival)
+            sampling = req.params.row_sampling()
+            if not req.wants_prompt_logprobs:  # all sent before a preemption: the recompute makes none
+                sampling.prompt_logprobs = -1
             new_rows.append(
                 NewRow(
                     req.row,
@@ -265,7 +269,7 @@ class Scheduler:
                     req.num_prompt_tokens,
                     req.num_computed_tokens,
                     i32(req.block_table),
-                    req.params.row_sampling(),
+                    sampling,
                 )
             )
             budget -= self._take_chunk(req, budget, chunks)
@@ -295,9 +299,11 @@ class Scheduler:
                 f"StepResult for step {result.step} samples token ids {sampled.tolist()} outside "
                 f"the vocabulary [0, {self.vocab_size})"
             )
-        logprobs = _split_logprobs(result.logprobs, len(scheduled))
+        logprobs = split_logprobs(result.logprobs, len(scheduled))
+        take_prompt_logprobs(result.prompt_logprobs, scheduled)
         del self._in_flight[result.step]
         updates: dict[bytes, list[tuple]] = {}
+        prompt_logprobs: dict[bytes, dict] = {}  # client -> request id -> its prompt logprobs, with its first token
         for i, (req, epoch, samples) in enumerate(scheduled):
             if not samples or req.status is not Status.RUNNING or req.num_preemptions != epoch:
                 continue  # a chunk, or finished, aborted or preempted since this step was planned
@@ -318,12 +324,20 @@ class Scheduler:
             updates.setdefault(req.client, []).append((req.request_id, token, reason, None, lp))
             if generated == 1:
                 self._first_stats.setdefault(req.client, {})[req.request_id] = req.first_stats
+                if req.params.prompt_logprobs is not None:
+                    held = req.prompt_logprobs or [[], [], [], []]  # a one-token prompt has none
+                    prompt_logprobs.setdefault(req.client, {})[req.request_id] = held
         return [
-            (c, self._batch(u, result.step, self._first_stats.pop(c, _NO_REQUEST_STATS))) for c, u in updates.items()
+            (c, self._batch(u, result.step, self._first_stats.pop(c, _NO_REQUEST_STATS), prompt_logprobs.get(c)))
+            for c, u in updates.items()
         ]
 
     def _batch(
-        self, updates: list[tuple], step: int | None = None, request_stats: dict = _NO_REQUEST_STATS
+        self,
+        updates: list[tuple],
+        step: int | None = None,
+        request_stats: dict = _NO_REQUEST_STATS,
+        prompt_logprobs: dict | None = None,
     ) -> TokenBatch:
         """One client's (request id, token or -1, finish, error, logprobs) updates, from `step` (default: the last)."""
         ids, tokens, finishes, errors, logprobs = zip(*updates)
@@ -334,34 +348,7 @@ class Scheduler:
             {r: f for r, f in zip(ids, finishes) if f is not None},
             {r: e for r, e in zip(ids, errors) if e is not None},
             list(logprobs) if any(lp is not None for lp in logprobs) else None,
+            prompt_logprobs,
             self.stats(),
             request_stats,
         )
-
-
-def _split_logprobs(lp: dict | None, n: int):
-    """None, or (row i, its k) -> [sampled logprob, top ids, top logprobs], from k columns per row (bytes or arrays)."""
-    if lp is None:
-        return None
-    k = lp.get("k")
-    if not isinstance(k, int) or isinstance(k, bool) or k < 0:
-        raise ValueError(f"StepResult.logprobs['k'] must be an int >= 0, got {k!r}")
-    sampled = _array(lp.get("sampled"), "<f4")
-    top_ids = _array(lp.get("top_ids"), "<i4")
-    top_lps = _array(lp.get("top_logprobs"), "<f4")
-    if sampled.shape != (n,) or top_ids.shape != (n * k,) or top_lps.shape != (n * k,):
-        raise ValueError(
-            f"StepResult.logprobs does not fit {n} rows of k={k}: {sampled.shape}, {top_ids.shape}, {top_lps.shape}"
-        )
-    return lambda i, want: [
-        float(sampled[i]),
-        top_ids[i * k : i * k + min(want, k)].tolist(),
-        top_lps[i * k : i * k + min(want, k)].tolist(),
-    ]
-
-
-def _array(value: object, dtype: str) -> np.ndarray:
-    """A StepResult array: raw bytes off the wire, or a runner's own array in process (None: empty)."""
-    if isinstance(value, bytes):
-        return np.frombuffer(value, dtype)  # ValueError unless whole
-    return np.asarray([] if value is None else value, dtype).reshape(-1)

@@ -67,7 +67,6 @@ UNSERVED = [  # (request model, field, a value that would change what the client
     (ChatCompletionRequest, "functions", [{"name": "f", "parameters": {}}]),
     (ChatCompletionRequest, "function_call", "auto"),
     (CompletionRequest, "suffix", "the end"),
-    (CompletionRequest, "prompt_logprobs", 1),
     (CompletionRequest, "use_beam_search", True),
 ]  # response_format, tools and guided decoding are served: tests/test_structured_outputs.py
 

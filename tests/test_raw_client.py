@@ -119,7 +119,17 @@ def test_a_malformed_request_whose_id_can_be_read_finishes_with_an_error_naming_
         (msgpack.packb({"type": "Nope", "v": 1}), "unknown message type"),
         (msgpack.packb({"type": "GetStats", "v": 2}), "version 2"),
         (
-            msgpack.packb({"type": "StepResult", "v": 1, "step": 1, "token_ids": b"", "logprobs": None, "timings": {}}),
+            msgpack.packb(
+                {
+                    "type": "StepResult",
+                    "v": 1,
+                    "step": 1,
+                    "token_ids": b"",
+                    "logprobs": None,
+                    "prompt_logprobs": None,
+                    "timings": {},
+                }
+            ),
             "not a frontend message",
         ),
     ],

@@ -15,6 +15,7 @@ from protocol.messages import StepPlan, StepResult
 from worker.attention import AttentionBackend, Views
 from worker.cuda_graphs import CudaGraphs
 from worker.input_buffers import StepBuffers
+from worker.prompt_logprobs import PromptLogprobs
 from worker.row_mirror import HostStep, RowMirror
 from worker.sampler import Sampler, SamplerOutput
 from worker.step_output import Draw, Launched, step_result
@@ -35,6 +36,7 @@ class ModelRunner:
         self.step = 0
         # One row more than the engine's: the dummy row of padded graph lanes.
         self.sampler = Sampler(self.max_rows + 1, self.model_config.vocab_size, device, max_batch)
+        self.prompt_logprobs = PromptLogprobs(self.max_rows)
         self.last_token = torch.zeros(self.max_rows + 1, dtype=torch.int64, device=device)
         block_tables = torch.zeros(self.max_rows + 1, self.max_blocks, dtype=torch.int32, device=device)
         qkv = model.model.layers[0].self_attn.qkv_proj
@@ -80,6 +82,7 @@ class ModelRunner:
         self.mirror.free(plan.free_rows)
         for row in plan.free_rows.tolist():
             self.sampler.remove_row(row)
+            self.prompt_logprobs.remove_row(row)
         self._apply_row_deltas(plan)
         step = self.mirror.plan(plan)
         masked = self._mask_lanes(plan, step)
@@ -88,9 +91,9 @@ class ModelRunner:
         idx = self.buffers.view("delta_idx")
         if idx.numel():
             self.attention.block_tables.view(-1).index_copy_(0, idx, self.buffers.view("delta_val"))
-        draw = self._run_decode(step, size) if step.is_decode else self._run_mixed(step, size)
+        draw, prompt_logprobs = self._run_decode(step, size) if step.is_decode else self._run_mixed(step, size)
         self.mirror.finish(step)
-        launched = Launched(plan.step, step.samples, draw, masked)
+        launched = Launched(plan.step, step.samples, draw, masked, prompt_logprobs=prompt_logprobs)
         if plan.trace:
             launched.trace = (start_ns, events, step.is_decode)
         return launched
@@ -138,6 +141,9 @@ class ModelRunner:
                     None if t is None else t.to("cpu", non_blocking=True)
                     for t in (out.logprobs, out.top_ids, out.top_logprobs)
                 )
+        if launched.prompt_logprobs is not None:
+            host = [t.to("cpu", non_blocking=True) for t in launched.prompt_logprobs["tensors"]]
+            launched.prompt_logprobs["tensors"] = host
         if self.device.type == "cuda":
             launched.done = self._done_events[self._out_turn]
             launched.done.record()
@@ -148,6 +154,7 @@ class ModelRunner:
             tokens = np.asarray(new.token_ids)
             prompt = new.num_prompt_tokens
             self.sampler.add_row(new.row, new.sampling, tokens[:prompt], tokens[prompt:])
+            self.prompt_logprobs.add_row(new.row, new.sampling.prompt_logprobs, prompt)
         for row, block_ids in plan.block_appends:
             self.mirror.append_blocks(int(row), block_ids)
 
@@ -165,7 +172,7 @@ class ModelRunner:
         meta = self.attention.prefill_metadata(views)
         return self.model(views["input_ids"], views["positions"], meta, self.kv_caches[:layers])
 
-    def _run_decode(self, step: HostStep, size: int | None) -> Draw:
+    def _run_decode(self, step: HostStep, size: int | None) -> tuple[Draw, None]:
         """Queue a decode step's forward; the draw it returns samples the logits (graph `size`, or eagerly)."""
         b = len(step.rows)
         views = self.graphs.views["decode"][size] if size else self.buffers.decode_views(b)
@@ -186,20 +193,23 @@ class ModelRunner:
             # Some row needs more than the captured draw: sample the step's logits again, eagerly.
             return self.sampler(logits[:b], rows[:b], positions[:b], step.rows, self.last_token, grammar)
 
-        return draw
+        return draw, None
 
-    def _run_mixed(self, step: HostStep, size: int | None) -> Draw:
-        """A step with prompt chunks; its decode rows take their input tokens from the device."""
+    def _run_mixed(self, step: HostStep, size: int | None) -> tuple[Draw, dict | None]:
+        """A step with prompt chunks, and its prompt logprobs; its decode rows take their input tokens from the
+        device."""
         views = self.graphs.views["prefill"][size] if size else self.buffers.prefill_views()
         num_device = step.num_device_tokens
         if num_device:
             views["input_ids"][:num_device] = self.last_token[views["rows"][:num_device]]
         hidden = self.graphs.replay("prefill", size) if size else self.prefill_forward(views)
+        prompt_logprobs = self.prompt_logprobs.compute(self.model, hidden, step, self.mirror)
         if not step.samples.any():
-            return _no_draw
+            return _no_draw, prompt_logprobs
         logits = self.model.compute_logits(hidden[self.buffers.view("sample_idx")])
         rows, positions = self.buffers.view("sample_rows"), self.buffers.view("sample_pos")
-        return functools.partial(self.sampler, logits, rows, positions, step.rows[step.samples], self.last_token)
+        draw = functools.partial(self.sampler, logits, rows, positions, step.rows[step.samples], self.last_token)
+        return draw, prompt_logprobs
 
 
 def _no_draw(grammar: None) -> None:

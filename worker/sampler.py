@@ -27,7 +27,7 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None = None  # [N, k] float32
 
 
-def _upload(host: np.ndarray, device: torch.device) -> torch.Tensor:
+def upload(host: np.ndarray, device: torch.device) -> torch.Tensor:
     """A host array on the device without draining the stream: a pageable copy would wait for the step in flight."""
     src = torch.from_numpy(host)
     if device.type != "cuda":
@@ -87,16 +87,16 @@ class Sampler:
         if penalties:
             self.output_counts[row].zero_()
             self.prompt_mask[row].zero_()
-            self.prompt_mask[row, _upload(np.asarray(prompt_ids, np.int64), self.device)] = True
+            self.prompt_mask[row, upload(np.asarray(prompt_ids, np.int64), self.device)] = True
             if len(output_ids):
-                out = _upload(np.asarray(output_ids, np.int64), self.device)
+                out = upload(np.asarray(output_ids, np.int64), self.device)
                 self.output_counts[row].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
         if banned:
             self.banned[row].zero_()
-            self.banned[row, _upload(np.asarray(banned, np.int64), self.device)] = True
+            self.banned[row, upload(np.asarray(banned, np.int64), self.device)] = True
         if params.logit_bias:
-            ids = _upload(np.fromiter(params.logit_bias, np.int64), self.device)
-            self.bias[row, ids] = _upload(np.fromiter(params.logit_bias.values(), np.float32), self.device)
+            ids = upload(np.fromiter(params.logit_bias, np.int64), self.device)
+            self.bias[row, ids] = upload(np.fromiter(params.logit_bias.values(), np.float32), self.device)
 
     def remove_row(self, row: int) -> None:
         if self._feature["logit_bias"][row]:  # every row in a batch adds its bias row: leave zeros behind
@@ -141,8 +141,8 @@ class Sampler:
 
     def sync_params(self) -> None:
         if self._dirty:
-            self.floats.copy_(_upload(self._floats, self.device))
-            self.ints.copy_(_upload(self._ints, self.device))
+            self.floats.copy_(upload(self._floats, self.device))
+            self.ints.copy_(upload(self._ints, self.device))
             self._dirty = False
 
     def __call__(
@@ -250,7 +250,7 @@ class Sampler:
             return logits
         if len(need) == len(rows_host):
             return _top_k_top_p(logits, self.ints[rows, _TOP_K], self.floats[rows, _TOP_P])
-        idx = _upload(need, self.device)
+        idx = upload(need, self.device)
         sel_rows = rows[idx]
         logits = logits.clone()
         logits[idx] = _top_k_top_p(logits[idx], self.ints[sel_rows, _TOP_K], self.floats[sel_rows, _TOP_P])

@@ -25,6 +25,7 @@ class Launched:
     masked: np.ndarray  # the lane (index among sampled rows) of each masked row
     tokens: torch.Tensor | None = None  # pinned host [S] int64, filled by an asynchronous copy
     logprobs: tuple | None = None  # host (sampled [S], top ids [S, k] | None, top logprobs | None)
+    prompt_logprobs: dict | None = None  # PromptLogprobs.compute's, its tensors copied to the host by sample()
     done: torch.cuda.Event | None = None  # recorded after the copies (CUDA only)
     trace: tuple | None = None  # (start_ns, GPU events, is decode) when the plan asks for timings
     launched_ns: int = 0  # when sample() had queued the whole step
@@ -36,6 +37,8 @@ def step_result(launched: Launched) -> StepResult:
     if launched.tokens is not None:
         token_ids[launched.samples] = launched.tokens.numpy()
     result = StepResult(launched.step, token_ids, _logprobs(launched.logprobs, launched.samples))
+    if launched.prompt_logprobs is not None:
+        result.prompt_logprobs = _prompt_logprobs(launched.prompt_logprobs)
     if launched.trace is not None:  # host launch span; with CUDA events, GPU time and when the host saw it finish
         start_ns, events, decode = launched.trace
         result.timings = {"start_ns": start_ns, "end_ns": launched.launched_ns, "decode": bool(decode)}
@@ -60,3 +63,19 @@ def _logprobs(host: tuple | None, samples: np.ndarray) -> dict | None:
         top_ids[samples] = ids.numpy()
         top_lps[samples] = top.numpy()
     return {"sampled": sampled, "top_ids": top_ids.reshape(-1), "top_logprobs": top_lps.reshape(-1), "k": k}
+
+
+def _prompt_logprobs(computed: dict) -> dict:
+    """StepResult.prompt_logprobs: per asking lane (an index into plan.rows) its first target position and count;
+    flat over the targets, their logprobs and ranks, and k top ids and logprobs each."""
+    logprobs, ranks, top_ids, top_logprobs = (t.numpy() for t in computed["tensors"])
+    return {
+        "lanes": computed["lanes"].astype(np.int32),
+        "start": computed["start"].astype(np.int32),
+        "count": computed["count"].astype(np.int32),
+        "k": computed["k"],
+        "logprobs": logprobs,
+        "ranks": ranks,
+        "top_ids": top_ids.reshape(-1),
+        "top_logprobs": top_logprobs.reshape(-1),
+    }
