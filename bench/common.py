@@ -34,6 +34,7 @@ ENGINE_KEYS = (
     "max_num_batched_tokens",
     "trace_dir",
     "quantization",
+    "speculative_config",
 )
 
 
@@ -46,6 +47,9 @@ def engine_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", help="'auto' (the model's), 'float32', 'float16' or 'bfloat16'")
     p.add_argument("--quantization", choices=["fp8"], default=None, help="fp8: linear weights in float8 e4m3")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument(
+        "--speculative-config", type=json.loads, default=None, help='speculative decoding: {"method": "ngram", ...}'
+    )
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, help="GPUs to shard the model over")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="fix the KV cache size (default: from memory)")
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache block (default: the engine's)")
@@ -68,7 +72,7 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
     flags = []
     for key, value in engine_kwargs(args).items():
         flag = "--" + key.replace("_", "-")
-        flags += [flag] if value is True else [flag, str(value)]
+        flags += [flag] if value is True else [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
     return flags
 
 

@@ -6,6 +6,10 @@ the prefill taken out. A warm-up generate runs first at each length, and every c
 prompt, so that the prefix cache never skips a prefill.
 
     python -m bench.latency --baseline hf                  # qwen2.5-1.5b, dummy weights, 32/1024/32768
+
+--workload copy gives each timed generate a prompt that holds the text it will write, for speculative decoding: a
+random prompt R is continued greedily for C + N tokens (O), and the prompt is R + O[:C] (its continuation O[C:] is
+then known; drafts find it when O repeats itself). The result records the drafts' acceptance per position.
 """
 
 from __future__ import annotations
@@ -46,20 +50,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--hf-repeats", type=int, default=1, help="the same for the HF baseline (slow: 56 ms/step)")
     p.add_argument("--baseline", choices=["hf"], default=None, help="also run Hugging Face generate")
     p.add_argument("--copy-tbps", type=float, default=COPY_TBPS, help="copy bandwidth of the roofline")
+    p.add_argument("--workload", choices=["random", "copy"], default="random", help="prompts: random, or copy-heavy")
+    p.add_argument("--copy-len", type=int, default=512, help="C, the generated tokens a copy prompt holds")
     args = p.parse_args(argv)
     if args.max_tokens < 2:
         p.error(f"--max-tokens {args.max_tokens}: use at least 2 (the step time is (t_N - t_1) / (N - 1))")
     return args
 
 
-def measure(generate: Generate, prompt_len: int, args: argparse.Namespace, vocab: int, repeats: int) -> dict:
+def measure(
+    generate: Generate, prompt_len: int, args: argparse.Namespace, vocab: int, repeats: int, prompt: Callable
+) -> dict:
     """Time to first token and decode step time at one prompt length (medians of `repeats` pairs)."""
     rng = random.Random(args.seed + prompt_len)
     generate(random_ids(rng, prompt_len, vocab), min(8, args.max_tokens))  # warm-up: kernels, allocator
     firsts, longs = [], []
     for _ in range(repeats):
-        firsts.append(timed(generate, random_ids(rng, prompt_len, vocab), 1))
-        longs.append(timed(generate, random_ids(rng, prompt_len, vocab), args.max_tokens))
+        firsts.append(timed(generate, prompt(rng, prompt_len), 1))
+        longs.append(timed(generate, prompt(rng, prompt_len), args.max_tokens))
     t1, tn = statistics.median(firsts), statistics.median(longs)
     step = (tn - t1) / (args.max_tokens - 1)
     return {"ttft_ms": t1 * 1e3, "ms_per_step": step * 1e3, "tok_s": 1 / step if step > 0 else None}
@@ -72,8 +80,38 @@ def run_ours(args: argparse.Namespace, lens: list[int], vocab: int) -> list[dict
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
         return llm.generate(ids, params, use_tqdm=False)
 
-    with start_engine(args, max_model_len=max(lens) + args.max_tokens, max_num_seqs=1) as llm:
-        return [measure(generate, n, args, vocab, args.repeats) for n in lens]
+    def copy_prompt(rng: random.Random, n: int) -> list[int]:
+        ids = random_ids(rng, n, vocab)
+        params = SamplingParams(temperature=0, max_tokens=args.copy_len + args.max_tokens, ignore_eos=True)
+        written = llm.generate(ids, params, use_tqdm=False)
+        return ids + written[0].outputs[0].token_ids[: args.copy_len]
+
+    def random_prompt(rng: random.Random, n: int) -> list[int]:
+        return random_ids(rng, n, vocab)
+
+    prompt = copy_prompt if args.workload == "copy" else random_prompt
+    extra = args.copy_len if args.workload == "copy" else 0
+    with start_engine(args, max_model_len=max(lens) + extra + args.max_tokens, max_num_seqs=1) as llm:
+        rows = []
+        for n in lens:
+            before = llm.stats()
+            rows.append(measure(generate, n, args, vocab, args.repeats, prompt))
+            rows[-1].update(acceptance(before, llm.stats()))
+        return rows
+
+
+def acceptance(before: dict, after: dict) -> dict:
+    """Speculative decoding over a measurement: accepted tokens per draft, and the share accepted per position."""
+    if "spec_num_drafts" not in after:
+        return {}
+    drafts = after["spec_num_drafts"] - before["spec_num_drafts"]
+    accepted = after["spec_num_accepted_tokens"] - before["spec_num_accepted_tokens"]
+    per_pos = [a - b for a, b in zip(after["spec_accepted_per_pos"], before["spec_accepted_per_pos"])]
+    return {
+        "drafts": drafts,
+        "accepted_per_draft": accepted / drafts if drafts else 0.0,
+        "acceptance_per_pos": [round(n / drafts, 3) if drafts else 0.0 for n in per_pos],
+    }
 
 
 def run_hf(args: argparse.Namespace, lens: list[int], config, model_path: str | None) -> list[dict]:
@@ -81,7 +119,14 @@ def run_hf(args: argparse.Namespace, lens: list[int], config, model_path: str | 
 
     model = load_hf_model(args, config, model_path)
     return [
-        measure(lambda ids, n: hf_generate(model, [ids], n), length, args, config.vocab_size, args.hf_repeats)
+        measure(
+            lambda ids, n: hf_generate(model, [ids], n),
+            length,
+            args,
+            config.vocab_size,
+            args.hf_repeats,
+            lambda rng, n: random_ids(rng, n, config.vocab_size),
+        )
         for length in lens
     ]
 
@@ -111,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             }
         )
     name = ("latency-eager" if args.enforce_eager else "latency") + ("-fp8" if args.quantization else "")
+    name += ("-spec" if args.speculative_config else "") + ("-copy" if args.workload == "copy" else "")
     print_table(
         f"{name}: batch 1, {args.max_tokens} new tokens, {args.model} {dtype} {args.quantization or ''}, "
         f"roofline {roof['weight_gb']:.3f} GB of weights at {args.copy_tbps} TB/s "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import json
 import logging
 import os
 import socket
@@ -103,6 +104,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="reuse the KV blocks of prompts that share a prefix (default: on)",
     )
     engine.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (slower decode, faster start)")
+    engine.add_argument(
+        "--speculative-config",
+        type=json.loads,
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, as vLLM\'s: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": '
+        '4, "prompt_lookup_min": 2} (greedy requests draft from their own prompt and output; default: off)',
+    )
     server, offline = p.add_argument_group("HTTP server"), p.add_argument_group("one prompt, no server")
     for group, flag, default, metavar, help_text in (
         (server, "--host", _SERVER_DEFAULTS["host"], "HOST", "address to bind (0.0.0.0 exposes the server)"),

@@ -12,7 +12,7 @@ from tqdm import tqdm
 from frontend.engine_client import EngineClient, EngineDeadError, Prompt
 from frontend.model_resolution import resolve_config
 from frontend.output_processor import OutputProcessor, RequestOutput, RequestState
-from protocol.config import EngineConfig
+from protocol.config import EngineConfig, SpeculativeConfig
 from protocol.messages import Abort, GetStats, TokenBatch
 from protocol.sampling import SamplingParams
 
@@ -32,8 +32,9 @@ class LLM:
     enable_prefix_caching: reuse the KV of shared prompt prefixes; tensor_parallel_size: GPUs to shard over;
     enforce_eager: no CUDA graphs; trace_dir: write a Perfetto trace there; max_waiting_requests: bound of the waiting
     queue; step_timeout: seconds without progress before the engine counts as dead; quantization "fp8": linear weights
-    in float8 e4m3, one scale per output channel (an FP8 checkpoint sets it); nnodes, node_rank, master_addr,
-    master_port: tensor parallel over hosts, this process being node 0 (docs/SCALING.md)."""
+    in float8 e4m3, one scale per output channel (an FP8 checkpoint sets it); speculative_config: vLLM's map, e.g.
+    {"method": "ngram", "num_speculative_tokens": 4} (greedy requests verify n-gram drafts of their own tokens);
+    nnodes, node_rank, master_addr, master_port: tensor parallel over hosts, this process being node 0 (docs/SCALING.md)."""
 
     def __init__(
         self,
@@ -56,6 +57,7 @@ class LLM:
         max_waiting_requests: int = 4096,
         step_timeout: float = 60.0,
         quantization: str | None = None,
+        speculative_config: SpeculativeConfig | dict | None = None,
         nnodes: int = 1,
         node_rank: int = 0,
         master_addr: str = "127.0.0.1",

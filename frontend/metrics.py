@@ -46,6 +46,16 @@ _METRICS = {  # attribute: (type, vLLM's name, help, buckets)
     "request_generation": (Histogram, "vllm:request_generation_tokens", "Tokens a request generated.", TOKEN_BUCKETS),
     "cache_queries": (Counter, "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", None),
     "cache_hits": (Counter, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", None),
+    "spec_drafts": (Counter, "vllm:spec_decode_num_drafts", "Drafts verified (speculative decoding).", None),
+    "spec_draft_tokens": (Counter, "vllm:spec_decode_num_draft_tokens", "Draft tokens verified.", None),
+    "spec_accepted": (Counter, "vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", None),
+}
+# Counters the scheduler's stats hold as running totals: attribute -> stats key.
+_TOTALS = {
+    "preemptions": "num_preemptions",
+    "spec_drafts": "spec_num_drafts",
+    "spec_draft_tokens": "spec_num_draft_tokens",
+    "spec_accepted": "spec_num_accepted_tokens",
 }
 
 
@@ -67,7 +77,13 @@ class Metrics:
         )
         for reason in FINISH_REASONS:
             self.success.labels(model_name, reason)
-        self._preemptions_seen = 0
+        self.spec_per_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by their position in the draft.",
+            ["model_name", "position"],
+            registry=self.registry,
+        )
+        self._seen: dict = {}  # the running totals counted so far
 
     def observe_engine(self, stats: dict) -> None:
         """Refresh the engine gauges from the scheduler's stats (cumulative counts become counter steps)."""
@@ -77,10 +93,17 @@ class Metrics:
         usage = 1.0 - stats["num_free_blocks"] / total if total else 0.0
         self.kv_usage.set(usage)
         self.gpu_cache_usage.set(usage)  # the name older routers and dashboards read
-        new = stats["num_preemptions"] - self._preemptions_seen
+        for attr, key in _TOTALS.items():
+            self._count(getattr(self, attr), key, stats.get(key, 0))
+        for pos, total in enumerate(stats.get("spec_accepted_per_pos", ())):
+            self._count(self.spec_per_pos.labels(self.model_name, str(pos)), pos, total)
+
+    def _count(self, counter: Counter, key: object, total: int) -> None:
+        """Step a counter up to the engine's running total under `key`."""
+        new = total - self._seen.get(key, 0)
         if new > 0:
-            self.preemptions.inc(new)
-            self._preemptions_seen = stats["num_preemptions"]
+            counter.inc(new)
+            self._seen[key] = total
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

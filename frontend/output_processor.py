@@ -103,13 +103,15 @@ class OutputProcessor:
 
     def process(self, batch: TokenBatch) -> tuple[list[RequestState], list[str]]:
         """Apply one batch; return the requests it changed and engine ids to abort (stop strings hit)."""
-        changed, to_abort = {}, []
-        for i, engine_id in enumerate(batch.request_ids):
+        changed, to_abort, ids = {}, [], batch.request_ids
+        for i, engine_id in enumerate(ids):
             sample = self._samples.get(engine_id)
             if sample is None or sample.out.finished:
                 continue  # a token for a sample the frontend already ended (stop string, abort)
             token = int(batch.token_ids[i])
-            reason = batch.finished.get(engine_id)
+            # A request with several tokens in a batch (accepted drafts) has them in a row; its finish ends the last.
+            last = i + 1 == len(ids) or ids[i + 1] != engine_id
+            reason = batch.finished.get(engine_id) if last else None
             sample.out.engine_stats = batch.request_stats.get(engine_id, sample.out.engine_stats)
             if batch.prompt_logprobs and engine_id in batch.prompt_logprobs:
                 _set_prompt_logprobs(sample.state.output, batch.prompt_logprobs[engine_id])

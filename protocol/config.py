@@ -45,6 +45,60 @@ class ModelConfig:
         return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
 
+MAX_SPECULATIVE_TOKENS = 16
+_SPEC = "speculative_config"
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 4  # draft tokens a row verifies per step, at most
+    # The longest and shortest n-gram of the sequence's end looked up in the sequence (vLLM: both 5 when unset,
+    # the other's value when one is).
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    disable_by_batch_size: int = 8  # more running rows than this: no row drafts (the step is compute-bound)
+
+    def __post_init__(self) -> None:
+        if self.prompt_lookup_max is None:
+            self.prompt_lookup_max = self.prompt_lookup_min or 5
+        if self.prompt_lookup_min is None:
+            self.prompt_lookup_min = self.prompt_lookup_max
+        checks = (
+            ("method", self.method == "ngram", "use 'ngram' (prompt lookup)"),
+            (
+                "num_speculative_tokens",
+                is_int(self.num_speculative_tokens) and 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
+                f"use 1..{MAX_SPECULATIVE_TOKENS}",
+            ),
+            ("prompt_lookup_max", is_int(self.prompt_lookup_max) and self.prompt_lookup_max >= 1, "use 1 or more"),
+            (
+                "prompt_lookup_min",
+                is_int(self.prompt_lookup_min) and 1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+                f"use 1..prompt_lookup_max={self.prompt_lookup_max}",
+            ),
+            (
+                "disable_by_batch_size",
+                is_int(self.disable_by_batch_size) and self.disable_by_batch_size >= 1,
+                "use 1 or more",
+            ),
+        )
+        for name, ok, fix in checks:
+            require(ok, f"{_SPEC}.{name}", getattr(self, name), fix)
+
+    @classmethod
+    def from_value(cls, value: object) -> SpeculativeConfig | None:
+        """None, a SpeculativeConfig, or its map (the CLI's JSON, LLM's keyword): an unknown key is an error."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise InvalidParam(_SPEC, f'{_SPEC} must be a map such as {{"method": "ngram"}}, got {value!r}')
+        known = {f.name for f in fields(cls)}
+        if unknown := sorted(set(value) - known):
+            raise InvalidParam(_SPEC, f"{_SPEC} has unknown keys {unknown}: known ones are {sorted(known)}")
+        return cls(**value)
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """Everything the engine is launched with. Field names are the CLI flags in snake_case."""
@@ -68,6 +122,7 @@ class EngineConfig:
     step_timeout: float = 60.0
     allow_remote_shutdown: bool = False  # Shutdown from any frontend, not only the one that started the engine
     quantization: str | None = None  # "fp8": e4m3 linear weights (set by resolution for an FP8 checkpoint)
+    speculative_config: SpeculativeConfig | dict | None = None  # a map is checked and made a SpeculativeConfig
     # Tensor parallel over hosts, under torch.distributed's names: each node runs an equal share of the ranks.
     nnodes: int = 1
     node_rank: int = 0  # node 0 runs the frontend, the scheduler and ranks 0.. of the group
@@ -84,6 +139,7 @@ class EngineConfig:
         tp, nnodes = self.tensor_parallel_size, self.nnodes
         require(tp % nnodes == 0, "nnodes", nnodes, f"use a divisor of tensor_parallel_size={tp}: equal ranks per node")
         require(0 <= self.node_rank < nnodes, "node_rank", self.node_rank, f"use 0..{nnodes - 1}")
+        self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
 
     @property
     def local_ranks(self) -> range:
@@ -138,6 +194,10 @@ class InvalidParam(ValueError):
 
 class ContextTooLong(InvalidParam):
     """A prompt, or prompt + max_tokens, longer than max_model_len."""
+
+
+def is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def require(ok: bool, name: str, value: object, fix: str) -> None:

@@ -119,6 +119,11 @@ class StepPlan:
     free_rows: np.ndarray = field(default_factory=lambda: i32([]))
     trace: bool = False
     masked: np.ndarray = field(default_factory=lambda: i32([]))  # indices into rows: sample under a GrammarMask
+    # Speculative decoding: [row, computed, tokens] resets a row's mirror to `computed` tokens in the KV cache and
+    # the known `tokens` after them (its last accepted token, then drafts); `verify` indexes the rows that sample
+    # after every token of their chunk, not only the last.
+    rewinds: list = field(default_factory=list)
+    verify: np.ndarray = field(default_factory=lambda: i32([]))
 
 
 @dataclass(slots=True)
@@ -137,6 +142,7 @@ class StepResult:
     token_ids: np.ndarray
     logprobs: dict | None = None
     prompt_logprobs: dict | None = None  # of the prompt tokens this step computed, for rows that ask (PROTOCOL.md)
+    verify_tokens: np.ndarray = field(default_factory=lambda: i32([]))  # each verify row's samples, in order
     timings: dict = field(default_factory=dict)
 
 

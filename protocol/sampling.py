@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
-from protocol.config import ContextTooLong, InvalidParam, require
+from protocol.config import ContextTooLong, InvalidParam, is_int, require
 from protocol.messages import RowSampling
 
 MAX_N = 16
@@ -134,13 +134,9 @@ def check_structured_outputs(spec: object) -> dict | None:
     return {**checked, "after": spec["after"]} if spec.get("after") else checked
 
 
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _is_token_key(v: object) -> bool:
     """A token id as a map key: an int, or its decimal digits (JSON and JavaScript objects have string keys)."""
-    return _is_int(v) and v >= 0 or isinstance(v, str) and v.isascii() and v.isdigit() and len(v) <= 9
+    return is_int(v) and v >= 0 or isinstance(v, str) and v.isascii() and v.isdigit() and len(v) <= 9
 
 
 def _is_num(v: object) -> bool:
@@ -148,14 +144,14 @@ def _is_num(v: object) -> bool:
 
 
 _RULES = (  # field, valid, fix: one InvalidParam naming the field each
-    ("n", lambda v: _is_int(v) and 1 <= v <= MAX_N, f"use 1..{MAX_N}"),
+    ("n", lambda v: is_int(v) and 1 <= v <= MAX_N, f"use 1..{MAX_N}"),
     ("temperature", lambda v: _is_num(v) and 0.0 <= v <= 100.0, "use 0 (greedy) up to 100"),
     ("top_p", lambda v: _is_num(v) and 0.0 < v <= 1.0, "use a value in (0, 1]"),
-    ("top_k", lambda v: _is_int(v) and v >= -1, "use -1 or 0 (off) or a positive k"),
+    ("top_k", lambda v: is_int(v) and v >= -1, "use -1 or 0 (off) or a positive k"),
     ("min_p", lambda v: _is_num(v) and 0.0 <= v <= 1.0, "use a value in [0, 1]"),
-    ("seed", lambda v: v is None or (_is_int(v) and -(2**63) <= v < 2**64), "use an integer or None"),
-    ("max_tokens", lambda v: v is None or (_is_int(v) and v >= 1), "use at least 1 (None: what the context allows)"),
-    ("min_tokens", lambda v: _is_int(v) and v >= 0, "use 0 or more"),
+    ("seed", lambda v: v is None or (is_int(v) and -(2**63) <= v < 2**64), "use an integer or None"),
+    ("max_tokens", lambda v: v is None or (is_int(v) and v >= 1), "use at least 1 (None: what the context allows)"),
+    ("min_tokens", lambda v: is_int(v) and v >= 0, "use 0 or more"),
     (
         "stop",
         lambda v: len(v) <= MAX_STOP_STRINGS and all(isinstance(s, str) and s for s in v),
@@ -181,10 +177,10 @@ _RULES = (  # field, valid, fix: one InvalidParam naming the field each
     ("skip_special_tokens", lambda v: isinstance(v, bool), "use true or false"),
     ("spaces_between_special_tokens", lambda v: isinstance(v, bool), "use true or false"),
     ("include_stop_str_in_output", lambda v: isinstance(v, bool), "use true or false"),
-    ("logprobs", lambda v: v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS), f"use 0..{MAX_LOGPROBS} or None"),
+    ("logprobs", lambda v: v is None or (is_int(v) and 0 <= v <= MAX_LOGPROBS), f"use 0..{MAX_LOGPROBS} or None"),
     (
         "prompt_logprobs",
-        lambda v: v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS),
+        lambda v: v is None or (is_int(v) and 0 <= v <= MAX_LOGPROBS),
         f"use 0..{MAX_LOGPROBS} or None",
     ),
 )

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from protocol.sampling import SamplingParams
+from scheduler.speculation import NgramDrafter
 
 
 class Status(enum.Enum):
@@ -37,6 +38,9 @@ class Request:
     matcher: object | None = None  # its xgrammar GrammarMatcher: StructuredOutputs makes it and feeds it every token
     first_stats: dict | None = None  # TokenBatch.request_stats: set at its first admission, sent with its first token
     prompt_logprobs: list | None = None  # [logprobs, ranks, top ids, top logprobs] of prompt tokens 1.. so far
+    drafter: NgramDrafter | None = None  # while it drafts (speculative decoding)
+    steps_in_flight: int = 0  # planned steps that schedule it, whose results have not come back
+    rewind_next: bool = False  # its last step verified drafts: the next one resets the worker's row first
 
     @property
     def wants_prompt_logprobs(self) -> bool:

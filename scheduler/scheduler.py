@@ -12,14 +12,13 @@ import time
 from collections import deque
 from operator import attrgetter
 
-import numpy as np
-
 from protocol.config import EngineConfig, InvalidParam
 from protocol.messages import OVERLOADED, AddRequest, Error, GrammarMask, NewRow, StepPlan, StepResult, TokenBatch, i32
 from protocol.sampling import SamplingParams, check_length, check_prompt
 from scheduler.block_manager import BlockManager
-from scheduler.logprobs import split_logprobs, take_prompt_logprobs
 from scheduler.request import Request, Status
+from scheduler.speculation import Speculator
+from scheduler.step_results import checked_tokens, split_logprobs, take_prompt_logprobs
 from scheduler.structured_outputs import StructuredOutputs
 
 _NO_REQUEST_STATS: dict = {}  # the request_stats of every batch without a first token: encoded, never mutated
@@ -45,6 +44,7 @@ class Scheduler:
         self._rng = random.Random(config.seed)
         self._first_stats: dict[bytes, dict] = {}  # client -> request id -> request_stats, for this result's batch
         self.structured = StructuredOutputs(config, masks_path)
+        self.speculator = Speculator(config) if config.speculative_config else None
 
     def add_request(self, msg: AddRequest, client: bytes) -> list[tuple[bytes, TokenBatch | Error]]:
         """Queue a request; a bad one is answered at once (see refuse)."""
@@ -114,6 +114,7 @@ class Scheduler:
             "num_waiting": len(self.waiting),
             "num_preemptions": self.num_preemptions,
             "num_cached_tokens": bm.num_cached_tokens,
+            **(self.speculator.stats() if self.speculator else {}),
         }
 
     def _make_request(self, msg: AddRequest, client: bytes) -> Request:
@@ -149,7 +150,7 @@ class Scheduler:
             params.seed = self._rng.getrandbits(63)
         if not params.ignore_eos:
             params.stop_token_ids = sorted(set(params.stop_token_ids) | self.eos_token_ids)
-        return Request(
+        req = Request(
             msg.request_id,
             client,
             prompt,
@@ -160,6 +161,9 @@ class Scheduler:
             frozenset(params.stop_token_ids),
             queued_at=time.monotonic(),
         )
+        if self.speculator is not None:
+            self.speculator.enroll(req)
+        return req
 
     def _finish(self, req: Request) -> None:
         if req.status is Status.RUNNING:
@@ -181,16 +185,24 @@ class Scheduler:
     def schedule(self) -> StepPlan | None:
         """Plan one step: a token for every decode row, then prompt chunks, within the token budget."""
         budget = self.config.max_num_batched_tokens
-        decodes, appends, preempted = self._schedule_decodes(budget)
+        decodes, verifies, appends, preempted = self._schedule_decodes(budget)
         # Longest context first: decode attention launches in plan order, so short rows fill the step's tail.
         decodes.sort(key=attrgetter("num_computed_tokens"), reverse=True)
+        budget -= len(decodes) + sum(1 + len(draft) for _, draft in verifies)
         # After a preemption the cache is short: admitting now would only preempt again next step.
-        chunks, new_rows = self._schedule_prefills(budget - len(decodes), admit=not preempted)
-        if not decodes and not chunks:
+        chunks, new_rows = self._schedule_prefills(budget, admit=not preempted)
+        if not decodes and not verifies and not chunks:
             return None
         self.step += 1
-        scheduled = [(req, 1) for req in decodes] + chunks
-        self._in_flight[self.step] = [(req, req.num_preemptions, not req.is_prefill) for req, _ in scheduled]
+        # A verify row's chunk is its last token (computed now) and its drafts, after which it samples each time.
+        rewinds = [[req.row, req.num_computed_tokens - 1, i32(req.token_ids[-1:] + draft)] for req, draft in verifies]
+        scheduled = [(req, 1) for req in decodes] + [(req, 1 + len(draft)) for req, draft in verifies] + chunks
+        drafts = [None] * len(decodes) + [draft for _, draft in verifies] + [None] * len(chunks)
+        self._in_flight[self.step] = [
+            (req, req.num_preemptions, not req.is_prefill, draft) for (req, _), draft in zip(scheduled, drafts)
+        ]
+        for req, _ in scheduled:
+            req.steps_in_flight += 1
         masked = self.structured.plan_masks(self.step, scheduled)
         plan = StepPlan(
             self.step,
@@ -201,39 +213,55 @@ class Scheduler:
             i32(sorted(self._rows_freed)),
             self.config.trace_dir is not None,
             i32(masked),
+            rewinds,
+            i32(range(len(decodes), len(decodes) + len(verifies))),
         )
         self._rows_freed.clear()
         return plan
 
-    def _schedule_decodes(self, budget: int) -> tuple[list[Request], list, bool]:
-        """One token per decoding row, oldest first; preempt the newest request while blocks run out."""
+    def _schedule_decodes(self, budget: int) -> tuple[list[Request], list, list, bool]:
+        """One token per decoding row, or a verify chunk of its drafts, oldest first; preempt the newest request
+        while blocks run out."""
         bm = self.block_manager
-        decodes, appends, preempted = [], [], False
+        decodes, verifies, appends, preempted = [], [], [], False
+        speculating = self.speculator is not None and self.speculator.active(self.running)
+        used = 0  # tokens planned: one per decode row, a verify row's drafts too
         for req in list(self.running):
-            if len(decodes) >= budget:
+            if used >= budget:
                 break
             if req.status is not Status.RUNNING or req.is_prefill:
                 continue
+            if req.steps_in_flight and (req.rewind_next or speculating and req.drafter is not None):
+                continue  # its drafts come from its latest token, its next step from what its drafts gained: wait
             total = req.num_computed_tokens + 1  # once every step in flight has sampled: plan no unusable token
             if total - req.num_prompt_tokens >= req.max_tokens or total >= self.max_model_len:
                 continue
+            draft = self.speculator.draft(req, budget - used, self.max_model_len) if speculating and req.drafter else []
+            if not bm.may_append(req, total + len(draft)):
+                draft = []  # drafts never preempt
             while not bm.may_append(req, total):
                 victim = self.running[-1]  # freed whole, recomputed later from prompt + generated tokens
                 self._release(victim)
                 victim.status, victim.num_computed_tokens, victim.num_row_tokens = Status.WAITING, 0, 0
                 victim.num_preemptions += 1
+                victim.rewind_next = False  # its NewRow sets the worker's row anew
                 self.num_preemptions += 1
                 self.waiting.appendleft(victim)
                 preempted = True
                 if victim is req:
                     break
             if req.status is Status.RUNNING:
-                if new_blocks := bm.append_slot(req, total):
+                if new_blocks := bm.append_slot(req, total + len(draft)):
                     appends.append((req.row, i32(new_blocks)))
                 req.num_computed_tokens += 1
                 bm.cache_blocks(req, min(req.num_computed_tokens, req.num_tokens))
-                decodes.append(req)
-        return decodes, appends, preempted
+                if draft or req.rewind_next:  # after drafts, the mirror's row is reset to the accepted tokens
+                    verifies.append((req, draft))
+                else:
+                    decodes.append(req)
+                req.rewind_next = bool(draft)
+                used += 1 + len(draft)
+        return decodes, verifies, appends, preempted
 
     def _schedule_prefills(self, budget: int, admit: bool) -> tuple[list[tuple[Request, int]], list[NewRow]]:
         """Chunks of partly prefilled rows, then of waiting requests admitted first come, first served."""
@@ -288,41 +316,25 @@ class Scheduler:
         scheduled = self._in_flight.get(result.step)
         if scheduled is None:
             raise ValueError(f"StepResult for step {result.step} matches no plan in flight ({sorted(self._in_flight)})")
-        tokens = np.asarray(result.token_ids)
-        if tokens.shape != (len(scheduled),):
-            raise ValueError(
-                f"StepResult for step {result.step} has {tokens.shape} token ids for {len(scheduled)} scheduled rows"
-            )
-        sampled = tokens[[samples for _, _, samples in scheduled]]
-        if ((sampled < 0) | (sampled >= self.vocab_size)).any():
-            raise ValueError(
-                f"StepResult for step {result.step} samples token ids {sampled.tolist()} outside "
-                f"the vocabulary [0, {self.vocab_size})"
-            )
+        tokens, verified = checked_tokens(result, scheduled, self.vocab_size)
         logprobs = split_logprobs(result.logprobs, len(scheduled))
         take_prompt_logprobs(result.prompt_logprobs, scheduled)
         del self._in_flight[result.step]
         updates: dict[bytes, list[tuple]] = {}
         prompt_logprobs: dict[bytes, dict] = {}  # client -> request id -> its prompt logprobs, with its first token
-        for i, (req, epoch, samples) in enumerate(scheduled):
+        for i, (req, epoch, samples, draft) in enumerate(scheduled):
+            req.steps_in_flight -= 1
+            verify_samples = None if draft is None else next(verified)  # taken in order, even if dropped
             if not samples or req.status is not Status.RUNNING or req.num_preemptions != epoch:
                 continue  # a chunk, or finished, aborted or preempted since this step was planned
-            token = int(tokens[i])
-            req.token_ids.append(token)
-            generated = req.num_tokens - req.num_prompt_tokens
-            if generated >= req.params.min_tokens and token in req.stop_ids:
-                reason = "stop"
-            elif generated >= req.max_tokens or req.num_tokens >= self.max_model_len:
-                reason = "length"
-            elif req.matcher is not None and self.structured.advance(req, token):
-                reason = "stop"
-            else:
-                reason = None
-            if reason is not None:
-                self._finish(req)
+            new = [int(tokens[i])] if draft is None else self.speculator.accept(req, draft, verify_samples)
             lp = logprobs(i, req.params.logprobs) if logprobs and req.params.logprobs is not None else None
-            updates.setdefault(req.client, []).append((req.request_id, token, reason, None, lp))
-            if generated == 1:
+            for token in new:
+                reason = self._take_token(req, token)
+                updates.setdefault(req.client, []).append((req.request_id, token, reason, None, lp))
+                if reason is not None:
+                    break
+            if req.num_tokens - req.num_prompt_tokens == 1:
                 self._first_stats.setdefault(req.client, {})[req.request_id] = req.first_stats
                 if req.params.prompt_logprobs is not None:
                     held = req.prompt_logprobs or [[], [], [], []]  # a one-token prompt has none
@@ -331,6 +343,23 @@ class Scheduler:
             (c, self._batch(u, result.step, self._first_stats.pop(c, _NO_REQUEST_STATS), prompt_logprobs.get(c)))
             for c, u in updates.items()
         ]
+
+    def _take_token(self, req: Request, token: int) -> str | None:
+        """Append a sampled token; the request's finish reason if it ends here (it is then finished)."""
+        req.token_ids.append(token)
+        if req.drafter is not None:
+            req.drafter.extend([token])
+        generated = req.num_tokens - req.num_prompt_tokens
+        if generated >= req.params.min_tokens and token in req.stop_ids:
+            reason = "stop"
+        elif generated >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            reason = "length"
+        elif req.matcher is not None and self.structured.advance(req, token):
+            reason = "stop"
+        else:
+            return None
+        self._finish(req)
+        return reason
 
     def _batch(
         self,

@@ -127,6 +127,7 @@ def test_a_malformed_request_whose_id_can_be_read_finishes_with_an_error_naming_
                     "token_ids": b"",
                     "logprobs": None,
                     "prompt_logprobs": None,
+                    "verify_tokens": b"",
                     "timings": {},
                 }
             ),

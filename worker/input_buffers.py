@@ -58,7 +58,7 @@ class StepBuffers:
     ) -> None:
         self.max_seqs, self.attention = max_seqs, attention
         work = attention.max_work_items(max_tokens, max_seqs)
-        _, capacity = _layout(max_tokens, max_seqs, max_seqs, max_deltas, work)
+        _, capacity = _layout(max_tokens, max_seqs, max_tokens, max_deltas, work)  # verify rows sample every token
         self._host = [torch.zeros(capacity, dtype=torch.uint8, pin_memory=device.type == "cuda") for _ in range(2)]
         self._host_np = [h.numpy() for h in self._host]
         self.device_buf = torch.zeros(capacity, dtype=torch.uint8, device=device)
@@ -96,24 +96,26 @@ class StepBuffers:
         """Stage and upload a step, padded to the graph size that runs it; padded lanes store and attend nothing."""
         b, t = len(step.rows), len(step.positions)
         if step.is_decode:
-            sampled, work, lanes = slice(None), None, padded_to or b
+            work, lanes = None, padded_to or b
             v = self.stage(lanes, lanes, lanes, len(deltas[0]), 0)
+            _put(v["sample_pos"], step.sample_pos, 0)
         else:
-            sampled, work = np.flatnonzero(step.samples), self.attention.work_items(step.num_tokens)
+            sample_lanes, sample_idx, sample_pos = step.sample_points()
+            work = self.attention.work_items(step.num_tokens)
             tokens, seqs, items = self.prefill_shape(padded_to) if padded_to else (t, b, work.shape[1])
-            v = self.stage(tokens, seqs, len(sampled), len(deltas[0]), items)
+            v = self.stage(tokens, seqs, len(sample_lanes), len(deltas[0]), items)
+            v["sample_pos"][:] = sample_pos
         _put(v["rows"], step.rows, dummy_row)
         _put(v["positions"], step.positions, 0)
         _put(v["slot_mapping"], step.slot_mapping, -1)
         _put(v["context_lens"], step.context_lens, 0)
-        _put(v["sample_pos"], step.sample_pos[sampled], 0)
         if work is not None:
             _put(v["cu_seqlens_q"], step.cu_seqlens_q, t)  # padded sequences have no queries
             _put(v["input_ids"][step.num_device_tokens :], host_ids, 0)
             for dst, items in zip(v["work"].reshape(2, -1), work):
                 _put(dst, items, -1)
-            v["sample_idx"][:] = step.cu_seqlens_q[1:][sampled] - 1
-            v["sample_rows"][:] = step.rows[sampled]
+            v["sample_idx"][:] = sample_idx
+            v["sample_rows"][:] = step.rows[sample_lanes]
         if len(deltas[0]):
             v["delta_idx"][:] = deltas[0]
             v["delta_val"][:] = deltas[1]

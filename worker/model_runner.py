@@ -43,8 +43,9 @@ class ModelRunner:
         self.num_kv_heads = qkv.num_kv_heads  # this rank's
         self.attention = AttentionBackend(block_tables, qkv.num_kv_heads, qkv.num_heads // qkv.num_kv_heads, max_batch)
         self.buffers = StepBuffers(max_tokens, max_batch, self.max_rows * self.max_blocks, self.attention, device)
+        samples = max(self.max_rows, max_tokens)  # a verify row samples after each of its tokens
         self._host_tokens = [
-            torch.zeros(self.max_rows, dtype=torch.int64, pin_memory=device.type == "cuda") for _ in range(2)
+            torch.zeros(samples, dtype=torch.int64, pin_memory=device.type == "cuda") for _ in range(2)
         ]
         self._done_events = [torch.cuda.Event() for _ in range(2)] if device.type == "cuda" else []
         self._out_turn = 0
@@ -94,6 +95,8 @@ class ModelRunner:
         draw, prompt_logprobs = self._run_decode(step, size) if step.is_decode else self._run_mixed(step, size)
         self.mirror.finish(step)
         launched = Launched(plan.step, step.samples, draw, masked, prompt_logprobs=prompt_logprobs)
+        if len(step.verify):
+            launched.verify = _verify_samples(step)
         if plan.trace:
             launched.trace = (start_ns, events, step.is_decode)
         return launched
@@ -117,6 +120,8 @@ class ModelRunner:
         """The index among the step's sampled rows of each masked row."""
         if not len(plan.masked):
             return NO_LANES
+        if len(plan.verify):  # lanes count one sample per row
+            raise ValueError(f"StepPlan {plan.step} has both masked and verify rows: plan them in separate steps")
         indices = plan.masked.astype(np.int64)
         if indices.min() < 0 or indices.max() >= len(step.rows) or not step.samples[indices].all():
             raise ValueError(f"StepPlan {plan.step} masks rows {indices.tolist()}: each must index a sampling row")
@@ -157,6 +162,8 @@ class ModelRunner:
             self.prompt_logprobs.add_row(new.row, new.sampling.prompt_logprobs, prompt)
         for row, block_ids in plan.block_appends:
             self.mirror.append_blocks(int(row), block_ids)
+        for row, computed, token_ids in plan.rewinds:
+            self.mirror.rewind(int(row), int(computed), token_ids)
 
     def decode_forward(self, views: Views, layers: int | None = None) -> tuple[torch.Tensor, SamplerOutput | None]:
         """The body a decode graph captures (static views only); `layers` < all is a warm-up."""
@@ -208,8 +215,16 @@ class ModelRunner:
             return _no_draw, prompt_logprobs
         logits = self.model.compute_logits(hidden[self.buffers.view("sample_idx")])
         rows, positions = self.buffers.view("sample_rows"), self.buffers.view("sample_pos")
-        draw = functools.partial(self.sampler, logits, rows, positions, step.rows[step.samples], self.last_token)
+        rows_host = step.rows[step.sample_points()[0]] if len(step.verify) else step.rows[step.samples]
+        draw = functools.partial(self.sampler, logits, rows, positions, rows_host, self.last_token)
         return draw, prompt_logprobs
+
+
+def _verify_samples(step: HostStep) -> tuple[np.ndarray, np.ndarray]:
+    """Indices into a step's samples: each sampling row's last one, and every sample of its verify rows."""
+    lanes = step.sample_points()[0]
+    last = np.flatnonzero(np.append(lanes[1:] != lanes[:-1], True))
+    return last, np.flatnonzero(np.isin(lanes, step.verify))
 
 
 def _no_draw(grammar: None) -> None:

@@ -23,10 +23,25 @@ class HostStep:
     samples: np.ndarray  # [B] bool: the row's sampled token is real (its known tokens are all computed)
     sample_pos: np.ndarray  # [B]: index of the sampled token in its sequence
     num_device_tokens: int  # the first rows take their input token from the device (last sampled)
+    verify: np.ndarray  # lanes that sample after every token of their chunk (speculative decoding's drafts)
 
     @property
     def is_decode(self) -> bool:
         return self.num_device_tokens == len(self.rows) == len(self.positions)
+
+    def sample_points(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per sample, in lane order: its lane, the index in the step of the token it follows, and the index in its
+        sequence of the token it draws. A row samples after its last token, a verify row after each of them."""
+        lanes = np.flatnonzero(self.samples)
+        last = self.cu_seqlens_q[1:][lanes] - 1
+        if not len(self.verify):
+            return lanes, last, self.sample_pos[lanes]
+        counts = np.ones(len(self.rows), np.int64)
+        counts[self.verify] = self.num_tokens[self.verify]
+        counts = counts[lanes]
+        within = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+        first = np.repeat(last - counts + 1, counts) + within
+        return np.repeat(lanes, counts), first, np.repeat(self.sample_pos[lanes] - counts + 1, counts) + within
 
 
 class RowMirror:
@@ -85,6 +100,25 @@ class RowMirror:
         self.num_blocks[row] = start + len(ids)
         self._deltas.append((row * self.max_blocks + np.arange(start, start + len(ids), dtype=np.int64), ids))
 
+    def rewind(self, row: int, computed: int, token_ids) -> None:
+        """Speculative decoding: the row's first `computed` tokens stay in the KV cache (no more: rejected drafts
+        are dropped); `token_ids` are known after them."""
+        ids = np.asarray(token_ids, np.int32) if not isinstance(token_ids, bytes) else np.frombuffer(token_ids, "<i4")
+        self._check_row(row, "rewind row")
+        if not self.active[row] or not 0 <= computed <= self.computed[row] or not len(ids):
+            raise ValueError(
+                f"rewind of row {row} to {computed} computed tokens (it has {self.computed[row]}) with {len(ids)} "
+                "tokens: the row must be active, keep at most its computed tokens and get at least one token"
+            )
+        end, held = computed + len(ids), self.tokens[row]
+        if len(held) < end or not held.flags.writeable:  # a NewRow's array may be the frame's read-only bytes
+            grown = np.zeros(max(end, 2 * len(held)), np.int32)
+            grown[: len(held)] = held
+            self.tokens[row] = held = grown
+        held[computed:end] = ids
+        self.computed[row] = computed
+        self.num_host[row] = self.total[row] = end
+
     def free(self, rows: np.ndarray) -> None:
         for row in np.asarray(rows, np.int64).tolist():
             self._check_row(row, "free row")
@@ -130,7 +164,10 @@ class RowMirror:
                 f"step: append its blocks first"
             )
         slots = self.block_table[tok_rows, positions // self.block_size] * self.block_size + positions % self.block_size
-        return HostStep(rows, n, positions, slots, ctx, cu, ctx == total, total, int(nd))
+        verify = plan.verify.astype(np.int64)
+        if len(verify) and (verify.min() < nd or verify.max() >= b or (ctx[verify] != total[verify]).any()):
+            raise ValueError(f"StepPlan verify lanes {verify.tolist()} must be prompt-chunk rows that sample")
+        return HostStep(rows, n, positions, slots, ctx, cu, ctx == total, total, int(nd), verify)
 
     def _gather_checked(self, rows: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """computed and total of the plan's rows; every row active, listed once, asked for known tokens."""

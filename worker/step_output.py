@@ -26,6 +26,7 @@ class Launched:
     tokens: torch.Tensor | None = None  # pinned host [S] int64, filled by an asynchronous copy
     logprobs: tuple | None = None  # host (sampled [S], top ids [S, k] | None, top logprobs | None)
     prompt_logprobs: dict | None = None  # PromptLogprobs.compute's, its tensors copied to the host by sample()
+    verify: tuple | None = None  # with verify rows: indices into tokens of each row's last sample, of verify samples
     done: torch.cuda.Event | None = None  # recorded after the copies (CUDA only)
     trace: tuple | None = None  # (start_ns, GPU events, is decode) when the plan asks for timings
     launched_ns: int = 0  # when sample() had queued the whole step
@@ -34,9 +35,18 @@ class Launched:
 def step_result(launched: Launched) -> StepResult:
     """The StepResult of a launched step whose copies have finished: tokens aligned with plan.rows."""
     token_ids = np.full(len(launched.samples), -1, np.int32)
+    verify_tokens = None
     if launched.tokens is not None:
-        token_ids[launched.samples] = launched.tokens.numpy()
+        tokens = launched.tokens.numpy()
+        if launched.verify is not None:
+            last, verify = launched.verify
+            tokens, verify_tokens = tokens[last], tokens[verify].astype(np.int32)
+            if launched.logprobs is not None:  # of other rows: a verify row asks for none
+                launched.logprobs = tuple(None if t is None else t[last] for t in launched.logprobs)
+        token_ids[launched.samples] = tokens
     result = StepResult(launched.step, token_ids, _logprobs(launched.logprobs, launched.samples))
+    if verify_tokens is not None:
+        result.verify_tokens = verify_tokens
     if launched.prompt_logprobs is not None:
         result.prompt_logprobs = _prompt_logprobs(launched.prompt_logprobs)
     if launched.trace is not None:  # host launch span; with CUDA events, GPU time and when the host saw it finish

@@ -1,11 +1,33 @@
-"""The logprobs of a StepResult, checked and split per row: of sampled tokens, and of prompt tokens (kept on the
-request until its first token goes out with them)."""
+"""A StepResult checked and split per scheduled row: its tokens (a verify row's several), the logprobs of sampled
+tokens, and those of prompt tokens (kept on the request until its first token goes out with them)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 
-from scheduler.request import Request, Status
+from protocol.messages import StepResult
+from scheduler.request import Status
+
+
+def checked_tokens(result: StepResult, scheduled: list, vocab_size: int) -> tuple[np.ndarray, Iterator[np.ndarray]]:
+    """The result's token per row, and each verify row's samples in turn, inside the vocabulary."""
+    tokens, verify = np.asarray(result.token_ids), np.asarray(result.verify_tokens)
+    if tokens.shape != (len(scheduled),):
+        raise ValueError(
+            f"StepResult for step {result.step} has {tokens.shape} token ids for {len(scheduled)} scheduled rows"
+        )
+    sizes = [1 + len(draft) for *_, draft in scheduled if draft is not None]
+    if verify.shape != (sum(sizes),):
+        raise ValueError(f"StepResult for step {result.step} has {verify.shape} verify tokens for drafts {sizes}")
+    sampled = np.concatenate([tokens[[samples for _, _, samples, _ in scheduled]], verify])
+    if ((sampled < 0) | (sampled >= vocab_size)).any():
+        raise ValueError(
+            f"StepResult for step {result.step} samples token ids {sampled.tolist()} outside "
+            f"the vocabulary [0, {vocab_size})"
+        )
+    return tokens, iter(np.split(verify, np.cumsum(sizes)[:-1]) if sizes else [])
 
 
 def split_logprobs(lp: dict | None, n: int):
@@ -36,7 +58,7 @@ def _array(value: object, dtype: str) -> np.ndarray:
     return np.asarray([] if value is None else value, dtype).reshape(-1)
 
 
-def take_prompt_logprobs(lp: dict | None, scheduled: list[tuple[Request, int, bool]]) -> None:
+def take_prompt_logprobs(lp: dict | None, scheduled: list[tuple]) -> None:
     """Append each asking row's new prompt logprobs to its request, [logprobs, ranks, top ids, top logprobs] per
     target token; a recomputed chunk's targets that the request already holds are dropped."""
     if lp is None:
@@ -61,7 +83,7 @@ def take_prompt_logprobs(lp: dict | None, scheduled: list[tuple[Request, int, bo
         )
     top_ids, top_lps = top_ids.reshape(total, k), top_lps.reshape(total, k)
     for lane, first, n, at in zip(lanes.tolist(), start.tolist(), count.tolist(), (np.cumsum(count) - count).tolist()):
-        req, epoch, _ = scheduled[lane]
+        req, epoch, *_ = scheduled[lane]
         if req.status is not Status.RUNNING or req.num_preemptions != epoch or not req.wants_prompt_logprobs:
             continue  # finished, aborted or preempted since this step was planned
         if req.prompt_logprobs is None:

@@ -1,0 +1,139 @@
+"""Speculative decoding's host side: n-gram drafts (prompt lookup) from a request's own tokens, the greedy
+acceptance of a verify step's samples, whether a request keeps drafting, and vLLM's spec-decode counters."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from protocol.config import EngineConfig, SpeculativeConfig
+
+# A request's drafting credit: an average of the tokens its recent drafts gained (a failed lookup gains none); below
+# the floor it stops drafting, and its rows overlap their steps again (a verify step cannot be planned ahead).
+START_CREDIT, CREDIT_DECAY, CREDIT_FLOOR = 2.0, 0.75, 0.5
+
+
+class NgramDrafter:
+    """One request's tokens as a growing numpy array (a lookup scans them every step) and its drafting credit."""
+
+    def __init__(self, token_ids: list[int]) -> None:
+        self.tokens = np.asarray(token_ids, np.int32)
+        self.size = len(token_ids)
+        self.credit = START_CREDIT
+
+    def extend(self, token_ids: list[int]) -> None:
+        end = self.size + len(token_ids)
+        if end > len(self.tokens):
+            grown = np.zeros(max(end, 2 * len(self.tokens)), np.int32)
+            grown[: self.size] = self.tokens[: self.size]
+            self.tokens = grown
+        self.tokens[self.size : end] = token_ids
+        self.size = end
+
+    def propose(self, longest: int, shortest: int, k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the longest n-gram (shortest <= n <=
+        longest) that ends the sequence; [] if none does."""
+        tokens, end = self.tokens, self.size - 1
+        candidates = np.flatnonzero(tokens[:end] == tokens[end])  # where a match's last token could be
+        if not len(candidates) or k <= 0:
+            return []
+        length = np.ones(len(candidates), np.int64)
+        alive = np.ones(len(candidates), bool)
+        for back in range(1, min(longest, end + 1)):
+            starts = candidates - back
+            alive &= starts >= 0
+            alive[alive] = tokens[starts[alive]] == tokens[end - back]
+            length += alive
+            if not alive.any():
+                break
+        best = int(length.max())
+        if best < shortest:
+            return []
+        at = int(candidates[np.flatnonzero(length == best)[-1]])
+        return tokens[at + 1 : min(at + 1 + k, self.size)].tolist()
+
+    def settle(self, accepted: int) -> bool:
+        """Count an attempt that gained `accepted` tokens; whether the request goes on drafting."""
+        self.credit = CREDIT_DECAY * self.credit + (1 - CREDIT_DECAY) * accepted
+        return self.credit >= CREDIT_FLOOR
+
+
+def accepted_count(draft: list[int], samples: np.ndarray) -> int:
+    """Greedy verification: the drafts up to the first that differs from the model's token at its place."""
+    matches = np.asarray(draft) == samples[: len(draft)]
+    return len(draft) if matches.all() else int(np.argmin(matches))
+
+
+class Speculator:
+    """The scheduler's speculative decoding: which requests draft, their drafts each step, what a verify accepted."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config: SpeculativeConfig = config.speculative_config
+        self.counters = SpecStats(self.config)
+
+    def enroll(self, req) -> None:
+        """A new request drafts if it is greedy and nothing in the sampler reads its tokens one at a time
+        (penalties, logprobs, min_tokens, a grammar). Random rows do not: drafts are matched to greedy tokens."""
+        p = req.params
+        penalties = p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
+        if (
+            p.temperature == 0.0
+            and not penalties
+            and p.logprobs is None
+            and not p.min_tokens
+            and p.structured_outputs is None
+        ):
+            req.drafter = NgramDrafter(req.token_ids)
+
+    def active(self, running: list) -> bool:
+        """Rows may draft this step: a small batch (a large one is compute-bound) and no grammar (its masks count
+        one sample per row)."""
+        return len(running) <= self.config.disable_by_batch_size and all(req.matcher is None for req in running)
+
+    def draft(self, req, budget: int, max_model_len: int) -> list[int]:
+        """Its drafts, at most what its max_tokens, max_model_len and the step's budget leave room for (the token
+        after them counts too); a request whose lookups find nothing for long stops drafting."""
+        generated = req.num_tokens - req.num_prompt_tokens
+        room = min(req.max_tokens - generated, max_model_len - req.num_tokens, budget) - 1
+        k = min(self.config.num_speculative_tokens, room)
+        draft = req.drafter.propose(self.config.prompt_lookup_max, self.config.prompt_lookup_min, k)
+        if not draft and not req.drafter.settle(0):
+            req.drafter = None
+        return draft
+
+    def accept(self, req, draft: list[int], samples: np.ndarray) -> list[int]:
+        """A verify row's new tokens: its accepted drafts, then the model's own token after them (no drafts: a row
+        reset after its last drafts samples one token)."""
+        if not draft:
+            return samples[:1].tolist()
+        accepted = accepted_count(draft, samples)
+        req.num_computed_tokens += accepted  # the accepted drafts' KV was written; the rest is written over later
+        self.counters.count(len(draft), accepted)
+        if req.drafter is not None and not req.drafter.settle(accepted):
+            req.drafter = None
+        return samples[: accepted + 1].tolist()
+
+    def stats(self) -> dict:
+        return self.counters.as_dict()
+
+
+class SpecStats:
+    """vLLM's spec-decode counters: drafts, draft tokens, accepted tokens, and accepted tokens per position."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.accepted_per_pos = [0] * config.num_speculative_tokens
+
+    def count(self, drafted: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        for pos in range(accepted):
+            self.accepted_per_pos[pos] += 1
+
+    def as_dict(self) -> dict:
+        return {
+            "spec_num_drafts": self.num_drafts,
+            "spec_num_draft_tokens": self.num_draft_tokens,
+            "spec_num_accepted_tokens": self.num_accepted_tokens,
+            "spec_accepted_per_pos": list(self.accepted_per_pos),
+        }
