@@ -231,12 +231,13 @@ class Scheduler:
                 break
             if req.status is not Status.RUNNING or req.is_prefill:
                 continue
-            if req.steps_in_flight and (req.rewind_next or speculating and req.drafter is not None):
-                continue  # its drafts come from its latest token, its next step from what its drafts gained: wait
+            if req.steps_in_flight and (req.rewind_next or speculating and self.speculator.promising(req)):
+                continue  # its next step depends on what its drafts gained, or its tokens so far look up drafts
             total = req.num_computed_tokens + 1  # once every step in flight has sampled: plan no unusable token
             if total - req.num_prompt_tokens >= req.max_tokens or total >= self.max_model_len:
                 continue
-            draft = self.speculator.draft(req, budget - used, self.max_model_len) if speculating and req.drafter else []
+            drafts = speculating and req.drafter is not None and not req.steps_in_flight
+            draft = self.speculator.draft(req, budget - used, self.max_model_len) if drafts else []
             if not bm.may_append(req, total + len(draft)):
                 draft = []  # drafts never preempt
             while not bm.may_append(req, total):

@@ -8,8 +8,9 @@ import numpy as np
 from protocol.config import EngineConfig, SpeculativeConfig
 
 # A request's drafting credit: an average of the tokens its recent drafts gained (a failed lookup gains none); below
-# the floor it stops drafting, and its rows overlap their steps again (a verify step cannot be planned ahead).
-START_CREDIT, CREDIT_DECAY, CREDIT_FLOOR = 2.0, 0.75, 0.5
+# the floor it stops drafting, and its steps overlap again. A verify step, not planned ahead, takes about two plain
+# steps' time on the H200: drafts that gain less than one token each lose.
+START_CREDIT, CREDIT_DECAY, CREDIT_FLOOR = 2.0, 0.75, 1.0
 
 
 class NgramDrafter:
@@ -88,6 +89,12 @@ class Speculator:
         """Rows may draft this step: a small batch (a large one is compute-bound) and no grammar (its masks count
         one sample per row)."""
         return len(running) <= self.config.disable_by_batch_size and all(req.matcher is None for req in running)
+
+    def promising(self, req) -> bool:
+        """A request whose tokens so far (all but the one in flight) find drafts waits for that token to draft; one
+        whose lookup finds none decodes on, its steps overlapped."""
+        spec = self.config
+        return req.drafter is not None and bool(req.drafter.propose(spec.prompt_lookup_max, spec.prompt_lookup_min, 1))
 
     def draft(self, req, budget: int, max_model_len: int) -> list[int]:
         """Its drafts, at most what its max_tokens, max_model_len and the step's budget leave room for (the token

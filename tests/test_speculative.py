@@ -161,7 +161,7 @@ def test_ngram_lookup_takes_the_longest_then_latest_match():
 
 def test_a_request_whose_drafts_gain_nothing_stops_drafting():
     drafter = NgramDrafter([1, 2, 1])
-    assert [drafter.settle(0) for _ in range(5)] == [True, True, True, True, False]
+    assert [drafter.settle(0) for _ in range(3)] == [True, True, False]
 
 
 @pytest.mark.parametrize(

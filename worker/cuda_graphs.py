@@ -14,6 +14,7 @@ from tqdm import tqdm
 MAX_GRAPH_BATCH = 512
 # Past 2,048 tokens a prompt step's kernels outlast its eager launch; from 256 tokens a step pads by at most 1.5x.
 PREFILL_GRAPH_BUCKETS = (256, 512, 768, 1024, 1536, 2048)
+VERIFY_GRAPH_BUCKETS = (8, 16, 32, 64, 128)
 Views = dict[str, torch.Tensor]
 _PAD = {"slot_mapping": -1, "work": -1}  # fill values of a padded lane; rows take the dummy row, the rest 0
 
@@ -24,10 +25,12 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return [s for s in candidates if s < max_num_seqs] + [s for s in candidates if s >= max_num_seqs][:1]
 
 
-def prefill_buckets(max_num_batched_tokens: int) -> list[int]:
-    """The captured prompt-step sizes: the buckets under the step budget, then the budget itself when smaller."""
+def prefill_buckets(max_num_batched_tokens: int, speculative: bool = False) -> list[int]:
+    """The captured prompt-step sizes: the buckets under the step budget, then the budget itself when smaller;
+    with speculative decoding, small ones too (a verify step is a few rows' drafts)."""
     top = min(PREFILL_GRAPH_BUCKETS[-1], max_num_batched_tokens)
-    return [b for b in PREFILL_GRAPH_BUCKETS if b < top] + [top]
+    buckets = VERIFY_GRAPH_BUCKETS + PREFILL_GRAPH_BUCKETS if speculative else PREFILL_GRAPH_BUCKETS
+    return [b for b in buckets if b < top] + [top]
 
 
 class CudaGraphs:

@@ -51,7 +51,8 @@ def build_runner(config: EngineConfig, rank: int = 0, tp_size: int = 1, clock: d
     use_graphs = device.type == "cuda" and not config.enforce_eager
     # On CUDA a prompt step is padded to its bucket even eagerly: cuBLAS picks kernels by shape, so eager
     # and graphs give the same tokens.
-    buckets = prefill_buckets(config.max_num_batched_tokens) if device.type == "cuda" else []
+    speculative = config.speculative_config is not None
+    buckets = prefill_buckets(config.max_num_batched_tokens, speculative) if device.type == "cuda" else []
     sizes = graph_batch_sizes(config.max_num_seqs) if use_graphs else []
     with torch.inference_mode():
         model = _build_model(config, device, dtype, rank, tp_size)
