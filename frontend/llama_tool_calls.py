@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import re
 
-from frontend.tool_calls import call_id, calls_grammar, same_json
+from frontend.tool_calls import call_deltas, call_id, calls_grammar, same_json
 
 PYTHON_TAG = "<|python_tag|>"
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:parameters|arguments)"\s*:\s*')
@@ -99,7 +99,7 @@ class LlamaToolCallStream:
 
     def __init__(self) -> None:
         self.content_sent = 0
-        self.sent: list[int] = []  # per call: its arguments' chars sent
+        self.sent: dict[int, int] = {}  # call index -> its arguments' chars sent
 
     def update(self, text: str, final: bool) -> tuple[str, list[dict]]:
         """(new content, tool-call deltas) since the last update."""
@@ -113,14 +113,9 @@ class LlamaToolCallStream:
             return new, []
         deltas = []
         for index, (name, args) in enumerate(calls):
-            if index == len(self.sent):
-                self.sent.append(0)
-                deltas.append(
-                    {"index": index, "id": call_id(), "type": "function", "function": {"name": name, "arguments": ""}}
-                )
-            if len(args) > self.sent[index]:
-                deltas.append({"index": index, "function": {"arguments": args[self.sent[index] :]}})
-                self.sent[index] = len(args)
+            sent = self.sent.get(index)
+            deltas += call_deltas(index, name, args, sent)
+            self.sent[index] = max(len(args), sent or 0)
         return "", deltas
 
     @property

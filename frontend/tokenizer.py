@@ -116,8 +116,8 @@ def load_tokenizer(model: str, model_dir: str | None) -> PreTrainedTokenizerBase
     if repo.startswith("meta-llama/"):
         return load_llama3_tokenizer(Path(path), repo.endswith("-Instruct"), "3.1" if "Llama-3.1" in repo else "3.2")
     if repo.startswith("Qwen/Qwen3-"):
-        return load_qwen3_tokenizer(Path(path), not repo.endswith("-Base"))
-    return load_qwen25_tokenizer(Path(path), repo.endswith("-Instruct"))
+        return load_qwen_tokenizer(Path(path), not repo.endswith("-Base"), qwen3=True)
+    return load_qwen_tokenizer(Path(path), repo.endswith("-Instruct"), qwen3=False)
 
 
 def tokenizer_dir(model: str, model_dir: str | None) -> str | None:
@@ -161,20 +161,18 @@ def has_tokenizer_files(model_dir: str | os.PathLike) -> bool:
     )
 
 
-def load_qwen25_tokenizer(path: Path, instruct: bool) -> PreTrainedTokenizerBase:
-    """Qwen2.5's tokenizer rebuilt from Qwen's BPE ranks (built once into `path`, then read from there)."""
-    _build_once(path, lambda: build_qwen25_tokenizer(read_qwen_ranks()), _tokenizer_config)
+def load_qwen_tokenizer(path: Path, instruct: bool, qwen3: bool) -> PreTrainedTokenizerBase:
+    """Qwen2.5's tokenizer rebuilt from Qwen's BPE ranks (built once into `path`, then read from there); Qwen3's adds
+    QWEN3_ADDED_TOKENS and has one chat template (enable_thinking) for base and post-trained."""
+    added = QWEN3_ADDED_TOKENS if qwen3 else QWEN25_ADDED_TOKENS
+    config = lambda: _tokenizer_config(added, chat_template("qwen3") if qwen3 else None)  # noqa: E731
+    _build_once(path, lambda: build_qwen25_tokenizer(read_qwen_ranks(), added), config)
     if instruct:
         return _from_pretrained(path)
-    # The base repos end documents with <|endoftext|>, not the chat turn's <|im_end|>.
-    return _from_pretrained(path, eos_token="<|endoftext|>", chat_template=qwen25_chat_template(False))
-
-
-def load_qwen3_tokenizer(path: Path, instruct: bool) -> PreTrainedTokenizerBase:
-    """Qwen2.5's vocabulary with QWEN3_ADDED_TOKENS; one chat template (enable_thinking) for base and post-trained."""
-    config = lambda: _tokenizer_config(QWEN3_ADDED_TOKENS, chat_template("qwen3"))  # noqa: E731
-    _build_once(path, lambda: build_qwen25_tokenizer(read_qwen_ranks(), QWEN3_ADDED_TOKENS), config)
-    return _from_pretrained(path) if instruct else _from_pretrained(path, eos_token="<|endoftext|>")
+    # The base repos end documents with <|endoftext|>, not the chat turn's <|im_end|>; Qwen2.5's have their own
+    # default system prompt.
+    template = {} if qwen3 else {"chat_template": qwen25_chat_template(False)}
+    return _from_pretrained(path, eos_token="<|endoftext|>", **template)
 
 
 def load_llama3_tokenizer(path: Path, instruct: bool, version: str) -> PreTrainedTokenizerBase:

@@ -93,6 +93,15 @@ def call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
+def call_deltas(index: int, name: str, args: str, sent: int | None) -> list[dict]:
+    """A streamed call's new deltas: its id, type and name first (sent None: none yet), then its arguments past sent."""
+    head = {"index": index, "id": call_id(), "type": "function", "function": {"name": name, "arguments": ""}}
+    deltas = [head] if sent is None else []
+    if len(args) > (sent or 0):
+        deltas.append({"index": index, "function": {"arguments": args[sent or 0 :]}})
+    return deltas
+
+
 def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
     """(content, tool calls) of a whole answer; a block that is not a valid call stays in the content."""
     content, blocks = _split(text, final=True)
@@ -113,7 +122,7 @@ class ToolCallStream:
 
     def __init__(self) -> None:
         self.content_sent = 0
-        self.slots: dict[int, list[int]] = {}  # block index -> [call index, arguments' chars sent]
+        self.slots: dict[int, tuple[int, int | None]] = {}  # block index -> (call index, arguments' chars sent)
 
     def update(self, text: str, final: bool) -> tuple[str, list[dict]]:
         """(new content, tool-call deltas) since the last update."""
@@ -124,7 +133,9 @@ class ToolCallStream:
             if i not in self.slots and not valid:  # never began as a call: its text is content
                 pieces.append(OPEN + body + CLOSE)
             elif name is not None:
-                deltas.extend(self._deltas(i, name, args))
+                index, sent = self.slots.setdefault(i, (len(self.slots), None))
+                deltas += call_deltas(index, name, args, sent)
+                self.slots[i] = (index, max(len(args), sent or 0))
             pieces.extend(c for c in content[i + 1 : i + 2] if c.strip())  # no lone newlines between calls
         text_out = "".join(pieces)
         new, self.content_sent = text_out[self.content_sent :], len(text_out)
@@ -133,21 +144,3 @@ class ToolCallStream:
     @property
     def called(self) -> bool:
         return bool(self.slots)
-
-    def _deltas(self, block: int, name: str, args: str) -> list[dict]:
-        deltas = []
-        if block not in self.slots:
-            self.slots[block] = [len(self.slots), 0]
-            deltas.append(
-                {
-                    "index": self.slots[block][0],
-                    "id": call_id(),
-                    "type": "function",
-                    "function": {"name": name, "arguments": ""},
-                }
-            )
-        index, sent = self.slots[block]
-        if len(args) > sent:
-            deltas.append({"index": index, "function": {"arguments": args[sent:]}})
-            self.slots[block][1] = len(args)
-        return deltas
