@@ -14,10 +14,11 @@ from typing import NoReturn
 from frontend.engine_client import EngineDeadError
 from frontend.launcher import run_headless, run_node
 from frontend.llm import LLM
+from frontend.model_resolution import families
 from frontend.reasoning import REASONING_PARSERS
 from frontend.server import ServerOptions, run_server
 from protocol.addresses import check_engine_address
-from protocol.config import EngineConfig, require
+from protocol.config import ARCHITECTURES, EngineConfig, require
 from protocol.sampling import SamplingParams
 
 _METAVARS = {int: "N", float: "X", str: "STR"}
@@ -70,11 +71,17 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="launch.py",
-        description="Serve a Qwen2-family model with an OpenAI-compatible API (default), "
+        description=f"Serve a model ({', '.join(families())}) with an OpenAI-compatible API (default), "
         "run one prompt (--prompt), or run the engine alone (--headless).",
     )
     model = p.add_argument_group("model")
-    model.add_argument("--model", required=True, help="HF directory, HF hub id, or a short name such as qwen2.5-1.5b")
+    model.add_argument(
+        "--model",
+        required=True,
+        help=f"HF directory or hub id ({', '.join(ARCHITECTURES)}), or a short name: "
+        + "; ".join(f"{family}: {', '.join(names)}" for family, names in families().items())
+        + " (Instruct; add -base for the base model)",
+    )
     model.add_argument(
         "--served-model-name",
         nargs="+",

@@ -316,6 +316,28 @@ def test_help_groups_and_explains_every_flag():
         assert flag in out.stdout, flag
 
 
+def test_help_names_every_family_short_name_and_architecture_resolution_runs():
+    from frontend.model_resolution import families, short_model
+    from protocol.config import ARCHITECTURES
+
+    out = subprocess.run(
+        [sys.executable, "launch.py", "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "COLUMNS": "2000"},  # no wrapping: argparse breaks lines at hyphens
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("usage:") and "Qwen2.5" in out.stdout and "Llama 3" in out.stdout
+    for family, names in families().items():
+        assert f"{family}: {', '.join(names)}" in out.stdout
+    assert all(architecture in out.stdout for architecture in ARCHITECTURES)
+    # The help's registry is resolution's: every family it names runs, and every architecture we run has a family.
+    shown = {short_model(name)[1].architecture for names in families().values() for name in names}
+    assert shown == set(ARCHITECTURES)
+
+
 @pytest.mark.parametrize(
     "argv, mode",
     [
