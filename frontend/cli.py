@@ -185,11 +185,11 @@ def _parse(argv: list[str] | None) -> tuple[EngineConfig, ServerOptions, argpars
         require(0 <= options.port <= 65535, "port", options.port, "use 1..65535 (0: any free port)")
         SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature)
     except ValueError as exc:
-        parser.error(flag_names(str(exc), parser))
+        parser.error(_flag_names(str(exc), parser))
     return config, options, ns, parser
 
 
-def flag_names(message: str, parser: argparse.ArgumentParser) -> str:
+def _flag_names(message: str, parser: argparse.ArgumentParser) -> str:
     """A config or sampling error in the command line's words: `max_tokens=-3` reads `--max-tokens -3`."""
     flags = {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings}
     return re.sub(r"\b([a-z_]+)=", lambda m: f"{flags[m[1]]} " if m[1] in flags else m[0], message)
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         check_port_free(options.host, options.port, f"--host {options.host} --port {options.port}")
         return run_server(config, options)
     except ValueError as exc:  # a model that does not resolve, a too-long --max-model-len, no CUDA: one line
-        parser.exit(2, f"{parser.prog}: error: {flag_names(str(exc), parser)}\n")
+        parser.exit(2, f"{parser.prog}: error: {_flag_names(str(exc), parser)}\n")
     except EngineDeadError as exc:  # the engine failed to start (its process logged why)
         parser.exit(1, f"{parser.prog}: error: {exc}\n")
 
