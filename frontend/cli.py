@@ -7,6 +7,7 @@ import inspect
 import json
 import logging
 import os
+import re
 import socket
 from dataclasses import fields
 from typing import NoReturn
@@ -14,10 +15,11 @@ from typing import NoReturn
 from frontend.engine_client import EngineDeadError
 from frontend.launcher import run_headless, run_node
 from frontend.llm import LLM
+from frontend.model_resolution import families
 from frontend.reasoning import REASONING_PARSERS
 from frontend.server import ServerOptions, run_server
 from protocol.addresses import check_engine_address
-from protocol.config import EngineConfig, require
+from protocol.config import ARCHITECTURES, EngineConfig, require
 from protocol.sampling import SamplingParams
 
 _METAVARS = {int: "N", float: "X", str: "STR"}
@@ -70,11 +72,17 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="launch.py",
-        description="Serve a Qwen2-family model with an OpenAI-compatible API (default), "
+        description=f"Serve a model ({', '.join(families())}) with an OpenAI-compatible API (default), "
         "run one prompt (--prompt), or run the engine alone (--headless).",
     )
     model = p.add_argument_group("model")
-    model.add_argument("--model", required=True, help="HF directory, HF hub id, or a short name such as qwen2.5-1.5b")
+    model.add_argument(
+        "--model",
+        required=True,
+        help=f"HF directory or hub id ({', '.join(ARCHITECTURES)}), or a short name: "
+        + "; ".join(f"{family}: {', '.join(names)}" for family, names in families().items())
+        + " (Instruct; add -base for the base model)",
+    )
     model.add_argument(
         "--served-model-name",
         nargs="+",
@@ -178,14 +186,22 @@ def _parse(argv: list[str] | None) -> tuple[EngineConfig, ServerOptions, argpars
     parser = build_parser()
     ns = parser.parse_args(argv)
     args = vars(ns)
-    try:
+    try:  # every value is checked here, before any process starts or any file is read
         config = EngineConfig(**{name: args[name] for name in _DEFAULTS if name in args})
         options = ServerOptions(**{name: args[name] for name in _SERVER_DEFAULTS})
-        # ServerOptions does not check it; uvicorn would take a negative one as 0 and log an error at SIGTERM
+        # ServerOptions does not check them; uvicorn would take a negative timeout as 0 and log an error at SIGTERM
         require(options.shutdown_timeout >= 0, "shutdown_timeout", options.shutdown_timeout, "use 0 or more seconds")
+        require(0 <= options.port <= 65535, "port", options.port, "use 1..65535 (0: any free port)")
+        SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature)
     except ValueError as exc:
-        parser.error(str(exc))
+        parser.error(_flag_names(str(exc), parser))
     return config, options, ns, parser
+
+
+def _flag_names(message: str, parser: argparse.ArgumentParser) -> str:
+    """A config or sampling error in the command line's words: `max_tokens=-3` reads `--max-tokens -3`."""
+    flags = {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings}
+    return re.sub(r"\b([a-z_]+)=", lambda m: f"{flags[m[1]]} " if m[1] in flags else m[0], message)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -205,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         check_port_free(options.host, options.port, f"--host {options.host} --port {options.port}")
         return run_server(config, options)
     except ValueError as exc:  # a model that does not resolve, a too-long --max-model-len, no CUDA: one line
-        parser.exit(2, f"{parser.prog}: error: {exc}\n")
+        parser.exit(2, f"{parser.prog}: error: {_flag_names(str(exc), parser)}\n")
     except EngineDeadError as exc:  # the engine failed to start (its process logged why)
         parser.exit(1, f"{parser.prog}: error: {exc}\n")
 

@@ -7,6 +7,7 @@ import glob
 import json
 import logging
 import os
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -35,15 +36,19 @@ class EngineClient:
     """Starts an engine from a resolved config, or attaches to one at `address`, and waits for its Ready."""
 
     def __init__(
-        self, config: EngineConfig | None = None, address: str | None = None, ready_timeout: float = READY_TIMEOUT_S
+        self,
+        config: EngineConfig | None = None,
+        address: str | None = None,
+        ready_timeout: float = READY_TIMEOUT_S,
+        cancel: threading.Event | None = None,
     ) -> None:
         self.procs: EngineProcesses | None = None
         self.trace_dir = config.trace_dir if config is not None else None
         self.clock: dict[str, float] = {}  # wall-clock marks of the start-up, for bench/startup
         self.tracer = Tracer("frontend", self.trace_dir)
+        self.cancel = cancel or threading.Event()  # set by another thread: stop waiting for Ready (server shutdown)
         if config is not None:
             self.procs = EngineProcesses(config, address)
-            self.procs.start()
             address = self.procs.addresses.engine
         self.address = address
         self.ctx = zmq.Context()
@@ -52,6 +57,8 @@ class EngineClient:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(address)
         try:
+            if self.procs is not None:
+                self.procs.start()
             self.send(GetStats())  # hello: the scheduler answers Ready once the workers are up
             with cached_bytecode():  # transformers' imports: the last thing a warm launch waits for
                 self.tokenizer = load_tokenizer(config.model, config.model_path) if config else None
@@ -60,15 +67,15 @@ class EngineClient:
             self.clock["engine_ready"] = time.time()
             if self.tokenizer is None:
                 self.tokenizer = load_tokenizer(self.info["model"], self.info.get("model_path"))
-        except BaseException:
-            self.close()
+        except BaseException:  # Ctrl-C too: an engine not ready has nothing to finish, so it is stopped at once
+            self.close(0.0)
             raise
         self.model_config = ModelConfig.from_dict(self.info["model_config"])
         self.max_model_len: int = self.info["max_model_len"]
 
     def _wait_ready(self, timeout: float) -> dict:
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not self.cancel.is_set():
             if self.procs is not None and not self.procs.alive:
                 raise EngineDeadError(f"engine failed to start: {self.procs.dead_reason or 'a process exited'}")
             if not self.sock.poll(200):
@@ -84,6 +91,8 @@ class EngineClient:
                 return msg.info
             if isinstance(msg, EngineDead):
                 raise EngineDeadError(f"engine failed to start: {msg.reason}")
+        if self.cancel.is_set():
+            raise EngineDeadError("the engine's start-up was cancelled")
         if self.procs is None:
             raise EngineDeadError(
                 f"no engine answered at {self.address} within {timeout:g} s: start one with "
@@ -135,9 +144,10 @@ class EngineClient:
         return self.procs.dead_reason if self.procs is not None else None
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop the engine we started (nothing when attached to a remote one) and close the socket."""
+        """Stop the engine we started (nothing when attached to a remote one) and close the socket; timeout 0
+        terminates it at once, with no Shutdown (which could race the SIGTERM)."""
         linger_ms = 0
-        if self.procs is not None and not self.sock.closed:
+        if self.procs is not None and not self.sock.closed and timeout > 0:
             with contextlib.suppress(zmq.ZMQError):
                 self.send(Shutdown())
                 # With no linger close() may drop the queued Shutdown, and the scheduler waits to be terminated.

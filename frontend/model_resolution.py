@@ -40,10 +40,10 @@ _LLAMA_SIZES = {
     "3.2-3b": _Shape(3072, 8192, 28, 24, 8, True),
     "3.1-8b": _Shape(4096, 14336, 32, 32, 8, False),
 }
-_FAMILIES = {
-    "qwen2.5-": _QWEN25_SIZES,
-    "qwen3-": _QWEN3_SIZES,
-    "llama-": _LLAMA_SIZES,
+_FAMILIES = {  # short-name prefix: (the family as --help names it, its published sizes)
+    "qwen2.5-": ("Qwen2.5", _QWEN25_SIZES),
+    "qwen3-": ("Qwen3", _QWEN3_SIZES),
+    "llama-": ("Llama 3.x", _LLAMA_SIZES),
 }
 _NO_WEIGHTS = ["*.json", "*.txt", "*.jinja", "*.tiktoken", "*.model"]  # what dummy weights still need
 
@@ -105,15 +105,20 @@ def short_model(name: str) -> tuple[str, ModelConfig] | None:
     """The HF repo id and built-in config of a short name like 'qwen3-1.7b[-base]', else None."""
     key = name.lower()
     base, key = key.endswith("-base"), key.removesuffix("-base")
-    for family, sizes in _FAMILIES.items():
+    for family, (_, sizes) in _FAMILIES.items():
         size = key.removeprefix(family)
         if key.startswith(family) and size in sizes:
             return _short_config(family, size, sizes[size], base)
     return None
 
 
+def families() -> dict[str, list[str]]:
+    """Each family we run, as --help names it, and its short names."""
+    return {name: [prefix + size for size in sizes] for prefix, (name, sizes) in _FAMILIES.items()}
+
+
 def short_names() -> list[str]:
-    return [family + size for family, sizes in _FAMILIES.items() for size in sizes]
+    return [short for names in families().values() for short in names]
 
 
 def _short_config(family: str, size: str, shape: _Shape, base: bool) -> tuple[str, ModelConfig]:

@@ -6,6 +6,7 @@ import asyncio
 import hmac
 import importlib.metadata
 import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -75,6 +76,7 @@ class ServerState:
         self.metrics = Metrics(self.names[0])
         self.engine: AsyncLLM | None = None
         self.exit_code = 0
+        self.stopping = threading.Event()  # set at shutdown: an engine still starting stops at once
         self.stop: Callable[[], None] = lambda: None  # run_server points this at uvicorn's exit flag
 
     def ready_engine(self) -> AsyncLLM:
@@ -141,6 +143,7 @@ def build_app(state: ServerState, load_engine: Callable[[], AsyncLLM]) -> FastAP
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         loader = asyncio.create_task(_load_and_watch(state, load_engine))
         yield
+        state.stopping.set()
         loader.cancel()
         if state.engine is not None:
             # Let the requests uvicorn has just cancelled send their Aborts before shutdown() closes the socket.
@@ -302,7 +305,7 @@ def run_server(config: EngineConfig, options: ServerOptions) -> int:
     """Serve until SIGINT (130), SIGTERM (the process ends by the signal: 143), or the engine fails or dies (1)."""
     config = resolve_config(config)
     state = ServerState(options, config.model, generation_defaults(config.model_path))
-    app = build_app(state, lambda: AsyncLLM(client=EngineClient(config)))
+    app = build_app(state, lambda: AsyncLLM(client=EngineClient(config, cancel=state.stopping)))
     # uvicorn's own deadline only backs ours up: past it, it cancels requests mid-body and logs their tracebacks.
     server = _Server(
         uvicorn.Config(

@@ -3,9 +3,10 @@
 import signal
 import sys
 
-from protocol.config import unpack_child_args
-from scheduler.process import run_scheduler
-
 if __name__ == "__main__":
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the frontend, which stops us in order
+    # First, before the imports: Ctrl-C (sent to the whole group) goes to the frontend, which stops us in order
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from protocol.config import unpack_child_args
+    from scheduler.process import run_scheduler
+
     run_scheduler(**unpack_child_args(sys.stdin.buffer.read()))

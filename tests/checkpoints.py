@@ -1,8 +1,9 @@
 """Tiny random checkpoints of each family we run (Qwen2, Qwen3, Llama 3), written the way Hugging Face writes
-real ones (tests only)."""
+real ones (tests only). `python -m tests.checkpoints DIR` writes the tests' default one, for a first run on a CPU."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -50,7 +51,10 @@ def make_tokenizer(out_dir: Path, vocab_size: int = 384) -> PreTrainedTokenizerF
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator(_CORPUS * 4, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
@@ -174,3 +178,19 @@ def fp8_checkpoints(src: Path, out_dir: Path, block: list[int] | None = None) ->
     }
     (fp8 / "config.json").write_text(json.dumps(config))
     return twin, fp8
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        prog="python -m tests.checkpoints",
+        description="Write the tests' tiny random checkpoint (2 layers, hidden size 64, its own tokenizer) into DIR.",
+    )
+    p.add_argument("dir", metavar="DIR")
+    p.add_argument("--family", choices=FAMILIES, default="qwen2", help="qwen2 (Qwen2.5's architecture), qwen3, llama")
+    args = p.parse_args(argv)
+    out = make_checkpoint(args.dir, family=args.family)
+    print(f"wrote {out}; try: python launch.py --model {out} --device cpu --prompt Hello --max-tokens 16")
+
+
+if __name__ == "__main__":
+    main()

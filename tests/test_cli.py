@@ -150,13 +150,32 @@ def test_api_key_defaults_to_the_environment(monkeypatch):
 @pytest.mark.parametrize(
     "argv, named",
     [
-        (["--block-size", "7"], "block_size=7"),
+        (["--block-size", "7"], "--block-size 7"),
         (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
-        (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization=1.5"),
-        (["--max-num-seqs", "0"], "max_num_seqs=0"),
+        (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization 1.5"),
+        (["--gpu-memory-utilization", "0"], "--gpu-memory-utilization 0.0"),
+        (["--max-num-seqs", "0"], "--max-num-seqs 0"),
+        (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens 0"),
+        (["--max-model-len", "0"], "--max-model-len 0"),
+        (["--num-kv-blocks", "1"], "--num-kv-blocks 1"),
+        (["--tensor-parallel-size", "0"], "--tensor-parallel-size 0"),
+        (["--max-waiting-requests", "0"], "--max-waiting-requests 0"),
+        (["--step-timeout", "0"], "--step-timeout 0.0"),
+        (
+            ["--tensor-parallel-size", "4", "--nnodes", "3"],
+            "--nnodes 3 is invalid: use a divisor of --tensor-parallel-size 4",
+        ),
+        (["--node-rank", "1"], "--node-rank 1"),
+        (["--master-port", "70000"], "--master-port 70000"),
         (["--port", "eighty"], "--port"),
-        (["--shutdown-timeout", "-1"], "shutdown_timeout=-1.0"),
-        (["--seed", "-1"], "seed=-1"),
+        (["--port", "70000"], "--port 70000"),
+        (["--port", "-1"], "--port -1"),
+        (["--shutdown-timeout", "-1"], "--shutdown-timeout -1.0"),
+        (["--seed", "-1"], "--seed -1"),
+        (["--max-tokens", "-3"], "--max-tokens -3"),
+        (["--max-tokens", "0"], "--max-tokens 0"),
+        (["--temperature", "-1"], "--temperature -1.0"),
+        (["--temperature", "nan"], "--temperature nan"),
     ],
 )
 def test_bad_value_exits_with_usage_naming_the_flag(argv, named, capsys):
@@ -165,6 +184,19 @@ def test_bad_value_exits_with_usage_naming_the_flag(argv, named, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "usage: launch.py" in err and named in err
+    assert "_" not in err.splitlines()[0], err  # the flag, never the Python argument (max_tokens=)
+
+
+def test_a_bad_prompt_value_is_refused_before_any_process_starts(tiny_ckpt, monkeypatch, capsys):
+    """--max-tokens and --temperature used to be checked by SamplingParams after the engine had loaded."""
+    monkeypatch.setattr(cli, "run_prompt", lambda *a: pytest.fail("the engine was started"))
+    for flag, value in (("--max-tokens", "-3"), ("--temperature", "-1")):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["--model", str(tiny_ckpt), "--device", "cpu", "--prompt", "hi", flag, value])
+        assert exc.value.code == 2
+        assert f"launch.py: error: {flag} {float(value) if flag == '--temperature' else value} is invalid" in (
+            capsys.readouterr().err
+        )
 
 
 def test_a_usage_error_comes_before_the_usage_block(capsys):
@@ -221,13 +253,13 @@ def _one_line_failure(argv: list[str], env: dict[str, str] | None = None) -> str
 )
 def test_device_cuda_without_a_gpu_is_one_line_before_any_process_starts(tiny_ckpt):
     line = _one_line_failure(["--model", str(tiny_ckpt), "--device", "cuda", "--prompt", "hi"])
-    assert "device='cuda' but torch sees no CUDA GPU" in line and "device='cpu'" in line
+    assert "--device 'cuda' but torch sees no CUDA GPU" in line and "--device 'cpu'" in line
 
 
 def test_a_model_that_cannot_be_found_is_one_line(tmp_path):
     assert "is not a directory" in _one_line_failure(["--model", str(tmp_path / "missing"), "--prompt", "hi"])
     line = _one_line_failure(["--model", "no-such-org/no-such-model", "--prompt", "hi"], {"HF_HUB_OFFLINE": "1"})
-    assert "HF_HUB_OFFLINE is set" in line and "unset HF_HUB_OFFLINE" in line and "load_format='dummy'" in line
+    assert "HF_HUB_OFFLINE is set" in line and "unset HF_HUB_OFFLINE" in line and "--load-format 'dummy'" in line
 
 
 def test_the_hf_hub_offline_hint_is_given_only_when_it_is_set(monkeypatch):
@@ -284,6 +316,28 @@ def test_help_groups_and_explains_every_flag():
         assert flag in out.stdout, flag
 
 
+def test_help_names_every_family_short_name_and_architecture_resolution_runs():
+    from frontend.model_resolution import families, short_model
+    from protocol.config import ARCHITECTURES
+
+    out = subprocess.run(
+        [sys.executable, "launch.py", "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "COLUMNS": "2000"},  # no wrapping: argparse breaks lines at hyphens
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("usage:") and "Qwen2.5" in out.stdout and "Llama 3" in out.stdout
+    for family, names in families().items():
+        assert f"{family}: {', '.join(names)}" in out.stdout
+    assert all(architecture in out.stdout for architecture in ARCHITECTURES)
+    # The help's registry is resolution's: every family it names runs, and every architecture we run has a family.
+    shown = {short_model(name)[1].architecture for names in families().values() for name in names}
+    assert shown == set(ARCHITECTURES)
+
+
 @pytest.mark.parametrize(
     "argv, mode",
     [
@@ -310,7 +364,7 @@ def test_a_model_that_cannot_serve_the_length_exits_2_before_starting(tiny_ckpt,
     with pytest.raises(SystemExit) as exc:
         cli.main(["--model", str(tiny_ckpt), "--device", "cpu", "--max-model-len", "99999"])
     assert exc.value.code == 2
-    assert "max_model_len=99999" in capsys.readouterr().err
+    assert "--max-model-len 99999 is over" in capsys.readouterr().err
 
 
 def test_an_unwritable_trace_dir_exits_2_before_starting(tiny_ckpt, tmp_path, capsys):
@@ -330,7 +384,7 @@ def test_an_unwritable_trace_dir_exits_2_before_starting(tiny_ckpt, tmp_path, ca
             ]
         )
     assert exc.value.code == 2
-    assert "trace_dir=" in capsys.readouterr().err
+    assert "--trace-dir '" in capsys.readouterr().err
 
 
 def test_a_port_in_use_exits_2_before_the_engine_starts(monkeypatch, capsys):

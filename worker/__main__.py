@@ -6,11 +6,12 @@ import signal
 import sys
 import traceback
 
-from protocol.config import unpack_child_args
-from worker.process import run_worker
-
 if __name__ == "__main__":
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the frontend, which stops us in order
+    # First, before torch's imports: Ctrl-C (sent to the whole group) goes to the frontend, which stops us in order
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from protocol.config import unpack_child_args
+    from worker.process import run_worker
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         run_worker(**unpack_child_args(sys.stdin.buffer.read()))
