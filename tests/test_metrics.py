@@ -92,3 +92,23 @@ def test_queue_prefill_decode_and_prefix_cache_come_from_the_engines_request_sta
         if s.name == "vllm:request_success_total"
     }
     assert success == {"stop": 1, "length": 1, "abort": 0}
+
+
+def test_spec_decode_counters_follow_the_schedulers_running_totals():
+    m = Metrics("m")
+    base = {"num_running": 1, "num_waiting": 0, "num_total_blocks": 8, "num_free_blocks": 8, "num_preemptions": 0}
+    for drafts, accepted, per_pos in ((2, 3, [2, 1]), (5, 7, [4, 3])):
+        spec = {"spec_num_drafts": drafts, "spec_num_draft_tokens": 2 * drafts, "spec_num_accepted_tokens": accepted}
+        m.observe_engine({**base, **spec, "spec_accepted_per_pos": per_pos})
+        m.observe_engine({**base, **spec, "spec_accepted_per_pos": per_pos})  # a second look adds nothing
+    values = _values(m)
+    assert values["vllm:spec_decode_num_drafts_total"] == 5
+    assert values["vllm:spec_decode_num_draft_tokens_total"] == 10
+    assert values["vllm:spec_decode_num_accepted_tokens_total"] == 7
+    per_pos = {
+        s.labels["position"]: s.value
+        for metric in m.registry.collect()
+        for s in metric.samples
+        if s.name == "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+    }
+    assert per_pos == {"0": 4, "1": 3}
