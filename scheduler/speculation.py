@@ -3,9 +3,14 @@ acceptance of a verify step's samples, whether a request keeps drafting, and vLL
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from protocol.config import EngineConfig, SpeculativeConfig
+
+if TYPE_CHECKING:  # request.py holds a NgramDrafter
+    from scheduler.request import Request
 
 # A request's drafting credit: an average of the tokens its recent drafts gained (a failed lookup gains none); below
 # the floor it stops drafting, and its steps overlap again. A verify step, not planned ahead, takes about two plain
@@ -71,7 +76,7 @@ class Speculator:
         self.config: SpeculativeConfig = config.speculative_config
         self.counters = SpecStats(self.config)
 
-    def enroll(self, req) -> None:
+    def enroll(self, req: Request) -> None:
         """A new request drafts if it is greedy and nothing in the sampler reads its tokens one at a time
         (penalties, logprobs, min_tokens, a grammar). Random rows do not: drafts are matched to greedy tokens."""
         p = req.params
@@ -85,18 +90,18 @@ class Speculator:
         ):
             req.drafter = NgramDrafter(req.token_ids)
 
-    def active(self, running: list) -> bool:
+    def active(self, running: list[Request]) -> bool:
         """Rows may draft this step: a small batch (a large one is compute-bound) and no grammar (its masks count
         one sample per row)."""
         return len(running) <= self.config.disable_by_batch_size and all(req.matcher is None for req in running)
 
-    def promising(self, req) -> bool:
+    def promising(self, req: Request) -> bool:
         """A request whose tokens so far (all but the one in flight) find drafts waits for that token to draft; one
         whose lookup finds none decodes on, its steps overlapped."""
         spec = self.config
         return req.drafter is not None and bool(req.drafter.propose(spec.prompt_lookup_max, spec.prompt_lookup_min, 1))
 
-    def draft(self, req, budget: int, max_model_len: int) -> list[int]:
+    def draft(self, req: Request, budget: int, max_model_len: int) -> list[int]:
         """Its drafts, at most what its max_tokens, max_model_len and the step's budget leave room for (the token
         after them counts too); a request whose lookups find nothing for long stops drafting."""
         generated = req.num_tokens - req.num_prompt_tokens
@@ -107,7 +112,7 @@ class Speculator:
             req.drafter = None
         return draft
 
-    def accept(self, req, draft: list[int], samples: np.ndarray) -> list[int]:
+    def accept(self, req: Request, draft: list[int], samples: np.ndarray) -> list[int]:
         """A verify row's new tokens: its accepted drafts, then the model's own token after them (no drafts: a row
         reset after its last drafts samples one token)."""
         if not draft:
