@@ -39,7 +39,7 @@ class Request:
     first_stats: dict | None = None  # TokenBatch.request_stats: set at its first admission, sent with its first token
     prompt_logprobs: list | None = None  # [logprobs, ranks, top ids, top logprobs] of prompt tokens 1.. so far
     drafter: NgramDrafter | None = None  # while it drafts (speculative decoding)
-    steps_in_flight: int = 0  # planned steps that schedule it, whose results have not come back
+    last_step: int = 0  # the last step planned with it: while in flight, its latest token is not known
     rewind_next: bool = False  # its last step verified drafts: the next one resets the worker's row first
 
     @property

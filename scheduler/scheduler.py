@@ -39,7 +39,9 @@ class Scheduler:
         self.step = self.num_preemptions = 0
         self._free_rows = list(range(config.max_num_seqs - 1, -1, -1))
         self._rows_freed: set[int] = set()  # for the next plan's free_rows, unless a NewRow reuses one first
-        self._in_flight: dict[int, list] = {}  # step -> per row (request, its num_preemptions then, samples a token)
+        # step -> per row (request, its num_preemptions then, samples a token, its drafts or None)
+        self._in_flight: dict[int, list] = {}
+        self._verify_sizes: dict[int, list[int]] = {}  # step -> its verify rows' sample counts, if it has any
         self._arrivals = itertools.count()
         self._rng = random.Random(config.seed)
         self._first_stats: dict[bytes, dict] = {}  # client -> request id -> request_stats, for this result's batch
@@ -197,12 +199,10 @@ class Scheduler:
         # A verify row's chunk is its last token (computed now) and its drafts, after which it samples each time.
         rewinds = [[req.row, req.num_computed_tokens - 1, i32(req.token_ids[-1:] + draft)] for req, draft in verifies]
         scheduled = [(req, 1) for req in decodes] + [(req, 1 + len(draft)) for req, draft in verifies] + chunks
-        drafts = [None] * len(decodes) + [draft for _, draft in verifies] + [None] * len(chunks)
-        self._in_flight[self.step] = [
-            (req, req.num_preemptions, not req.is_prefill, draft) for (req, _), draft in zip(scheduled, drafts)
-        ]
-        for req, _ in scheduled:
-            req.steps_in_flight += 1
+        drafts = [(req, None) for req in decodes] + verifies + [(req, None) for req, _ in chunks]
+        self._in_flight[self.step] = [(req, req.num_preemptions, not req.is_prefill, d) for req, d in drafts]
+        if verifies:
+            self._verify_sizes[self.step] = [1 + len(draft) for _, draft in verifies]
         masked = self.structured.plan_masks(self.step, scheduled)
         plan = StepPlan(
             self.step,
@@ -231,12 +231,13 @@ class Scheduler:
                 break
             if req.status is not Status.RUNNING or req.is_prefill:
                 continue
-            if req.steps_in_flight and (req.rewind_next or speculating and self.speculator.promising(req)):
+            in_flight = req.last_step in self._in_flight
+            if in_flight and (req.rewind_next or speculating and self.speculator.promising(req)):
                 continue  # its next step depends on what its drafts gained, or its tokens so far look up drafts
             total = req.num_computed_tokens + 1  # once every step in flight has sampled: plan no unusable token
             if total - req.num_prompt_tokens >= req.max_tokens or total >= self.max_model_len:
                 continue
-            drafts = speculating and req.drafter is not None and not req.steps_in_flight
+            drafts = speculating and req.drafter is not None and not in_flight
             draft = self.speculator.draft(req, budget - used, self.max_model_len) if drafts else []
             if not bm.may_append(req, total + len(draft)):
                 draft = []  # drafts never preempt
@@ -260,7 +261,7 @@ class Scheduler:
                     verifies.append((req, draft))
                 else:
                     decodes.append(req)
-                req.rewind_next = bool(draft)
+                req.rewind_next, req.last_step = bool(draft), self.step + 1  # the step being planned
                 used += 1 + len(draft)
         return decodes, verifies, appends, preempted
 
@@ -306,7 +307,7 @@ class Scheduler:
 
     def _take_chunk(self, req: Request, budget: int, chunks: list) -> int:
         n = min(req.num_row_tokens - req.num_computed_tokens, budget)
-        req.num_computed_tokens += n
+        req.num_computed_tokens, req.last_step = req.num_computed_tokens + n, self.step + 1
         # Registered now, a block this step fills can serve a request admitted later in the same step.
         self.block_manager.cache_blocks(req, req.num_computed_tokens)
         chunks.append((req, n))
@@ -317,14 +318,13 @@ class Scheduler:
         scheduled = self._in_flight.get(result.step)
         if scheduled is None:
             raise ValueError(f"StepResult for step {result.step} matches no plan in flight ({sorted(self._in_flight)})")
-        tokens, verified = checked_tokens(result, scheduled, self.vocab_size)
+        tokens, verified = checked_tokens(result, scheduled, self._verify_sizes.pop(result.step, []), self.vocab_size)
         logprobs = split_logprobs(result.logprobs, len(scheduled))
         take_prompt_logprobs(result.prompt_logprobs, scheduled)
         del self._in_flight[result.step]
         updates: dict[bytes, list[tuple]] = {}
         prompt_logprobs: dict[bytes, dict] = {}  # client -> request id -> its prompt logprobs, with its first token
         for i, (req, epoch, samples, draft) in enumerate(scheduled):
-            req.steps_in_flight -= 1
             verify_samples = None if draft is None else next(verified)  # taken in order, even if dropped
             if not samples or req.status is not Status.RUNNING or req.num_preemptions != epoch:
                 continue  # a chunk, or finished, aborted or preempted since this step was planned

@@ -11,23 +11,26 @@ from protocol.messages import StepResult
 from scheduler.request import Status
 
 
-def checked_tokens(result: StepResult, scheduled: list, vocab_size: int) -> tuple[np.ndarray, Iterator[np.ndarray]]:
-    """The result's token per row, and each verify row's samples in turn, inside the vocabulary."""
+def checked_tokens(
+    result: StepResult, scheduled: list, verify_sizes: list[int], vocab_size: int
+) -> tuple[np.ndarray, Iterator[np.ndarray]]:
+    """The result's token per row, and each verify row's samples in turn (verify_sizes of them), inside the
+    vocabulary."""
     tokens, verify = np.asarray(result.token_ids), np.asarray(result.verify_tokens)
     if tokens.shape != (len(scheduled),):
         raise ValueError(
             f"StepResult for step {result.step} has {tokens.shape} token ids for {len(scheduled)} scheduled rows"
         )
-    sizes = [1 + len(draft) for *_, draft in scheduled if draft is not None]
-    if verify.shape != (sum(sizes),):
-        raise ValueError(f"StepResult for step {result.step} has {verify.shape} verify tokens for drafts {sizes}")
-    sampled = np.concatenate([tokens[[samples for _, _, samples, _ in scheduled]], verify])
-    if ((sampled < 0) | (sampled >= vocab_size)).any():
-        raise ValueError(
-            f"StepResult for step {result.step} samples token ids {sampled.tolist()} outside "
-            f"the vocabulary [0, {vocab_size})"
-        )
-    return tokens, iter(np.split(verify, np.cumsum(sizes)[:-1]) if sizes else [])
+    if verify.shape != (sum(verify_sizes),):
+        raise ValueError(f"StepResult for step {result.step} has {verify.shape} verify tokens, not {verify_sizes}")
+    sampled = tokens[[samples for _, _, samples, _ in scheduled]]
+    for ids in (sampled, verify):
+        if ((ids < 0) | (ids >= vocab_size)).any():
+            raise ValueError(
+                f"StepResult for step {result.step} samples token ids {ids.tolist()} outside "
+                f"the vocabulary [0, {vocab_size})"
+            )
+    return tokens, iter(np.split(verify, np.cumsum(verify_sizes)[:-1]))
 
 
 def split_logprobs(lp: dict | None, n: int):

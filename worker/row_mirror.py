@@ -79,7 +79,7 @@ class RowMirror:
         self.append_blocks(row, new.block_table)
 
     def append_blocks(self, row: int, block_ids) -> None:
-        ids = np.asarray(block_ids, np.int32) if not isinstance(block_ids, bytes) else np.frombuffer(block_ids, "<i4")
+        ids = _int32s(block_ids)
         self._check_row(row, "block append row")
         if not self.active[row]:
             raise ValueError(f"blocks appended to row {row}, which holds no request: add it with a NewRow first")
@@ -103,7 +103,7 @@ class RowMirror:
     def rewind(self, row: int, computed: int, token_ids) -> None:
         """Speculative decoding: the row's first `computed` tokens stay in the KV cache (no more: rejected drafts
         are dropped); `token_ids` are known after them."""
-        ids = np.asarray(token_ids, np.int32) if not isinstance(token_ids, bytes) else np.frombuffer(token_ids, "<i4")
+        ids = _int32s(token_ids)
         self._check_row(row, "rewind row")
         if not self.active[row] or not 0 <= computed <= self.computed[row] or not len(ids):
             raise ValueError(
@@ -206,3 +206,8 @@ class RowMirror:
         """Advance the computed counts; a real sample is one more known token (it stays on the device)."""
         self.computed[step.rows] = step.context_lens
         self.total[step.rows[step.samples]] += 1
+
+
+def _int32s(values) -> np.ndarray:
+    """A plan's id list: raw little-endian bytes off the wire, or an array in process."""
+    return np.frombuffer(values, "<i4") if isinstance(values, bytes) else np.asarray(values, np.int32)
