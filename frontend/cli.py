@@ -118,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="JSON",
         help='speculative decoding, as vLLM\'s: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": '
-        '4, "prompt_lookup_min": 2} (greedy requests draft from their own prompt and output; default: off)',
+        '4, "prompt_lookup_min": 2} (requests draft from their own tokens), or {"method": "suffix"} (and from recent '
+        "requests'); default: off",
     )
     server, offline = p.add_argument_group("HTTP server"), p.add_argument_group("one prompt, no server")
     for group, flag, default, metavar, help_text in (

@@ -33,7 +33,8 @@ class LLM:
     enforce_eager: no CUDA graphs; trace_dir: write a Perfetto trace there; max_waiting_requests: bound of the waiting
     queue; step_timeout: seconds without progress before the engine counts as dead; quantization "fp8": linear weights
     in float8 e4m3, one scale per output channel (an FP8 checkpoint sets it); speculative_config: vLLM's map, e.g.
-    {"method": "ngram", "num_speculative_tokens": 4} (greedy requests verify n-gram drafts of their own tokens);
+    {"method": "ngram", "num_speculative_tokens": 4} (requests verify n-gram drafts of their own tokens; "suffix":
+    of recent requests' too);
     nnodes, node_rank, master_addr, master_port: tensor parallel over hosts, this process being node 0 (docs/SCALING.md)."""
 
     def __init__(

@@ -51,36 +51,57 @@ _SPEC = "speculative_config"
 
 @dataclass(slots=True)
 class SpeculativeConfig:
+    # "ngram" drafts from the request's own tokens; "suffix" from them and from recent requests' (agent loops and
+    # retries repeat earlier outputs), drafting more tokens the longer the match (vLLM's names).
     method: str = "ngram"
-    num_speculative_tokens: int = 4  # draft tokens a row verifies per step, at most
+    num_speculative_tokens: int | None = None  # draft tokens a row verifies per step, at most (ngram: 4)
     # The longest and shortest n-gram of the sequence's end looked up in the sequence (vLLM: both 5 when unset,
     # the other's value when one is).
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
     disable_by_batch_size: int = 8  # more running rows than this: no row drafts (the step is compute-bound)
+    suffix_decoding_max_tree_depth: int = 24  # suffix: the longest match looked up (the shortest is 1)
+    suffix_decoding_max_spec_factor: float = 1.0  # suffix: drafts per step at most this times the match's length
+    # suffix: the finished requests whose tokens are searched; each lookup scans them all (no suffix tree).
+    suffix_decoding_max_cached_requests: int = 64
 
     def __post_init__(self) -> None:
         if self.prompt_lookup_max is None:
             self.prompt_lookup_max = self.prompt_lookup_min or 5
         if self.prompt_lookup_min is None:
             self.prompt_lookup_min = self.prompt_lookup_max
+        if self.num_speculative_tokens is None:
+            self.num_speculative_tokens = MAX_SPECULATIVE_TOKENS if self.method == "suffix" else 4
+        positive = "use 1 or more"
         checks = (
-            ("method", self.method == "ngram", "use 'ngram' (prompt lookup)"),
+            ("method", self.method in ("ngram", "suffix"), "use 'ngram' (prompt lookup) or 'suffix'"),
             (
                 "num_speculative_tokens",
                 is_int(self.num_speculative_tokens) and 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
                 f"use 1..{MAX_SPECULATIVE_TOKENS}",
             ),
-            ("prompt_lookup_max", is_int(self.prompt_lookup_max) and self.prompt_lookup_max >= 1, "use 1 or more"),
+            ("prompt_lookup_max", is_int(self.prompt_lookup_max) and self.prompt_lookup_max >= 1, positive),
             (
                 "prompt_lookup_min",
                 is_int(self.prompt_lookup_min) and 1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
                 f"use 1..prompt_lookup_max={self.prompt_lookup_max}",
             ),
+            ("disable_by_batch_size", is_int(self.disable_by_batch_size) and self.disable_by_batch_size >= 1, positive),
             (
-                "disable_by_batch_size",
-                is_int(self.disable_by_batch_size) and self.disable_by_batch_size >= 1,
-                "use 1 or more",
+                "suffix_decoding_max_tree_depth",
+                is_int(self.suffix_decoding_max_tree_depth) and self.suffix_decoding_max_tree_depth >= 1,
+                positive,
+            ),
+            (
+                "suffix_decoding_max_spec_factor",
+                isinstance(self.suffix_decoding_max_spec_factor, int | float)
+                and self.suffix_decoding_max_spec_factor > 0,
+                "use a number above 0",
+            ),
+            (
+                "suffix_decoding_max_cached_requests",
+                is_int(self.suffix_decoding_max_cached_requests) and self.suffix_decoding_max_cached_requests >= 0,
+                "use 0 or more",
             ),
         )
         for name, ok, fix in checks:

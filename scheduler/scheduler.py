@@ -176,6 +176,8 @@ class Scheduler:
             self.structured.cancel(req)
         req.status = Status.FINISHED
         del self.requests[req.client, req.request_id]
+        if self.speculator is not None:
+            self.speculator.retire(req)
 
     def _release(self, req: Request) -> None:
         self.running.remove(req)

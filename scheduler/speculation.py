@@ -3,6 +3,7 @@ acceptance of a verify step's samples, whether a request keeps drafting, and vLL
 
 from __future__ import annotations
 
+from collections import deque
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -35,32 +36,43 @@ class NgramDrafter:
         self.tokens[self.size : end] = token_ids
         self.size = end
 
-    def propose(self, longest: int, shortest: int, k: int) -> list[int]:
-        """Up to k tokens that followed the latest earlier occurrence of the longest n-gram (shortest <= n <=
-        longest) that ends the sequence; [] if none does."""
-        tokens, end = self.tokens, self.size - 1
-        candidates = np.flatnonzero(tokens[:end] == tokens[end])  # where a match's last token could be
-        if not len(candidates) or k <= 0:
-            return []
-        length = np.ones(len(candidates), np.int64)
-        alive = np.ones(len(candidates), bool)
-        for back in range(1, min(longest, end + 1)):
-            starts = candidates - back
-            alive &= starts >= 0
-            alive[alive] = tokens[starts[alive]] == tokens[end - back]
-            length += alive
-            if not alive.any():
-                break
-        best = int(length.max())
-        if best < shortest:
-            return []
-        at = int(candidates[np.flatnonzero(length == best)[-1]])
-        return tokens[at + 1 : min(at + 1 + k, self.size)].tolist()
-
     def settle(self, accepted: int) -> bool:
         """Count an attempt that gained `accepted` tokens; whether the request goes on drafting."""
         self.credit = CREDIT_DECAY * self.credit + (1 - CREDIT_DECAY) * accepted
         return self.credit >= CREDIT_FLOOR
+
+
+class TokenHistory:
+    """Recent finished requests' tokens in one array, -1 after each: where suffix drafts look beyond the request."""
+
+    def __init__(self, max_requests: int) -> None:
+        self.max_requests = max_requests
+        self.parts: deque[np.ndarray] = deque()
+        self.tokens = np.zeros(0, np.int32)
+
+    def add(self, token_ids: list[int]) -> None:
+        self.parts.append(np.asarray([*token_ids, -1], np.int32))
+        if len(self.parts) > self.max_requests:
+            self.parts.popleft()
+        self.tokens = np.concatenate(self.parts) if self.parts else self.tokens[:0]
+
+
+def longest_match(haystack: np.ndarray, pattern: np.ndarray) -> tuple[int, int]:
+    """The length and last index of the latest longest match in haystack of pattern's end; (0, -1) if none."""
+    candidates = np.flatnonzero(haystack == pattern[-1])  # where a match's last token could be
+    if not len(candidates):
+        return 0, -1
+    length = np.ones(len(candidates), np.int64)
+    alive = np.ones(len(candidates), bool)
+    for back in range(1, len(pattern)):
+        starts = candidates - back
+        alive &= starts >= 0
+        alive[alive] = haystack[starts[alive]] == pattern[-1 - back]
+        length += alive
+        if not alive.any():
+            break
+    best = int(length.max())
+    return best, int(candidates[np.flatnonzero(length == best)[-1]])
 
 
 def accepted_count(draft: list[int], samples: np.ndarray) -> int:
@@ -75,20 +87,22 @@ class Speculator:
     def __init__(self, config: EngineConfig) -> None:
         self.config: SpeculativeConfig = config.speculative_config
         self.counters = SpecStats(self.config)
+        suffix = self.config.method == "suffix"
+        self.history = TokenHistory(self.config.suffix_decoding_max_cached_requests) if suffix else None
 
     def enroll(self, req: Request) -> None:
-        """A new request drafts if it is greedy and nothing in the sampler reads its tokens one at a time
-        (penalties, logprobs, min_tokens, a grammar). Random rows do not: drafts are matched to greedy tokens."""
+        """A new request drafts unless something in the sampler reads its tokens one at a time (penalties,
+        logprobs, min_tokens, a grammar). A random row's verify samples are its own seeded draws at each place, so
+        keeping the drafts up to the first that differs is rejection sampling: the same tokens as without drafts."""
         p = req.params
         penalties = p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
-        if (
-            p.temperature == 0.0
-            and not penalties
-            and p.logprobs is None
-            and not p.min_tokens
-            and p.structured_outputs is None
-        ):
+        if not penalties and p.logprobs is None and not p.min_tokens and p.structured_outputs is None:
             req.drafter = NgramDrafter(req.token_ids)
+
+    def retire(self, req: Request) -> None:
+        """A finished request's tokens, for later requests' suffix drafts."""
+        if self.history is not None and self.history.max_requests:
+            self.history.add(req.token_ids)
 
     def active(self, running: list[Request]) -> bool:
         """Rows may draft this step: a small batch (a large one is compute-bound) and no grammar (its masks count
@@ -98,16 +112,36 @@ class Speculator:
     def promising(self, req: Request) -> bool:
         """A request whose tokens so far (all but the one in flight) find drafts waits for that token to draft; one
         whose lookup finds none decodes on, its steps overlapped."""
-        spec = self.config
-        return req.drafter is not None and bool(req.drafter.propose(spec.prompt_lookup_max, spec.prompt_lookup_min, 1))
+        return req.drafter is not None and bool(self.propose(req.drafter, 1))
+
+    def propose(self, drafter: NgramDrafter, k: int) -> list[int]:
+        """Up to k tokens that followed the latest occurrence of the longest n-gram ending the request's tokens,
+        in them or (suffix) in recent requests'; [] if none is long enough."""
+        spec, tokens, size = self.config, drafter.tokens, drafter.size
+        suffix = self.history is not None
+        longest, shortest = (
+            (spec.suffix_decoding_max_tree_depth, 1) if suffix else (spec.prompt_lookup_max, spec.prompt_lookup_min)
+        )
+        pattern = tokens[max(0, size - longest) : size]
+        length, at = longest_match(tokens[: size - 1], pattern)
+        source = tokens[:size]
+        if suffix:
+            elsewhere, end = longest_match(self.history.tokens, pattern)
+            if elsewhere > length:
+                length, at, source = elsewhere, end, self.history.tokens
+            k = min(k, int(spec.suffix_decoding_max_spec_factor * length))
+        if length < shortest or k <= 0:
+            return []
+        draft = source[at + 1 : at + 1 + k]
+        ends = np.flatnonzero(draft < 0)  # a cached request's end
+        return draft[: ends[0] if len(ends) else len(draft)].tolist()
 
     def draft(self, req: Request, budget: int, max_model_len: int) -> list[int]:
         """Its drafts, at most what its max_tokens, max_model_len and the step's budget leave room for (the token
         after them counts too); a request whose lookups find nothing for long stops drafting."""
         generated = req.num_tokens - req.num_prompt_tokens
         room = min(req.max_tokens - generated, max_model_len - req.num_tokens, budget) - 1
-        k = min(self.config.num_speculative_tokens, room)
-        draft = req.drafter.propose(self.config.prompt_lookup_max, self.config.prompt_lookup_min, k)
+        draft = self.propose(req.drafter, min(self.config.num_speculative_tokens, room))
         if not draft and not req.drafter.settle(0):
             req.drafter = None
         return draft
