@@ -350,8 +350,6 @@ class Scheduler:
     def _take_token(self, req: Request, token: int) -> str | None:
         """Append a sampled token; the request's finish reason if it ends here (it is then finished)."""
         req.token_ids.append(token)
-        if req.drafter is not None:
-            req.drafter.extend([token])
         generated = req.num_tokens - req.num_prompt_tokens
         if generated >= req.params.min_tokens and token in req.stop_ids:
             reason = "stop"

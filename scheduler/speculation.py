@@ -27,14 +27,17 @@ class NgramDrafter:
         self.size = len(token_ids)
         self.credit = START_CREDIT
 
-    def extend(self, token_ids: list[int]) -> None:
-        end = self.size + len(token_ids)
+    def catch_up(self, token_ids: list[int]) -> NgramDrafter:
+        """Append the request's tokens since the last lookup: only a lookup reads them, so a large batch, which
+        does not draft, pays nothing a token."""
+        end = len(token_ids)
         if end > len(self.tokens):
             grown = np.zeros(max(end, 2 * len(self.tokens)), np.int32)
             grown[: self.size] = self.tokens[: self.size]
             self.tokens = grown
-        self.tokens[self.size : end] = token_ids
+        self.tokens[self.size : end] = token_ids[self.size :]
         self.size = end
+        return self
 
     def settle(self, accepted: int) -> bool:
         """Count an attempt that gained `accepted` tokens; whether the request goes on drafting."""
@@ -112,7 +115,7 @@ class Speculator:
     def promising(self, req: Request) -> bool:
         """A request whose tokens so far (all but the one in flight) find drafts waits for that token to draft; one
         whose lookup finds none decodes on, its steps overlapped."""
-        return req.drafter is not None and bool(self.propose(req.drafter, 1))
+        return req.drafter is not None and bool(self.propose(req.drafter.catch_up(req.token_ids), 1))
 
     def propose(self, drafter: NgramDrafter, k: int) -> list[int]:
         """Up to k tokens that followed the latest occurrence of the longest n-gram ending the request's tokens,
@@ -141,7 +144,7 @@ class Speculator:
         after them counts too); a request whose lookups find nothing for long stops drafting."""
         generated = req.num_tokens - req.num_prompt_tokens
         room = min(req.max_tokens - generated, max_model_len - req.num_tokens, budget) - 1
-        draft = self.propose(req.drafter, min(self.config.num_speculative_tokens, room))
+        draft = self.propose(req.drafter.catch_up(req.token_ids), min(self.config.num_speculative_tokens, room))
         if not draft and not req.drafter.settle(0):
             req.drafter = None
         return draft
