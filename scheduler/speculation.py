@@ -120,6 +120,8 @@ class Speculator:
     def propose(self, drafter: NgramDrafter, k: int) -> list[int]:
         """Up to k tokens that followed the latest occurrence of the longest n-gram ending the request's tokens,
         in them or (suffix) in recent requests'; [] if none is long enough."""
+        if k <= 0:
+            return []
         spec, tokens, size = self.config, drafter.tokens, drafter.size
         suffix = self.history is not None
         longest, shortest = (
@@ -127,17 +129,19 @@ class Speculator:
         )
         pattern = tokens[max(0, size - longest) : size]
         length, at = longest_match(tokens[: size - 1], pattern)
-        source = tokens[:size]
+        # A match that overlaps the request's end (a repeating stretch) goes on repeating its period.
+        draft = np.resize(tokens[at + 1 : size], k) if length else tokens[:0]
         if suffix:
+            factor = spec.suffix_decoding_max_spec_factor
             elsewhere, end = longest_match(self.history.tokens, pattern)
-            if elsewhere > length:
-                length, at, source = elsewhere, end, self.history.tokens
-            k = min(k, int(spec.suffix_decoding_max_spec_factor * length))
-        if length < shortest or k <= 0:
+            # A cached request's continuation is seen, not extrapolated: it wins a tie with a repeated period.
+            if elsewhere > length or (elsewhere == length and size - 1 - at < min(k, int(factor * length))):
+                length, draft = elsewhere, self.history.tokens[end + 1 :]
+            k = min(k, int(factor * length))
+        if length < shortest or k == 0:
             return []
-        draft = source[at + 1 : at + 1 + k]
-        ends = np.flatnonzero(draft < 0)  # a cached request's end
-        return draft[: ends[0] if len(ends) else len(draft)].tolist()
+        ends = np.flatnonzero(draft[:k] < 0)  # a cached request's end
+        return draft[: ends[0] if len(ends) else k].tolist()
 
     def draft(self, req: Request, budget: int, max_model_len: int) -> list[int]:
         """Its drafts, at most what its max_tokens, max_model_len and the step's budget leave room for (the token

@@ -221,6 +221,9 @@ def test_ngram_lookup_takes_the_longest_then_latest_match():
     assert _speculator(prompt_lookup_max=2, prompt_lookup_min=1).propose(drafter, 3) == [7, 8, 1]  # the latest
     assert _speculator(prompt_lookup_max=3).propose(drafter, 9) == [9, 9, 2, 3, 7, 8, 1, 2, 3]
     assert _speculator(prompt_lookup_min=1).propose(NgramDrafter([4, 5, 6]), 4) == []
+    # a match that overlaps the end repeats its period: what followed it is the drafts' own start
+    assert _speculator(prompt_lookup_min=1).propose(NgramDrafter([5, 7, 7, 7]), 4) == [7, 7, 7, 7]
+    assert _speculator(prompt_lookup_min=1).propose(NgramDrafter([1, 2, 1, 2, 1]), 5) == [2, 1, 2, 1, 2]
     assert accepted_count([5, 6, 7], np.array([5, 6, 8, 1])) == 2 and accepted_count([5], np.array([4, 4])) == 0
 
 
@@ -232,6 +235,8 @@ def test_suffix_lookup_drafts_from_finished_requests_as_long_as_the_match():
     assert spec.propose(NgramDrafter([9, 2, 3]), 9) == [4, 5]  # a match of 2 drafts 2 (max_spec_factor 1)
     assert spec.propose(NgramDrafter([1, 2, 3]), 9) == [4, 5, 6]  # of 3, cut where the cached request ended
     assert spec.propose(NgramDrafter([3, 4, 8, 3, 4]), 9) == [8, 3]  # its own tokens win a tie
+    spec.retire(SimpleNamespace(token_ids=[4, 6, 6, 1, 2]))
+    assert spec.propose(NgramDrafter([4, 6, 6, 6]), 9) == [1, 2]  # unless its own would only repeat a period
     for tokens in ([8, 8], [8, 9]):
         spec.retire(SimpleNamespace(token_ids=tokens))
     assert spec.propose(NgramDrafter([1, 2, 3]), 9) == []  # evicted past max_cached_requests
