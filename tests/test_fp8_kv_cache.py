@@ -8,7 +8,12 @@ import numpy as np
 import pytest
 import torch
 import triton.language as tl
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from frontend import LLM, cli
+from frontend.model_resolution import config_from_dir, resolve_config
 from kernels import decode_attention
 from kernels.attention_tile import paged_attention_ref
 from kernels.decode_attention import NewTokenKV, rope_store_decode_attention_triton
@@ -16,7 +21,11 @@ from kernels.kv_quant import E4M3_MAX, FP8_KV_DTYPE, from_cache_ref, to_cache_re
 from kernels.kv_store import make_cos_sin, rope_store_kv_ref, rope_store_kv_triton
 from kernels.norm import qk_rms_norm_ref
 from kernels.prefill_attention import paged_prefill_attention_triton, prefill_work
+from protocol.config import EngineConfig
+from tests.test_engine import MAX_NEW, _assert_all_blocks_free, _generate, _hf_greedy, _prompts
 from tests.test_kernels_edge import paged_cache
+from worker import kv_cache
+from worker.startup import build_runner
 
 _TORCH_OF = {tl.float32: torch.float32, tl.float16: torch.float16, tl.bfloat16: torch.bfloat16}
 
@@ -137,3 +146,50 @@ def test_prefill_attention_reads_an_e4m3_cache_as_the_reference(dtype):
     # The reference reads e4m3 as the float32 values it holds.
     dense = paged_attention_ref(q, from_cache_ref(k_cache), from_cache_ref(v_cache), tables, cu, ctx, d**-0.5)
     assert torch.equal(ref, dense)
+
+
+def _sdpa_on_e4m3_kv(module, query, key, value, attention_mask, **kwargs):
+    """HF's SDPA attention over K and V rounded to e4m3 as our cache stores them (every token's: the cache returns
+    past and present together)."""
+    key, value = (from_cache_ref(to_cache_ref(x, FP8_KV_DTYPE)) for x in (key, value))
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def test_greedy_tokens_with_an_fp8_cache_equal_hf_with_k_and_v_rounded_to_e4m3(tiny_ckpt):
+    AttentionInterface.register("sdpa_e4m3_kv", _sdpa_on_e4m3_kv)
+    AttentionMaskInterface.register("sdpa_e4m3_kv", sdpa_mask)
+    prompts = _prompts(512)
+    want = _hf_greedy(tiny_ckpt, prompts, MAX_NEW, attn_implementation="sdpa_e4m3_kv")
+    assert want != _hf_greedy(tiny_ckpt, prompts, MAX_NEW)  # the rounding changes tokens: the test can tell
+    with LLM(str(tiny_ckpt), device="cpu", kv_cache_dtype="fp8") as llm:
+        assert _generate(llm, prompts) == want
+        _assert_all_blocks_free(llm)
+
+
+def test_an_fp8_cache_holds_twice_the_blocks_of_a_bfloat16_one_in_the_same_bytes(tiny_ckpt, monkeypatch):
+    mc = config_from_dir(tiny_ckpt)
+    bf16_block = kv_cache.kv_block_bytes(mc, mc.num_key_value_heads, 16, torch.bfloat16)
+    assert kv_cache.kv_block_bytes(mc, mc.num_key_value_heads, 16, FP8_KV_DTYPE) * 2 == bf16_block
+    monkeypatch.setattr(kv_cache, "_CPU_KV_CACHE_CAP", 100 * bf16_block)  # the budget: 100 bfloat16 blocks
+    caches = {}
+    for name in ("auto", "fp8", "fp8_e4m3"):
+        config = EngineConfig(str(tiny_ckpt), device="cpu", dtype="bfloat16", kv_cache_dtype=name, max_num_seqs=4)
+        runner = build_runner(resolve_config(config))
+        caches[name] = (runner.num_kv_blocks, runner.kv_caches[0][0].dtype)
+        assert sum(t.nbytes for pair in runner.kv_caches for t in pair) == 100 * bf16_block  # the same bytes
+    assert caches == {
+        "auto": (100, torch.bfloat16),
+        "fp8": (200, FP8_KV_DTYPE),
+        "fp8_e4m3": (200, FP8_KV_DTYPE),
+    }
+
+
+def test_a_bad_kv_cache_dtype_is_a_value_error_naming_it_and_the_fix(capsys):
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8_e5m2' is invalid: use 'auto' .* or 'fp8'"):
+        EngineConfig("m", kv_cache_dtype="fp8_e5m2")
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='bf16' is invalid"):
+        LLM("m", kv_cache_dtype="bf16")  # refused before any process starts
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--model", "m", "--kv-cache-dtype", "int8"])
+    assert "argument --kv-cache-dtype: invalid choice: 'int8'" in capsys.readouterr().err
+    assert cli.parse_args(["--model", "m", "--kv-cache-dtype", "fp8_e4m3"])[0].kv_cache_dtype == "fp8_e4m3"
