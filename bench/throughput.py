@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         rows,
     )
     name = "throughput-fp8" if args.quantization else "throughput"
+    name += "-fp8-kv" if args.kv_cache_dtype not in (None, "auto") else ""
     record(name, args, {"rows": rows, "input_tokens": sum(map(len, prompts)), "output_tokens": sum(outputs)})
     return 0
 

@@ -193,3 +193,26 @@ def test_a_bad_kv_cache_dtype_is_a_value_error_naming_it_and_the_fix(capsys):
         cli.parse_args(["--model", "m", "--kv-cache-dtype", "int8"])
     assert "argument --kv-cache-dtype: invalid choice: 'int8'" in capsys.readouterr().err
     assert cli.parse_args(["--model", "m", "--kv-cache-dtype", "fp8_e4m3"])[0].kv_cache_dtype == "fp8_e4m3"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens", [[700], [1, 100, 700, 33, 0, 5, 64, 65, 300]])  # a few rows, many rows
+def test_on_the_gpu_decode_and_prefill_store_and_read_e4m3_as_the_references_in_bfloat16(lens):
+    # Qwen2.5-1.5B's attention shapes; the real kernels' launches (no forced partition).
+    hkv, group, d, block_size = 2, 6, 128, 16
+    cpu = decode_step(lens, hkv, group, d, block_size, torch.bfloat16)
+    q, k, v, positions, slots, ctx, (k_cache, v_cache, tables) = (
+        t.cuda() if isinstance(t, torch.Tensor) else tuple(c.cuda() for c in t) for t in cpu
+    )
+    cos_sin = make_cos_sin(max(lens) + 1, d, 1e6, "cuda")
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    q_rot = rope_store_kv_ref(q, k, v, positions, cos_sin, k_ref, v_ref, slots)
+    cu = torch.arange(len(lens) + 1, device="cuda", dtype=torch.int32)
+    want = paged_attention_ref(q_rot, k_ref, v_ref, tables, cu, ctx, d**-0.5)
+    new_kv = NewTokenKV(k, v, positions, cos_sin, slots)
+    got = rope_store_decode_attention_triton(q, new_kv, k_cache, v_cache, tables, ctx, d**-0.5)
+    assert same_bytes(k_cache, k_ref) and same_bytes(v_cache, v_ref)
+    assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
+    work = torch.from_numpy(prefill_work([1] * len(lens), group)).cuda()  # one query a row: the same attention
+    prefill = paged_prefill_attention_triton(q_rot, k_cache, v_cache, tables, cu, ctx, d**-0.5, work)
+    assert ((prefill.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
