@@ -34,6 +34,7 @@ ENGINE_KEYS = (
     "max_num_batched_tokens",
     "trace_dir",
     "quantization",
+    "kv_cache_dtype",
     "speculative_config",
 )
 
@@ -46,6 +47,9 @@ def engine_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="'auto', 'cpu' or 'cuda'")
     p.add_argument("--dtype", default="auto", help="'auto' (the model's), 'float32', 'float16' or 'bfloat16'")
     p.add_argument("--quantization", choices=["fp8"], default=None, help="fp8: linear weights in float8 e4m3")
+    p.add_argument(
+        "--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3"], default=None, help="fp8: the KV cache in float8 e4m3"
+    )
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument(
         "--speculative-config", type=json.loads, default=None, help='speculative decoding: {"method": "ngram", ...}'
@@ -136,13 +140,20 @@ def linear_weight_count(c: ModelConfig) -> int:
 
 
 def roofline(
-    c: ModelConfig, dtype: str, copy_tbps: float, context: int = 0, tp: int = 1, quantization: str | None = None
+    c: ModelConfig,
+    dtype: str,
+    copy_tbps: float,
+    context: int = 0,
+    tp: int = 1,
+    quantization: str | None = None,
+    kv_cache_dtype: str | None = None,
 ) -> dict:
     """Batch-1 decode floor: each GPU reads its weights (and, with kv, the context's K and V) once a step; with
-    fp8 the linears' weights are one byte each (their scales left out: under 0.1%)."""
+    fp8 the linears' weights are one byte each (their scales left out: under 0.1%), with an fp8 KV cache its values."""
     fp8_saved = linear_weight_count(c) * (DTYPE_BYTES[dtype] - 1) if quantization == "fp8" else 0
     weight_bytes = (param_count(c) * DTYPE_BYTES[dtype] - fp8_saved) / tp
-    kv_bytes = context * 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * DTYPE_BYTES[dtype] / tp
+    kv_value_bytes = 1 if kv_cache_dtype in ("fp8", "fp8_e4m3") else DTYPE_BYTES[dtype]
+    kv_bytes = context * 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * kv_value_bytes / tp
     ms = weight_bytes / (copy_tbps * 1e12) * 1e3
     kv_ms = (weight_bytes + kv_bytes) / (copy_tbps * 1e12) * 1e3
     return {

@@ -59,6 +59,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="decode attention cases, batch:context:max_model_len",
     )
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="fp8: the KV cache in e4m3")
     p.add_argument(
         "--fp8",
         choices=["channel", "block"],
@@ -139,18 +140,22 @@ def time_linears(c: ModelConfig, rows: list[int], fp8_block: tuple[int, int] | N
     return results
 
 
-def time_attention(c: ModelConfig, cases: list[tuple[int, int, int]], block_size: int) -> list[dict]:
+def time_attention(
+    c: ModelConfig, cases: list[tuple[int, int, int]], block_size: int, kv_cache_dtype: str = "auto"
+) -> list[dict]:
     import torch
 
     from kernels import NewTokenKV, make_cos_sin, rope_store_decode_attention
     from kernels.decode_attention import few_rows_launch
+    from kernels.kv_quant import FP8_KV_DTYPE
     from worker.linear_plan import graph_us
 
     results = []
     for batch, context, max_len in cases:
         per_row, hkv, d = -(-context // block_size), c.num_key_value_heads, c.head_dim
-        k_cache = torch.randn(batch * per_row, hkv, block_size, d, device="cuda", dtype=torch.bfloat16)
-        v_cache = torch.randn_like(k_cache)
+        cache_dtype = FP8_KV_DTYPE if kv_cache_dtype == "fp8" else torch.bfloat16
+        k_cache = torch.randn(batch * per_row, hkv, block_size, d, device="cuda").to(cache_dtype)
+        v_cache = torch.randn(k_cache.shape, device="cuda").to(cache_dtype)
         tables = torch.zeros(batch, -(-max_len // block_size), dtype=torch.int32, device="cuda")
         tables[:, :per_row] = torch.randperm(batch * per_row, device="cuda").int().view(batch, per_row)
         lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
@@ -169,7 +174,7 @@ def time_attention(c: ModelConfig, cases: list[tuple[int, int, int]], block_size
         us = graph_us(
             [functools.partial(rope_store_decode_attention, q, new_kv, k_cache, v_cache, tables, lens, d**-0.5, rows)]
         )
-        kv_gb = 2 * batch * context * hkv * d * 2 / 1e9  # K and V read, bf16
+        kv_gb = 2 * batch * context * hkv * d * k_cache.element_size() / 1e9  # K and V read
         results.append(
             {"batch": batch, "context": context, "max_model_len": max_len, "us": us, "kv_tb_s": kv_gb / us * 1e3}
         )
@@ -186,11 +191,12 @@ def main(argv: list[str] | None = None) -> int:
     config, _ = resolve_model(args.model, load_format="dummy")
     numbers = {
         "linears": time_linears(config, args.rows),
-        "attention": time_attention(config, args.attention, args.block_size),
+        "attention": time_attention(config, args.attention, args.block_size, args.kv_cache_dtype),
     }
     print_table(f"linears of {args.model} in bf16, each in a CUDA graph over weights not in L2", numbers["linears"])
     print_table(
-        "decode attention per layer (one layer's cache; max_model_len sets the split grid)", numbers["attention"]
+        f"decode attention per layer (one layer's {args.kv_cache_dtype} cache; max_model_len sets the split grid)",
+        numbers["attention"],
     )
     if args.fp8:
         from kernels.fp8 import PER_CHANNEL
@@ -205,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"FP8 path {path} failed: {e}")
                 continue
             print_table(f"FP8 linears ({args.fp8} scales), unfused past 16 rows: {path}", numbers[f"fp8_{path}"])
-    record("kernels", args, numbers)
+    record("kernels" + ("-fp8-kv" if args.kv_cache_dtype == "fp8" else ""), args, numbers)
     return 0
 
 

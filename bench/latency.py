@@ -141,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     dtype = dtype_name(args, config)
     rows = []
     for n, mine, theirs in zip(lens, ours, hf):
-        roof = roofline(config, dtype, args.copy_tbps, n, args.tensor_parallel_size, args.quantization)
+        roof = roofline(
+            config, dtype, args.copy_tbps, n, args.tensor_parallel_size, args.quantization, args.kv_cache_dtype
+        )
         rows.append(
             {
                 "prompt_len": n,
@@ -156,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             }
         )
     name = ("latency-eager" if args.enforce_eager else "latency") + ("-fp8" if args.quantization else "")
+    name += "-fp8-kv" if args.kv_cache_dtype not in (None, "auto") else ""
     name += ("-spec" if args.speculative_config else "") + ("-copy" if args.workload == "copy" else "")
     print_table(
         f"{name}: batch 1, {args.max_tokens} new tokens, {args.model} {dtype} {args.quantization or ''}, "

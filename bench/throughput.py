@@ -108,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
         + (" (padding_waste: HF's share of computed tokens that were padding or overrun)" if args.baseline else ""),
         rows,
     )
-    name = "throughput" + ("-fp8" if args.quantization else "") + ("-spec" if args.speculative_config else "")
+    name = "throughput" + ("-fp8" if args.quantization else "")
+    name += "-fp8-kv" if args.kv_cache_dtype not in (None, "auto") else ""
+    name += "-spec" if args.speculative_config else ""
     record(name, args, {"rows": rows, "input_tokens": sum(map(len, prompts)), "output_tokens": sum(outputs)})
     return 0
 

@@ -19,7 +19,7 @@ from frontend.model_resolution import families
 from frontend.reasoning import REASONING_PARSERS
 from frontend.server import ServerOptions, run_server
 from protocol.addresses import check_engine_address
-from protocol.config import ARCHITECTURES, EngineConfig, require
+from protocol.config import ARCHITECTURES, KV_CACHE_DTYPES, EngineConfig, require
 from protocol.sampling import SamplingParams
 
 _METAVARS = {int: "N", float: "X", str: "STR"}
@@ -42,11 +42,13 @@ _CHOICES = {
     "--dtype": ("auto", "float32", "float16", "bfloat16"),
     "--device": ("auto", "cpu", "cuda"),
     "--quantization": ("fp8",),
+    "--kv-cache-dtype": KV_CACHE_DTYPES,
 }
 _ENGINE_FLAGS = [
     ("--device", str, "auto: cuda when there is one"),
     ("--gpu-memory-utilization", float, "fraction of the GPU's memory for weights, activations and KV cache"),
     ("--num-kv-blocks", int, "fix the number of KV-cache blocks instead of sizing them from memory"),
+    ("--kv-cache-dtype", str, "fp8: K and V in float8 e4m3 (scale 1.0), twice the tokens; auto: the model's dtype"),
     ("--block-size", int, "tokens per KV-cache block: 8, 16, 32, 64 or 128"),
     ("--max-num-seqs", int, "most requests in one running batch"),
     ("--max-num-batched-tokens", int, "token budget of one step; longer prompts are prefilled in chunks"),

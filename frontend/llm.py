@@ -32,9 +32,10 @@ class LLM:
     enable_prefix_caching: reuse the KV of shared prompt prefixes; tensor_parallel_size: GPUs to shard over;
     enforce_eager: no CUDA graphs; trace_dir: write a Perfetto trace there; max_waiting_requests: bound of the waiting
     queue; step_timeout: seconds without progress before the engine counts as dead; quantization "fp8": linear weights
-    in float8 e4m3, one scale per output channel (an FP8 checkpoint sets it); speculative_config: vLLM's map, e.g.
-    {"method": "ngram", "num_speculative_tokens": 4} (requests verify n-gram drafts of their own tokens; "suffix":
-    of recent requests' too);
+    in float8 e4m3, one scale per output channel (an FP8 checkpoint sets it); kv_cache_dtype "fp8" (or "fp8_e4m3"):
+    the KV cache in float8 e4m3, twice the tokens in the same memory ("auto": the model's dtype); speculative_config:
+    vLLM's map, e.g. {"method": "ngram", "num_speculative_tokens": 4} (requests verify n-gram drafts of their own
+    tokens; "suffix": of recent requests' too);
     nnodes, node_rank, master_addr, master_port: tensor parallel over hosts, this process being node 0 (docs/SCALING.md)."""
 
     def __init__(
@@ -58,6 +59,7 @@ class LLM:
         max_waiting_requests: int = 4096,
         step_timeout: float = 60.0,
         quantization: str | None = None,
+        kv_cache_dtype: str = "auto",
         speculative_config: SpeculativeConfig | dict | None = None,
         nnodes: int = 1,
         node_rank: int = 0,

@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_quant import from_cache, from_cache_ref
+
 
 def paged_attention_ref(
     q: torch.Tensor,
@@ -28,7 +30,7 @@ def paged_attention_ref(
         if cu[b + 1] > cu[b] and ctx > 0:
             blocks = block_tables[b, : -(-ctx // block_size)].long()
             k, v = (
-                c[blocks].transpose(1, 2).flatten(0, 1)[:ctx].float().repeat_interleave(group, 1)
+                from_cache_ref(c[blocks].transpose(1, 2).flatten(0, 1)[:ctx]).repeat_interleave(group, 1)
                 for c in (k_cache, v_cache)
             )  # [ctx, Hq, D]
             scores = torch.einsum("qhd,khd->hqk", q[cu[b] : cu[b + 1]].float(), k) * scale
@@ -59,7 +61,9 @@ def _dot(a, b):
 
 @triton.jit
 def attend_tile(q, k, v, mask, m_i, l_i, acc, qk_scale, APPLY_MASK: tl.constexpr):
-    """One online-softmax step of q[M, D] over k, v[N, D] (base-2 running max m_i and sum l_i, unnormalised acc)."""
+    """One online-softmax step of q[M, D] over k, v[N, D] (base-2 running max m_i and sum l_i, unnormalised acc);
+    k and v as loaded from the cache (an FP8 cache's are widened here)."""
+    k, v = from_cache(k, q), from_cache(v, q)
     qk = _dot(q, tl.trans(k)) * qk_scale  # qk_scale folds in log2(e): exp2 below is the cheap exp
     if APPLY_MASK:
         qk = tl.where(mask, qk, float("-inf"))

@@ -12,6 +12,7 @@ import triton.language as tl
 from kernels.arrivals import arrival_counters, last_to_arrive
 from kernels.attention_tile import attend_range, attend_tile, load_kv_tile, paged_attention_ref
 from kernels.decode_combine import combine_splits
+from kernels.kv_quant import to_cache
 from kernels.kv_store import check_cache_layout, rope_factors, rope_store_kv_ref
 from kernels.norm import qk_rms_norm_ref
 from kernels.pdl import pdl_enabled, pdl_launch
@@ -137,10 +138,10 @@ def _decode_split_kernel(
             k_partner = tl.load(k_row + partner, mask=d_mask, other=0.0)
             if QK_NORM:
                 k, k_partner = _norm_head(k, k_partner, k_norm_w, offs_d, partner, d_mask, norm_eps, HEAD_DIM, 0)
-            k = (k.to(tl.float32) * cos + k_partner.to(tl.float32) * sin).to(k_cache.dtype.element_ty)
+            k = to_cache(k.to(tl.float32) * cos + k_partner.to(tl.float32) * sin, k_cache)
             tl.store(k_cache + cache_off + offs_d, k, mask=d_mask)
             v = tl.load(v_new + b.to(tl.int64) * stride_vb + kv_head * stride_vh + offs_d, mask=d_mask, other=0.0)
-            v = v.to(v_cache.dtype.element_ty)
+            v = to_cache(v, v_cache)
             tl.store(v_cache + cache_off + offs_d, v, mask=d_mask)
             tl.debug_barrier()
             if EARLY:

@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_quant import to_cache, to_cache_ref
+
 
 def make_cos_sin(
     max_pos: int, head_dim: int, theta: float, device: torch.device | str, scaling: dict | None = None
@@ -45,19 +47,20 @@ def rope_store_kv_ref(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> torch.Tensor:
-    """Returns rotated q (a new tensor); stores rotated k and raw v into the cache; RoPE in float32."""
+    """Returns rotated q (a new tensor); stores rotated k and raw v into the cache; RoPE in float32, rounded once
+    to the cache's dtype (kernels/kv_quant.py) as the kernels round it."""
     cos, sin = cos_sin[positions.long()].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D / 2] each
 
     def rope(x: torch.Tensor) -> torch.Tensor:
         x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     blocks, offsets = slots // k_cache.shape[2], slots % k_cache.shape[2]
-    k_cache[blocks, :, offsets] = rope(k)[keep].to(k_cache.dtype)
-    v_cache[blocks, :, offsets] = v[keep].to(v_cache.dtype)
-    return rope(q)
+    k_cache[blocks, :, offsets] = to_cache_ref(rope(k)[keep], k_cache.dtype)
+    v_cache[blocks, :, offsets] = to_cache_ref(v[keep], v_cache.dtype)
+    return rope(q).to(q.dtype)
 
 
 @triton.jit
@@ -97,8 +100,8 @@ def _rotate_store(
     if ROPE:
         x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
         x1, x2 = x1f * cos - x2f * sin, x2f * cos + x1f * sin
-    tl.store(dst, x1.to(dst_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + HALF, x2.to(dst_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst, to_cache(x1, dst_ptr), mask=mask)
+    tl.store(dst + HALF, to_cache(x2, dst_ptr), mask=mask)
 
 
 @triton.jit

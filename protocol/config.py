@@ -10,6 +10,8 @@ import msgpack
 
 # config.json's architectures[0] of the families worker/models runs.
 ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM")
+# vLLM's --kv-cache-dtype values we serve: the model's dtype, or float8 e4m3 under either name.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 def cache_root() -> Path:
@@ -143,6 +145,7 @@ class EngineConfig:
     step_timeout: float = 60.0
     allow_remote_shutdown: bool = False  # Shutdown from any frontend, not only the one that started the engine
     quantization: str | None = None  # "fp8": e4m3 linear weights (set by resolution for an FP8 checkpoint)
+    kv_cache_dtype: str = "auto"  # "fp8" (or "fp8_e4m3"): the KV cache in e4m3, twice the tokens; auto: the model's
     speculative_config: SpeculativeConfig | dict | None = None  # a map is checked and made a SpeculativeConfig
     # Tensor parallel over hosts, under torch.distributed's names: each node runs an equal share of the ranks.
     nnodes: int = 1
@@ -201,6 +204,11 @@ _ENGINE_RULES = (  # field, valid, fix
         "quantization",
         lambda v: v in (None, "fp8"),
         "use 'fp8' (weights quantized per output channel at load), or leave it unset",
+    ),
+    (
+        "kv_cache_dtype",
+        lambda v: v in KV_CACHE_DTYPES,
+        "use 'auto' (the model's dtype) or 'fp8' (float8 e4m3, also spelt 'fp8_e4m3')",
     ),
 )
 

@@ -297,6 +297,16 @@ def test_roofline_counts_every_parameter_of_the_model(tiny_ckpt):
     assert round(roof["weight_gb"], 3) == 3.087 and round(roof["roofline_ms"], 3) == 0.728
 
 
+def test_an_fp8_kv_cache_halves_the_rooflines_kv_time_and_its_flag_reaches_the_engine():
+    _, qwen = short_model("qwen2.5-1.5b")
+    bf16, fp8 = (roofline(qwen, "bfloat16", 4.24, 32768, kv_cache_dtype=kv) for kv in (None, "fp8"))
+    assert fp8["roofline_kv_ms"] - fp8["roofline_ms"] == pytest.approx(
+        (bf16["roofline_kv_ms"] - bf16["roofline_ms"]) / 2
+    )
+    args = common.engine_parser("test").parse_args(["--kv-cache-dtype", "fp8"])
+    assert common.engine_kwargs(args)["kv_cache_dtype"] == "fp8" and "--kv-cache-dtype" in common.engine_flags(args)
+
+
 def test_engine_flags_pass_block_size_on_and_leave_unset_options_to_the_engine():
     parser = common.engine_parser("test")
     assert "block_size" not in common.engine_kwargs(parser.parse_args([]))

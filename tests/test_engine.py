@@ -24,8 +24,9 @@ def _prompts(vocab: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
-def _hf_greedy(ckpt, prompts: list[list[int]], max_new: int) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(ckpt, torch_dtype=torch.float32).eval()
+def _hf_greedy(ckpt, prompts: list[list[int]], max_new: int, **load) -> list[list[int]]:
+    """HF's greedy tokens; load: more from_pretrained keywords (attn_implementation)."""
+    model = AutoModelForCausalLM.from_pretrained(ckpt, torch_dtype=torch.float32, **load).eval()
     outs = []
     with torch.no_grad():
         for p in prompts:

@@ -8,12 +8,18 @@ from pathlib import Path
 
 import torch
 
+from kernels.kv_quant import FP8_KV_DTYPE
 from protocol.config import EngineConfig, ModelConfig
 from worker.linear_plan import load_choices, save_choice, source_hash
 
 ROOT = Path(__file__).resolve().parents[1]
 
 _CPU_KV_CACHE_CAP = 1 << 30  # bytes: a CPU run sizes its cache to the workload, up to this
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The cache's element type for EngineConfig.kv_cache_dtype: the model's ('auto'), or e4m3 ('fp8', 'fp8_e4m3')."""
+    return model_dtype if name == "auto" else FP8_KV_DTYPE
 
 
 def kv_block_bytes(mc: ModelConfig, kv_heads: int, block_size: int, dtype: torch.dtype) -> int:

@@ -13,7 +13,14 @@ from tqdm import tqdm
 from protocol.config import EngineConfig
 from worker.attention import AttentionMetadata, Views
 from worker.cuda_graphs import CudaGraphs, graph_batch_sizes, prefill_buckets
-from worker.kv_cache import allocate_kv_cache, cpu_num_kv_blocks, kv_block_bytes, peak_key, profile_num_kv_blocks
+from worker.kv_cache import (
+    allocate_kv_cache,
+    cpu_num_kv_blocks,
+    kv_block_bytes,
+    kv_cache_dtype,
+    peak_key,
+    profile_num_kv_blocks,
+)
 from worker.loader import init_dummy_weights, load_weights
 from worker.model_runner import ModelRunner
 from worker.models import model_class
@@ -48,6 +55,7 @@ def build_runner(config: EngineConfig, rank: int = 0, tp_size: int = 1, clock: d
     dtype = _DTYPES.get(config.dtype)  # 'auto': the checkpoint's on CUDA, float32 on the CPU
     if dtype is None:
         dtype = _DTYPES.get(config.model_config.torch_dtype, torch.bfloat16) if device.type == "cuda" else torch.float32
+    cache_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype)
     use_graphs = device.type == "cuda" and not config.enforce_eager
     # On CUDA a prompt step is padded to its bucket even eagerly: cuBLAS picks kernels by shape, so eager
     # and graphs give the same tokens.
@@ -63,9 +71,9 @@ def build_runner(config: EngineConfig, rank: int = 0, tp_size: int = 1, clock: d
             "decode": {s: runner.buffers.decode_views(s) for s in sizes},
             "prefill": {b: runner.buffers.prefill_views(b) for b in buckets},
         }
-        dry = _precompile(runner, views, dtype) if use_graphs else DryRun()
+        dry = _precompile(runner, views, cache_dtype) if use_graphs else DryRun()
         clock["kernels_compiled"] = time.time()
-        _init_kv_cache(runner, dtype, rank, clock)
+        _init_kv_cache(runner, cache_dtype, rank, clock)
         clock["kv_cache_ready"] = time.time()
         runner.graphs = CudaGraphs(runner.dummy_row, graphs=use_graphs)
         _capture(runner, views, dry.deferred > 0, clock)
@@ -98,14 +106,7 @@ def startup_summary(parts: dict, clock: dict[str, float]) -> str:
 def _build_model(
     config: EngineConfig, device: torch.device, dtype: torch.dtype, rank: int, tp_size: int
 ) -> torch.nn.Module:
-    if config.model_config.quantization and device.type == "cuda":
-        capability = torch.cuda.get_device_capability(device)
-        if capability < (8, 9):  # FP8 conversions in hardware: Ada or later
-            raise ValueError(
-                f"quantization='fp8' needs a GPU with FP8 (compute capability 8.9 or later, e.g. L4, H100); "
-                f"{torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}: leave quantization "
-                "unset and use an unquantized checkpoint on this GPU"
-            )
+    _check_fp8_support(config, device)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # the layers create their parameters in the default dtype
     try:
@@ -120,36 +121,55 @@ def _build_model(
     return model.eval()
 
 
-def _precompile(runner: ModelRunner, views: dict[str, dict[int, Views]], dtype: torch.dtype) -> DryRun:
+def _check_fp8_support(config: EngineConfig, device: torch.device) -> None:
+    """FP8 weights and an FP8 KV cache convert in hardware: a GPU of compute capability 8.9 or later (Ada)."""
+    needs = []
+    if config.model_config.quantization:
+        needs.append(("quantization='fp8'", "leave quantization unset and use an unquantized checkpoint"))
+    if config.kv_cache_dtype != "auto":
+        needs.append((f"kv_cache_dtype={config.kv_cache_dtype!r}", "use kv_cache_dtype='auto'"))
+    if not needs or device.type != "cuda":
+        return
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 9):
+        setting, fix = needs[0]
+        raise ValueError(
+            f"{setting} needs a GPU with FP8 (compute capability 8.9 or later, e.g. L4, H100); "
+            f"{torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}: {fix} on this GPU"
+        )
+
+
+def _precompile(runner: ModelRunner, views: dict[str, dict[int, Views]], cache_dtype: torch.dtype) -> DryRun:
     """The Triton kernels of the KV profiling and the captures, compiled and loaded in parallel by a dry run of
     each whose launches only compile (Triton's disk cache serves those it holds). Its torch ops run, on the
     captures' shapes: after it, a capture needs no warm-up unless the run deferred a choice that needs timing."""
-    runner.kv_caches = _one_block_cache(runner, dtype, WARMUP_LAYERS)  # the real cache's strides
+    runner.kv_caches = _one_block_cache(runner, cache_dtype, WARMUP_LAYERS)  # the real cache's strides and dtype
     with compile_only(progress=True) as dry:
-        _profile_forward(runner, dtype, WARMUP_LAYERS)
+        _profile_forward(runner, cache_dtype, WARMUP_LAYERS)
         for kind, forward in (("decode", runner.decode_forward), ("prefill", runner.prefill_forward)):
             for size_views in views[kind].values():
                 forward(size_views, layers=WARMUP_LAYERS)
     return dry
 
 
-def _init_kv_cache(runner: ModelRunner, dtype: torch.dtype, rank: int, clock: dict) -> None:
+def _init_kv_cache(runner: ModelRunner, cache_dtype: torch.dtype, rank: int, clock: dict) -> None:
     config = runner.config
     block_size = config.block_size
     num_blocks = config.num_kv_blocks
     if num_blocks is None:
-        block_bytes = kv_block_bytes(runner.model_config, runner.num_kv_heads, block_size, dtype)
+        block_bytes = kv_block_bytes(runner.model_config, runner.num_kv_heads, block_size, cache_dtype)
         if runner.device.type == "cpu":
             wanted = -(-config.max_model_len * runner.max_rows // block_size)
             num_blocks = cpu_num_kv_blocks(wanted, block_bytes)
         else:
-            peak = functools.partial(_profile_forward, runner, dtype)
+            peak = functools.partial(_profile_forward, runner, cache_dtype)
             gpu = torch.cuda.get_device_name(runner.device)
             num_blocks = profile_num_kv_blocks(
                 config.gpu_memory_utilization, block_bytes, peak, peak_key(config, gpu, rank)
             )
     clock["kv_profiled"] = time.time()
-    cache = allocate_kv_cache(runner.model_config, num_blocks, runner.num_kv_heads, block_size, dtype, runner.device)
+    mc, kv_heads = runner.model_config, runner.num_kv_heads
+    cache = allocate_kv_cache(mc, num_blocks, kv_heads, block_size, cache_dtype, runner.device)
     runner.use_kv_cache(cache)
 
 
@@ -168,12 +188,12 @@ def _capture(runner: ModelRunner, views: dict[str, dict[int, Views]], warm_up: b
             clock[f"{kind}_graphs_captured"] = time.time()
 
 
-def _one_block_cache(runner: ModelRunner, dtype: torch.dtype, layers: int) -> list[tuple[torch.Tensor, ...]]:
+def _one_block_cache(runner: ModelRunner, cache_dtype: torch.dtype, layers: int) -> list[tuple[torch.Tensor, ...]]:
     shape = (1, runner.num_kv_heads, runner.config.block_size, runner.model_config.head_dim)
-    return [(torch.zeros(shape, dtype=dtype, device=runner.device),) * 2 for _ in range(layers)]
+    return [(torch.zeros(shape, dtype=cache_dtype, device=runner.device),) * 2 for _ in range(layers)]
 
 
-def _profile_forward(runner: ModelRunner, dtype: torch.dtype, layers: int | None = None) -> None:
+def _profile_forward(runner: ModelRunner, cache_dtype: torch.dtype, layers: int | None = None) -> None:
     """A step of max_num_batched_tokens prompt tokens plus full sampling, against a one-block cache; with
     `layers`, a compile-only dry run of those layers and no sampling (its torch ops index by the drawn tokens)."""
     device, tokens = runner.device, runner.config.max_num_batched_tokens
@@ -191,7 +211,7 @@ def _profile_forward(runner: ModelRunner, dtype: torch.dtype, layers: int | None
         cu,
         work,
     )
-    cache = _one_block_cache(runner, dtype, layers or runner.model_config.num_hidden_layers)
+    cache = _one_block_cache(runner, cache_dtype, layers or runner.model_config.num_hidden_layers)
     hidden = runner.model(torch.zeros(tokens, dtype=torch.int64, device=device), positions, meta, cache)
     logits = runner.model.compute_logits(hidden[: min(runner.max_rows, tokens)])
     if layers is None:
