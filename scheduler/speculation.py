@@ -13,10 +13,12 @@ from protocol.config import EngineConfig, SpeculativeConfig
 if TYPE_CHECKING:  # request.py holds a NgramDrafter
     from scheduler.request import Request
 
-# A request's drafting credit: an average of the tokens its recent drafts gained (a failed lookup gains none); below
-# the floor it stops drafting, and its steps overlap again. A verify step, not planned ahead, takes about two plain
-# steps' time on the H200: drafts that gain less than one token each lose.
-START_CREDIT, CREDIT_DECAY, CREDIT_FLOOR = 2.0, 0.75, 1.0
+# A request's drafting credit: an average of the tokens its recent drafts gained; below the floor it stops drafting,
+# and its steps overlap again. A verify step, not planned ahead, takes about two plain steps' time on the H200: drafts
+# that gain less than one token each lose. A new request's first draft is a probe (one that gains nothing stops it:
+# an open workload pays for one failed verify, not three); a lookup that waited for its token and found nothing
+# cost a pipeline bubble, not a verify step, and counts as half a token.
+START_CREDIT, CREDIT_DECAY, CREDIT_FLOOR, EMPTY_LOOKUP_GAIN = 1.25, 0.75, 1.0, 0.5
 
 
 class NgramDrafter:
@@ -149,7 +151,7 @@ class Speculator:
         generated = req.num_tokens - req.num_prompt_tokens
         room = min(req.max_tokens - generated, max_model_len - req.num_tokens, budget) - 1
         draft = self.propose(req.drafter.catch_up(req.token_ids), min(self.config.num_speculative_tokens, room))
-        if not draft and not req.drafter.settle(0):
+        if not draft and not req.drafter.settle(EMPTY_LOOKUP_GAIN):
             req.drafter = None
         return draft
 

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from frontend import LLM, AsyncLLM, SamplingParams
 from protocol.config import EngineConfig, InvalidParam
-from scheduler.speculation import NgramDrafter, Speculator, accepted_count
+from scheduler.speculation import EMPTY_LOOKUP_GAIN, NgramDrafter, Speculator, accepted_count
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
@@ -243,8 +243,11 @@ def test_suffix_lookup_drafts_from_finished_requests_as_long_as_the_match():
 
 
 def test_a_request_whose_drafts_gain_nothing_stops_drafting():
+    assert NgramDrafter([1, 2, 1]).settle(0) is False  # a first draft that gains nothing
     drafter = NgramDrafter([1, 2, 1])
-    assert [drafter.settle(0) for _ in range(3)] == [True, True, False]
+    assert [drafter.settle(accepted) for accepted in (2, 0, 0)] == [True, True, False]
+    drafter = NgramDrafter([1, 2, 1])
+    assert [drafter.settle(EMPTY_LOOKUP_GAIN) for _ in range(2)] == [True, False]  # lookups that found nothing
 
 
 @pytest.mark.parametrize(
