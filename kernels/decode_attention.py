@@ -24,7 +24,7 @@ _MIN_PARTITION = 64
 _MAX_PROGRAMS = 512  # about four programs per SM
 _MAX_SPLITS = 128
 _SPLIT_GROUP = 8
-_BLOCK_N = 64
+_BLOCK_N = 64  # tokens a tile holds; an e4m3 cache's tile holds twice as many in the same bytes
 _COMBINE_TILE = 64  # partial elements [heads, splits, head_dim] a combine step loads, per thread
 # A few rows run a few long programs (8 warps, one wave) with PDL, each loading its first K/V tile before waiting on
 # qkv (EARLY) and each next tile before this one's math; many rows follow cuBLAS, which never lets them start early.
@@ -274,7 +274,8 @@ def rope_store_decode_attention_triton(
     group = num_q_heads // num_kv_heads
     max_context = block_tables.shape[1] * block_size
     partition = _partition_size(batch, num_kv_heads, max_context)
-    num_splits, block_n = triton.cdiv(max_context, partition), min(_BLOCK_N, partition)
+    tile = _BLOCK_N * 2 if k_cache.element_size() == 1 else _BLOCK_N  # a 64-token e4m3 tile is too short to pay
+    num_splits, block_n = triton.cdiv(max_context, partition), min(tile, partition)
     part_acc = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     part_max = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
     part_sum = torch.empty_like(part_max)
