@@ -63,6 +63,24 @@ _NODE_FLAGS = [
     ("--master-addr", str, "node 0's IP address: the rendezvous and the scheduler's sockets bind it"),
     ("--master-port", int, "rendezvous port; the scheduler's plan and result sockets take the ports after it"),
 ]
+_SERVER_FLAGS = [
+    ("--host", str, "address to bind (0.0.0.0 exposes the server)"),
+    ("--port", int, ""),
+    (
+        "--api-key",
+        str,
+        "require 'Authorization: Bearer KEY' on every route but /health and /version ($VLLM_API_KEY by default keeps "
+        "the key out of `ps`)",
+    ),
+    ("--shutdown-timeout", float, "on SIGTERM, seconds in-flight requests may take before they are aborted"),
+]
+_PROMPT_FLAGS = [
+    ("--prompt", str, "complete this text, print the completion and exit"),
+    ("--max-tokens", int, "tokens to generate for --prompt"),
+    ("--temperature", float, "sampling temperature for --prompt; 0 is greedy"),
+]
+_PROMPT_DEFAULTS = {"prompt": None, "max_tokens": 16, "temperature": 0.0}
+_NAMED_METAVARS = {"--host": "HOST", "--api-key": "KEY", "--prompt": "TEXT"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -95,18 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine = p.add_argument_group("engine and KV cache")
     nodes = p.add_argument_group("tensor parallel over hosts")
     for group, flags in ((model, _MODEL_FLAGS), (engine, _ENGINE_FLAGS), (nodes, _NODE_FLAGS)):
-        for flag, kind, help_text in flags:
-            default = _DEFAULTS[flag.lstrip("-").replace("-", "_")]
-            shown = "" if default is None else " (default: %(default)s)"
-            choices = _CHOICES.get(flag)
-            group.add_argument(
-                flag,
-                type=kind,
-                default=default,
-                choices=choices,
-                metavar=None if choices else _METAVARS[kind],
-                help=help_text + shown,
-            )
+        _add_flags(group, flags, _DEFAULTS)
     engine.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
@@ -124,36 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
         "requests'); default: off",
     )
     server, offline = p.add_argument_group("HTTP server"), p.add_argument_group("one prompt, no server")
-    for group, flag, default, metavar, help_text in (
-        (server, "--host", _SERVER_DEFAULTS["host"], "HOST", "address to bind (0.0.0.0 exposes the server)"),
-        (server, "--port", _SERVER_DEFAULTS["port"], "N", ""),
-        (
-            server,
-            "--api-key",
-            os.environ.get("VLLM_API_KEY"),
-            "KEY",
-            "require 'Authorization: Bearer KEY' on "
-            "every route but /health and /version ($VLLM_API_KEY by default keeps the key out of `ps`)",
-        ),
-        (
-            server,
-            "--shutdown-timeout",
-            _SERVER_DEFAULTS["shutdown_timeout"],
-            "X",
-            "on SIGTERM, seconds in-flight requests may take before they are aborted",
-        ),
-        (offline, "--prompt", None, "TEXT", "complete this text, print the completion and exit"),
-        (offline, "--max-tokens", 16, "N", "tokens to generate for --prompt"),
-        (offline, "--temperature", 0.0, "X", "sampling temperature for --prompt; 0 is greedy"),
-    ):
-        shown = "" if default is None or flag == "--api-key" else " (default: %(default)s)"
-        group.add_argument(
-            flag,
-            type=type(default) if default is not None else str,
-            default=default,
-            metavar=metavar,
-            help=help_text + shown,
-        )
+    _add_flags(server, _SERVER_FLAGS, _SERVER_DEFAULTS | {"api_key": os.environ.get("VLLM_API_KEY")})
+    _add_flags(offline, _PROMPT_FLAGS, _PROMPT_DEFAULTS)
     server.add_argument(
         "--reasoning-parser",
         choices=REASONING_PARSERS,
@@ -178,6 +157,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="let any frontend stop the engine with Shutdown (default: only its own signal)",
     )
     return p
+
+
+def _add_flags(group: argparse._ArgumentGroup, flags: list[tuple[str, type, str]], defaults: dict) -> None:
+    """Each (flag, type, help), its default under its snake_case name, shown unless None or the API key (a secret)."""
+    for flag, kind, help_text in flags:
+        default = defaults[flag.lstrip("-").replace("-", "_")]
+        shown = "" if default is None or flag == "--api-key" else " (default: %(default)s)"
+        choices = _CHOICES.get(flag)
+        group.add_argument(
+            flag,
+            type=kind,
+            default=default,
+            choices=choices,
+            metavar=None if choices else _NAMED_METAVARS.get(flag, _METAVARS[kind]),
+            help=help_text + shown,
+        )
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerOptions]:
