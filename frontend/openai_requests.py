@@ -111,12 +111,8 @@ class ChatCompletionRequest(SamplingRequest):
 
     def _tool_constraint(self) -> list[tuple[str, dict | None]]:
         tools = [t.model_dump() for t in self.tools or []]
-        return [
-            (
-                "tool_choice",
-                tool_choice_spec(tools, self.tool_choice, self._tool_format, self.parallel_tool_calls is not False),
-            )
-        ]
+        spec = tool_choice_spec(tools, self.tool_choice, self._tool_format, self.parallel_tool_calls is not False)
+        return [("tool_choice", spec)]
 
     def constraint(self) -> tuple[str | None, dict | None]:
         """The output constraint; after the thoughts' end where a reasoning parser reads them, unless
