@@ -135,17 +135,13 @@ def _from_pretrained(path, **kwargs) -> PreTrainedTokenizerBase:
         declared = config.get("tokenizer_class")
     except (OSError, ValueError, AttributeError):  # no or odd config: AutoTokenizer decides, as it would anyway
         declared = None
-    if declared in ("Qwen2Tokenizer", "Qwen2TokenizerFast"):
-        from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer  # tokenizers-backed itself
-
-        return Qwen2Tokenizer.from_pretrained(path, **kwargs)
-    if declared == "PreTrainedTokenizerFast":  # Llama 3's
-        from transformers import PreTrainedTokenizerFast
-
-        return PreTrainedTokenizerFast.from_pretrained(path, **kwargs)
-    from transformers import AutoTokenizer  # imported here: seconds to import, and the engine starts first
-
-    return AutoTokenizer.from_pretrained(path, **kwargs)
+    if declared in ("Qwen2Tokenizer", "Qwen2TokenizerFast"):  # tokenizers-backed itself
+        from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer as tokenizer_class
+    elif declared == "PreTrainedTokenizerFast":  # Llama 3's
+        from transformers import PreTrainedTokenizerFast as tokenizer_class
+    else:  # imported here: seconds to import, and the engine starts first
+        from transformers import AutoTokenizer as tokenizer_class
+    return tokenizer_class.from_pretrained(path, **kwargs)
 
 
 def has_tokenizer_files(model_dir: str | os.PathLike) -> bool:
