@@ -276,13 +276,8 @@ def _fp8_block_size(cfg: dict, path: Path) -> list[int] | None:
             "(quant_method 'fp8', block-quantized as Qwen's) and float32/float16/bfloat16 ones (with "
             "quantization='fp8' to quantize them at load); use one of those"
         )
-    good_block = (
-        isinstance(block, list)
-        and len(block) == 2
-        and block[0] >= 1
-        and block[1] >= 16
-        and block[1] & (block[1] - 1) == 0
-    )
+    rows, columns = block if isinstance(block, list) and len(block) == 2 else (0, 0)
+    good_block = rows >= 1 and columns >= 16 and columns & (columns - 1) == 0
     if quant.get("fmt", "e4m3") != "e4m3" or quant.get("activation_scheme", "dynamic") != "dynamic" or not good_block:
         raise ValueError(
             f"{path}: this FP8 checkpoint (fmt={quant.get('fmt')!r}, activation_scheme="
