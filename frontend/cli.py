@@ -80,7 +80,17 @@ _PROMPT_FLAGS = [
     ("--temperature", float, "sampling temperature for --prompt; 0 is greedy"),
 ]
 _PROMPT_DEFAULTS = {"prompt": None, "max_tokens": 16, "temperature": 0.0}
-_NAMED_METAVARS = {"--host": "HOST", "--api-key": "KEY", "--prompt": "TEXT"}
+_HEADLESS_FLAGS = [  # bool: a switch, off unless given
+    ("--headless", bool, "run the scheduler and workers only; frontends attach with AsyncLLM.connect"),
+    (
+        "--engine-address",
+        str,
+        "ipc://PATH or tcp://HOST:PORT the engine listens on (tcp binds 127.0.0.1 unless a host is named; default: a "
+        "fresh private ipc path)",
+    ),
+    ("--allow-remote-shutdown", bool, "let any frontend stop the engine with Shutdown (default: only its own signal)"),
+]
+_NAMED_METAVARS = {"--host": "HOST", "--api-key": "KEY", "--prompt": "TEXT", "--engine-address": "ADDR"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -138,30 +148,16 @@ def build_parser() -> argparse.ArgumentParser:
         choices=REASONING_PARSERS,
         help="answer a reasoning model's <think> block as message.reasoning_content (vLLM's; not on by default)",
     )
-    headless = p.add_argument_group("headless engine, no HTTP")
-    headless.add_argument(
-        "--headless",
-        action="store_true",
-        help="run the scheduler and workers only; frontends attach with AsyncLLM.connect",
-    )
-    headless.add_argument(
-        "--engine-address",
-        default=None,
-        metavar="ADDR",
-        help="ipc://PATH or tcp://HOST:PORT the engine listens on (tcp binds 127.0.0.1 "
-        "unless a host is named; default: a fresh private ipc path)",
-    )
-    headless.add_argument(
-        "--allow-remote-shutdown",
-        action="store_true",
-        help="let any frontend stop the engine with Shutdown (default: only its own signal)",
-    )
+    _add_flags(p.add_argument_group("headless engine, no HTTP"), _HEADLESS_FLAGS, {"engine_address": None})
     return p
 
 
 def _add_flags(group: argparse._ArgumentGroup, flags: list[tuple[str, type, str]], defaults: dict) -> None:
     """Each (flag, type, help), its default under its snake_case name, shown unless None or the API key (a secret)."""
     for flag, kind, help_text in flags:
+        if kind is bool:
+            group.add_argument(flag, action="store_true", help=help_text)
+            continue
         default = defaults[flag.lstrip("-").replace("-", "_")]
         shown = "" if default is None or flag == "--api-key" else " (default: %(default)s)"
         choices = _CHOICES.get(flag)
