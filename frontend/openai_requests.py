@@ -75,7 +75,6 @@ class Tool(LenientModel):
 class ChatCompletionRequest(SamplingRequest):
     prompt_field: ClassVar[str] = "messages"
     id_prefix: ClassVar[str] = "chatcmpl"
-    echo: ClassVar[bool] = False  # the prompt is never echoed in a chat
     messages: list[ChatMessage]
     add_generation_prompt: bool | None = True  # vLLM's: open the assistant's turn after the messages
     continue_final_message: bool | None = False  # vLLM's: leave the last message open, for the model to go on
