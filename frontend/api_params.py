@@ -47,6 +47,11 @@ class LenientModel(BaseModel):
     model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use
 
 
+def joined_text(content: str | list) -> str:
+    """A message's text parts joined by "\n", as vLLM joins them: split text gives the same prompt there."""
+    return content if isinstance(content, str) else "\n".join(part.text for part in content)
+
+
 def refuse_unserved(data: object, unserved: dict[str, tuple[tuple, str]]) -> object:
     """A before-validator's check of the raw body, as extra="ignore" drops these unseen; an APIError passes
     pydantic to the client."""
