@@ -8,7 +8,7 @@ from typing import Annotated, ClassVar, Literal
 from pydantic import Field
 
 from frontend.api_errors import bad_request
-from frontend.api_params import LenientModel
+from frontend.api_params import LenientModel, joined_text
 from frontend.openai_requests import ChatCompletionRequest, Tool, ToolFunction
 
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}  # and {"type": "tool", "name": ...}
@@ -49,7 +49,8 @@ class Message(LenientModel):
         if blocks[misplaced]:
             raise bad_request(f"a {misplaced} block cannot be in a {self.role} message", "messages")
         out = [
-            {"role": "tool", "tool_call_id": b.tool_use_id, "content": _text(b.content)} for b in blocks["tool_result"]
+            {"role": "tool", "tool_call_id": b.tool_use_id, "content": joined_text(b.content)}
+            for b in blocks["tool_result"]
         ]
         calls = [
             {"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
@@ -95,7 +96,7 @@ class MessagesRequest(LenientModel):
     stream: bool | None = False
 
     def chat_request(self) -> ChatCompletionRequest:
-        system = [{"role": "system", "content": _text(self.system)}] if self.system else []
+        system = [{"role": "system", "content": joined_text(self.system)}] if self.system else []
         tools = [t.chat_tool() for t in self.tools or []]
         return ChatCompletionRequest(
             model=self.model,
@@ -118,7 +119,3 @@ class MessagesRequest(LenientModel):
         if choice.type == "tool":
             return {"type": "function", "function": {"name": choice.name}}
         return TOOL_CHOICES[choice.type]
-
-
-def _text(content: str | list[TextBlock]) -> str:
-    return content if isinstance(content, str) else "\n".join(b.text for b in content)

@@ -47,6 +47,11 @@ class LenientModel(BaseModel):
     model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use
 
 
+def joined_text(content: str | list) -> str:
+    """A message's text parts joined by "\n", as vLLM joins them: split text gives the same prompt there."""
+    return content if isinstance(content, str) else "\n".join(part.text for part in content)
+
+
 def refuse_unserved(data: object, unserved: dict[str, tuple[tuple, str]]) -> object:
     """A before-validator's check of the raw body, as extra="ignore" drops these unseen; an APIError passes
     pydantic to the client."""
@@ -78,6 +83,7 @@ class SamplingRequest(_SamplingFields):
     max_tokens_field: ClassVar[str] = "max_tokens"
     id_prefix: ClassVar[str] = "cmpl"
     parses_tool_calls: ClassVar[bool] = False  # whether the answer is parsed for tool calls (chat with tools)
+    prompt_only: ClassVar[bool] = False  # whether the answer is the prompt alone (completions' echo, max_tokens 0)
     model: str | None = None
     max_tokens: int | None = None
     stream: bool | None = False
@@ -102,11 +108,6 @@ class SamplingRequest(_SamplingFields):
         if self.prompt_logprobs is not None and self.stream:  # as vLLM: they would all come in one chunk
             raise bad_request("prompt_logprobs is not served with stream=true: send stream=false", "prompt_logprobs")
         return self
-
-    @property
-    def prompt_only(self) -> bool:
-        """The answer is the prompt alone (the completions API's echo with max_tokens 0)."""
-        return False
 
     @property
     def include_usage(self) -> bool:

@@ -28,12 +28,7 @@ class Renderer:
     done: str | None = "data: [DONE]\n\n"  # the stream's last line
 
     def __init__(self, response_id: str, model: str, jobs: list[Job], tokenizer, request: SamplingRequest):
-        self.id, self.model, self.jobs, self.tokenizer, self.echo = response_id, model, jobs, tokenizer, request.echo
-        self.tokens_as_ids = bool(request.return_tokens_as_token_ids)  # a logprob's token is "token_id:N"
-        self.prompt_only = request.prompt_only
-        self.prompt_k = request.prompt_logprobs  # vLLM's prompt_logprobs field: None unless asked
-        self.include_usage = request.include_usage  # stream_options.include_usage: a last chunk with the usage
-        self.continuous_usage = request.continuous_usage  # vLLM's continuous_usage_stats: usage in every chunk
+        self.id, self.model, self.jobs, self.tokenizer, self.request = response_id, model, jobs, tokenizer, request
         self.created = int(time.time())
         self.n = jobs[0].params.n
         self._sent: dict[int, tuple[int, int]] = {}  # choice -> (chars, tokens) already streamed
@@ -55,7 +50,7 @@ class Renderer:
         return news
 
     def entry(self, token_id: int, logprob: float | None) -> Entry:
-        if self.tokens_as_ids:
+        if self.request.return_tokens_as_token_ids:
             return f"token_id:{token_id}", logprob, list(f"token_id:{token_id}".encode())
         # A token holding part of a character decodes to U+FFFD; its own bytes, joined with the next token's,
         # give the character. Whole characters, or a vocabulary that is not byte-level: the text's bytes.
@@ -76,11 +71,11 @@ class Renderer:
     def vllm_prompt_logprobs(self, out: RequestOutput) -> list[dict | None] | None:
         """vLLM's prompt_logprobs: per prompt token, None (the first) or {token id: logprob, rank, decoded_token} of
         it and the top prompt_logprobs tokens."""
-        if self.prompt_k is None or out.prompt_logprobs is None:
+        if self.request.prompt_logprobs is None or out.prompt_logprobs is None:
             return None
         rows: list[dict | None] = [None]
         for token, lps, rank in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:], out.prompt_ranks[1:]):
-            top = _top(lps, self.prompt_k)
+            top = _top(lps, self.request.prompt_logprobs)
             ranks = {t: i + 1 for i, (t, _) in enumerate(top)} | {token: rank}
             rows.append(
                 {
@@ -93,12 +88,12 @@ class Renderer:
     def usage(self, finals: list[RequestOutput]) -> dict:
         """Prompt tokens once per prompt (not per sample); completion tokens of every sample."""
         prompt = sum(len(job.token_ids) for job in self.jobs)
-        completion = 0 if self.prompt_only else sum(len(o.token_ids) for out in finals for o in out.outputs)
+        completion = 0 if self.request.prompt_only else sum(len(o.token_ids) for out in finals for o in out.outputs)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def usage_so_far(self, job: int, o: CompletionOutput | None) -> dict | None:
         """A stream chunk's usage under continuous_usage_stats: its prompt and its sample's tokens so far."""
-        if not self.continuous_usage:
+        if not self.request.continuous_usage:
             return None
         prompt, completion = len(self.jobs[job].token_ids), len(o.token_ids) if o is not None else 0
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
@@ -118,7 +113,7 @@ class Renderer:
 
     def closing(self, finals: list[RequestOutput]) -> list[dict]:
         """What the stream sends after every choice has finished."""
-        return [self.chunk([], self.usage(finals))] if self.include_usage else []
+        return [self.chunk([], self.usage(finals))] if self.request.include_usage else []
 
     def event(self, chunk: dict) -> str:
         return f"data: {json.dumps(chunk)}\n\n"
@@ -134,15 +129,17 @@ class CompletionRenderer(Renderer):
     def choice(self, job: int, out: RequestOutput, index: int, o: CompletionOutput, chars: int, tokens: int) -> dict:
         """A choice, or the part of it past `chars` and `tokens` (the echoed prompt comes with the first part)."""
         prompt, first = self.jobs[job], chars == tokens == 0
-        echo = (self.tokenizer.decode(prompt.token_ids) if prompt.text is None else prompt.text) if self.echo else ""
-        text = (echo if first else "") + ("" if self.prompt_only else o.text[chars:])
+        echo = ""
+        if self.request.echo:
+            echo = self.tokenizer.decode(prompt.token_ids) if prompt.text is None else prompt.text
+        text = (echo if first else "") + ("" if self.request.prompt_only else o.text[chars:])
         choice = {"index": index, "text": text, "logprobs": None, "finish_reason": o.finish_reason}
-        if self.prompt_only and o.finish_reason is not None:
+        if self.request.prompt_only and o.finish_reason is not None:
             choice["finish_reason"] = "length"  # of the 0 tokens asked for
         if o.logprobs is not None:
-            rows = [] if self.prompt_only else self.logprob_rows(o.token_ids[tokens:], o.logprobs[tokens:])
+            rows = [] if self.request.prompt_only else self.logprob_rows(o.token_ids[tokens:], o.logprobs[tokens:])
             offsets = list(accumulate([len(entry[0]) for entry, _ in rows], initial=len(echo) + chars))[:-1]
-            if self.echo and first:  # the prompt's own rows: its first token has no logprob
+            if self.request.echo and first:  # the prompt's own rows: its first token has no logprob
                 prompt_rows = [(self.entry(prompt.token_ids[0], None), None)]
                 prompt_rows += self.logprob_rows(prompt.token_ids[1:], out.prompt_logprobs[1:])
                 prompt_offsets = accumulate([len(entry[0]) for entry, _ in prompt_rows], initial=0)
@@ -154,7 +151,7 @@ class CompletionRenderer(Renderer):
                 "top_logprobs": [None if top is None else {t: lp for t, lp, _ in reversed(top)} for _, top in rows],
                 "text_offset": offsets,
             }
-        if self.prompt_k is not None:
+        if self.request.prompt_logprobs is not None:
             choice["prompt_logprobs"] = self.vllm_prompt_logprobs(out)
         return choice
 
@@ -245,7 +242,7 @@ class ChatRenderer(Renderer):
                 {"index": o.index, "message": message, "logprobs": self.logprobs(o, 0), "finish_reason": finish}
             )
         response = self.chunk(choices, self.usage(finals), "chat.completion")
-        if self.prompt_k is not None:  # vLLM's place for them in a chat: the response's
+        if self.request.prompt_logprobs is not None:  # vLLM's place for them in a chat: the response's
             response["prompt_logprobs"] = self.vllm_prompt_logprobs(finals[0])
         return response
 

@@ -7,13 +7,13 @@ import contextlib
 import dataclasses
 import itertools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 
 import zmq.asyncio
 
 from frontend.engine_client import EngineClient, EngineDeadError, Prompt
 from frontend.model_resolution import resolve_config
-from frontend.output_processor import OutputProcessor, RequestOutput, RequestState
+from frontend.output_processor import OutputProcessor, RequestOutput
 from protocol.codec import encode
 from protocol.config import EngineConfig
 from protocol.messages import READY_TIMEOUT_S, Abort, EngineDead, GetStats, TokenBatch
@@ -119,7 +119,7 @@ class AsyncLLM:
             changed, to_abort = self.processor.process(batch)
         if to_abort:
             self._send(Abort(to_abort))
-        self._wake(changed)
+        self._wake(state.output.request_id for state in changed)
 
     def _on_death_from_thread(self, reason: str) -> None:
         self.dead_reason = reason  # seen by the next call on any loop, also when the last one has closed
@@ -129,11 +129,11 @@ class AsyncLLM:
 
     def _fail(self, reason: str) -> None:
         self.dead_reason = reason
-        self._wake(self.processor.fail_all(reason))
+        self._wake(state.output.request_id for state in self.processor.fail_all(reason))
 
-    def _wake(self, states: list[RequestState]) -> None:
-        for state in states:
-            event = self._events.get(state.output.request_id)
+    def _wake(self, request_ids: Iterable[str]) -> None:
+        for request_id in request_ids:
+            event = self._events.get(request_id)
             if event is not None:
                 event.set()
 
@@ -176,18 +176,15 @@ class AsyncLLM:
         engine_ids = self.processor.abort(request_id)
         if engine_ids and self.dead_reason is None:
             self._send(Abort(engine_ids))
+        self._wake([request_id])  # its generate() yields it finished as "abort"
 
     async def abort(self, request_id: str) -> None:
         self._abort_now(request_id)
-        event = self._events.get(request_id)
-        if event is not None:
-            event.set()
 
     def abort_all(self) -> None:
         """End every request in flight as finish_reason "abort" (a stream gets its last chunk): a stop's deadline."""
-        for request_id, event in list(self._events.items()):
+        for request_id in list(self._events):
             self._abort_now(request_id)
-            event.set()
 
     async def get_stats(self, timeout: float = 5.0) -> dict:
         """Fresh engine counters: a round trip to the scheduler."""

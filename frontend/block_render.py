@@ -23,7 +23,8 @@ class Block:
 
 
 class BlockRenderer(ChatRenderer):
-    """One choice (these APIs have no n); its chat deltas become block events, named by their type."""
+    """One choice (these APIs have no n); its chat deltas become block events, named by their type: a subclass
+    renders each with block_started(index, block), block_grew(index, block, text) and block_stopped(index, block)."""
 
     done = None  # the stream ends with the API's own last event
 
@@ -32,15 +33,6 @@ class BlockRenderer(ChatRenderer):
         self.front = front  # the API's own request, before its translation to chat
         self.blocks: list[Block] = []  # streamed so far; the last one is open while self.open
         self.open = False
-
-    def block_started(self, index: int, block: Block) -> list[dict]:
-        raise NotImplementedError
-
-    def block_grew(self, index: int, block: Block, text: str) -> list[dict]:
-        raise NotImplementedError
-
-    def block_stopped(self, index: int, block: Block) -> list[dict]:
-        raise NotImplementedError
 
     def event(self, chunk: dict) -> str:
         return f"event: {chunk['type']}\ndata: {json.dumps(chunk)}\n\n"

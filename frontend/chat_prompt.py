@@ -6,7 +6,7 @@ import json
 from typing import TYPE_CHECKING, Literal
 
 from frontend.api_errors import bad_request
-from frontend.api_params import LenientModel
+from frontend.api_params import LenientModel, joined_text
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -33,9 +33,7 @@ class ChatMessage(LenientModel):
         return out
 
     def text(self) -> str:
-        if isinstance(self.content, list):  # "\n", as vLLM joins them: split text gives the same prompt there
-            return "\n".join(part.text for part in self.content)
-        return self.content or ""
+        return joined_text(self.content or "")
 
 
 def _parsed_arguments(call: dict) -> dict:

@@ -63,6 +63,34 @@ _NODE_FLAGS = [
     ("--master-addr", str, "node 0's IP address: the rendezvous and the scheduler's sockets bind it"),
     ("--master-port", int, "rendezvous port; the scheduler's plan and result sockets take the ports after it"),
 ]
+_SERVER_FLAGS = [
+    ("--host", str, "address to bind (0.0.0.0 exposes the server)"),
+    ("--port", int, ""),
+    (
+        "--api-key",
+        str,
+        "require 'Authorization: Bearer KEY' on every route but /health and /version ($VLLM_API_KEY by default keeps "
+        "the key out of `ps`)",
+    ),
+    ("--shutdown-timeout", float, "on SIGTERM, seconds in-flight requests may take before they are aborted"),
+]
+_PROMPT_FLAGS = [
+    ("--prompt", str, "complete this text, print the completion and exit"),
+    ("--max-tokens", int, "tokens to generate for --prompt"),
+    ("--temperature", float, "sampling temperature for --prompt; 0 is greedy"),
+]
+_PROMPT_DEFAULTS = {"prompt": None, "max_tokens": 16, "temperature": 0.0}
+_HEADLESS_FLAGS = [  # bool: a switch, off unless given
+    ("--headless", bool, "run the scheduler and workers only; frontends attach with AsyncLLM.connect"),
+    (
+        "--engine-address",
+        str,
+        "ipc://PATH or tcp://HOST:PORT the engine listens on (tcp binds 127.0.0.1 unless a host is named; default: a "
+        "fresh private ipc path)",
+    ),
+    ("--allow-remote-shutdown", bool, "let any frontend stop the engine with Shutdown (default: only its own signal)"),
+]
+_NAMED_METAVARS = {"--host": "HOST", "--api-key": "KEY", "--prompt": "TEXT", "--engine-address": "ADDR"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -95,18 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine = p.add_argument_group("engine and KV cache")
     nodes = p.add_argument_group("tensor parallel over hosts")
     for group, flags in ((model, _MODEL_FLAGS), (engine, _ENGINE_FLAGS), (nodes, _NODE_FLAGS)):
-        for flag, kind, help_text in flags:
-            default = _DEFAULTS[flag.lstrip("-").replace("-", "_")]
-            shown = "" if default is None else " (default: %(default)s)"
-            choices = _CHOICES.get(flag)
-            group.add_argument(
-                flag,
-                type=kind,
-                default=default,
-                choices=choices,
-                metavar=None if choices else _METAVARS[kind],
-                help=help_text + shown,
-            )
+        _add_flags(group, flags, _DEFAULTS)
     engine.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
@@ -124,60 +141,34 @@ def build_parser() -> argparse.ArgumentParser:
         "requests'); default: off",
     )
     server, offline = p.add_argument_group("HTTP server"), p.add_argument_group("one prompt, no server")
-    for group, flag, default, metavar, help_text in (
-        (server, "--host", _SERVER_DEFAULTS["host"], "HOST", "address to bind (0.0.0.0 exposes the server)"),
-        (server, "--port", _SERVER_DEFAULTS["port"], "N", ""),
-        (
-            server,
-            "--api-key",
-            os.environ.get("VLLM_API_KEY"),
-            "KEY",
-            "require 'Authorization: Bearer KEY' on "
-            "every route but /health and /version ($VLLM_API_KEY by default keeps the key out of `ps`)",
-        ),
-        (
-            server,
-            "--shutdown-timeout",
-            _SERVER_DEFAULTS["shutdown_timeout"],
-            "X",
-            "on SIGTERM, seconds in-flight requests may take before they are aborted",
-        ),
-        (offline, "--prompt", None, "TEXT", "complete this text, print the completion and exit"),
-        (offline, "--max-tokens", 16, "N", "tokens to generate for --prompt"),
-        (offline, "--temperature", 0.0, "X", "sampling temperature for --prompt; 0 is greedy"),
-    ):
-        shown = "" if default is None or flag == "--api-key" else " (default: %(default)s)"
-        group.add_argument(
-            flag,
-            type=type(default) if default is not None else str,
-            default=default,
-            metavar=metavar,
-            help=help_text + shown,
-        )
+    _add_flags(server, _SERVER_FLAGS, _SERVER_DEFAULTS | {"api_key": os.environ.get("VLLM_API_KEY")})
+    _add_flags(offline, _PROMPT_FLAGS, _PROMPT_DEFAULTS)
     server.add_argument(
         "--reasoning-parser",
         choices=REASONING_PARSERS,
         help="answer a reasoning model's <think> block as message.reasoning_content (vLLM's; not on by default)",
     )
-    headless = p.add_argument_group("headless engine, no HTTP")
-    headless.add_argument(
-        "--headless",
-        action="store_true",
-        help="run the scheduler and workers only; frontends attach with AsyncLLM.connect",
-    )
-    headless.add_argument(
-        "--engine-address",
-        default=None,
-        metavar="ADDR",
-        help="ipc://PATH or tcp://HOST:PORT the engine listens on (tcp binds 127.0.0.1 "
-        "unless a host is named; default: a fresh private ipc path)",
-    )
-    headless.add_argument(
-        "--allow-remote-shutdown",
-        action="store_true",
-        help="let any frontend stop the engine with Shutdown (default: only its own signal)",
-    )
+    _add_flags(p.add_argument_group("headless engine, no HTTP"), _HEADLESS_FLAGS, {"engine_address": None})
     return p
+
+
+def _add_flags(group: argparse._ArgumentGroup, flags: list[tuple[str, type, str]], defaults: dict) -> None:
+    """Each (flag, type, help), its default under its snake_case name, shown unless None or the API key (a secret)."""
+    for flag, kind, help_text in flags:
+        if kind is bool:
+            group.add_argument(flag, action="store_true", help=help_text)
+            continue
+        default = defaults[flag.lstrip("-").replace("-", "_")]
+        shown = "" if default is None or flag == "--api-key" else " (default: %(default)s)"
+        choices = _CHOICES.get(flag)
+        group.add_argument(
+            flag,
+            type=kind,
+            default=default,
+            choices=choices,
+            metavar=None if choices else _NAMED_METAVARS.get(flag, _METAVARS[kind]),
+            help=help_text + shown,
+        )
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[EngineConfig, ServerOptions]:

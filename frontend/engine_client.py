@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-import glob
 import json
 import logging
-import os
 import threading
 import time
 import uuid
@@ -166,11 +164,8 @@ class EngineClient:
 
 def merge_traces(trace_dir: str) -> None:
     """trace.json (every process's trace, for Perfetto) and summary.txt (per stage p50/p90/p99 µs, GPU idle)."""
-    events = [
-        e
-        for path in sorted(glob.glob(os.path.join(trace_dir, "*-*.json")))
-        for e in json.loads(Path(path).read_text())["traceEvents"]
-    ]
+    files = sorted(Path(trace_dir).glob("*-*.json"))  # each process's own trace
+    events = [e for path in files for e in json.loads(path.read_text())["traceEvents"]]
     Path(trace_dir, "trace.json").write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ns"}))
     spans, timed = {}, [e for e in events if e.get("ph") == "X"]  # (process, stage) -> µs; events with a duration
     for e in timed:

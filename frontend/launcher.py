@@ -145,9 +145,8 @@ def run_node(config: EngineConfig) -> int:
     )
     while any(p.poll() is None for p in procs.procs.values()) and not stop.wait(0.5):
         pass
-    died = procs.dead_reason is not None
-    procs.shutdown(0.0)
-    return 1 if died else 0
+    procs.shutdown(0.0)  # it sets _stopping first: from then on no exit counts as a death
+    return 0 if procs.dead_reason is None else 1
 
 
 def run_headless(config: EngineConfig, address: str) -> int:
@@ -167,6 +166,5 @@ def run_headless(config: EngineConfig, address: str) -> int:
         sock.setsockopt(zmq.IDENTITY, procs.owner)
         sock.connect(procs.addresses.engine)
         sock.send(encode(Shutdown()))
-    died = procs.dead_reason is not None
-    procs.shutdown()
-    return 1 if died else 0
+    procs.shutdown()  # it sets _stopping first: from then on no exit counts as a death
+    return 0 if procs.dead_reason is None else 1

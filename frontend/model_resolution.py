@@ -189,23 +189,20 @@ def _find_on_hub(repo: str, weights: bool, download: bool) -> tuple[str | None, 
     """Look for repo in the HF cache, then download it when allowed and online; say what was tried."""
     from huggingface_hub import constants, snapshot_download  # lazy: only resolution needs the hub client
 
-    tried = []
-    for local_only in (True, False):
-        if not local_only and (not download or _hf_offline()):
-            if download:
-                tried.append("no download was tried because HF_HUB_OFFLINE is set")
-            break
-        try:
-            path = snapshot_download(repo, local_files_only=local_only, allow_patterns=None if weights else _NO_WEIGHTS)
-            return path, tried
-        except Exception as e:  # any hub failure (missing repo, network, bad id) is one attempt of the list
-            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            tried.append(
-                f"{repo!r} is not in the Hugging Face cache ({constants.HF_HUB_CACHE})"
-                if local_only
-                else f"downloading {repo!r} from the Hugging Face hub failed ({reason})"
-            )
-    return None, tried
+    patterns = None if weights else _NO_WEIGHTS
+    try:  # any hub failure (missing repo, network, bad id) is one attempt of the list
+        return snapshot_download(repo, local_files_only=True, allow_patterns=patterns), []
+    except Exception:
+        tried = [f"{repo!r} is not in the Hugging Face cache ({constants.HF_HUB_CACHE})"]
+    if not download:
+        return None, tried
+    if _hf_offline():
+        return None, tried + ["no download was tried because HF_HUB_OFFLINE is set"]
+    try:
+        return snapshot_download(repo, local_files_only=False, allow_patterns=patterns), tried
+    except Exception as e:
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        return None, tried + [f"downloading {repo!r} from the Hugging Face hub failed ({reason})"]
 
 
 def _hf_offline() -> bool:
@@ -279,13 +276,8 @@ def _fp8_block_size(cfg: dict, path: Path) -> list[int] | None:
             "(quant_method 'fp8', block-quantized as Qwen's) and float32/float16/bfloat16 ones (with "
             "quantization='fp8' to quantize them at load); use one of those"
         )
-    good_block = (
-        isinstance(block, list)
-        and len(block) == 2
-        and block[0] >= 1
-        and block[1] >= 16
-        and block[1] & (block[1] - 1) == 0
-    )
+    rows, columns = block if isinstance(block, list) and len(block) == 2 else (0, 0)
+    good_block = rows >= 1 and columns >= 16 and columns & (columns - 1) == 0
     if quant.get("fmt", "e4m3") != "e4m3" or quant.get("activation_scheme", "dynamic") != "dynamic" or not good_block:
         raise ValueError(
             f"{path}: this FP8 checkpoint (fmt={quant.get('fmt')!r}, activation_scheme="

@@ -75,7 +75,6 @@ class Tool(LenientModel):
 class ChatCompletionRequest(SamplingRequest):
     prompt_field: ClassVar[str] = "messages"
     id_prefix: ClassVar[str] = "chatcmpl"
-    echo: ClassVar[bool] = False  # the prompt is never echoed in a chat
     messages: list[ChatMessage]
     add_generation_prompt: bool | None = True  # vLLM's: open the assistant's turn after the messages
     continue_final_message: bool | None = False  # vLLM's: leave the last message open, for the model to go on
@@ -111,12 +110,8 @@ class ChatCompletionRequest(SamplingRequest):
 
     def _tool_constraint(self) -> list[tuple[str, dict | None]]:
         tools = [t.model_dump() for t in self.tools or []]
-        return [
-            (
-                "tool_choice",
-                tool_choice_spec(tools, self.tool_choice, self._tool_format, self.parallel_tool_calls is not False),
-            )
-        ]
+        spec = tool_choice_spec(tools, self.tool_choice, self._tool_format, self.parallel_tool_calls is not False)
+        return [("tool_choice", spec)]
 
     def constraint(self) -> tuple[str | None, dict | None]:
         """The output constraint; after the thoughts' end where a reasoning parser reads them, unless

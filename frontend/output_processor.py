@@ -93,9 +93,8 @@ class OutputProcessor:
             detok = make_detokenizer(
                 self.tokenizer, prompt_ids, params.skip_special_tokens, params.spaces_between_special_tokens
             )
-            self._samples[engine_id] = _Sample(
-                state, out, detok, StopMatcher(params.stop, params.include_stop_str_in_output)
-            )
+            stops = StopMatcher(params.stop, params.include_stop_str_in_output)
+            self._samples[engine_id] = _Sample(state, out, detok, stops)
             state.engine_ids.append(engine_id)
             msgs.append(AddRequest(engine_id, i32(prompt_ids), sub))
         self._requests[request_id] = state

@@ -127,15 +127,13 @@ async def _events(
         try:
             for chunk in renderer.opening():
                 yield renderer.event(chunk)
-            i, out = first
-            while True:
+            news: tuple[int, RequestOutput] | None = first
+            while news is not None:
+                i, out = news
                 finals[i] = out
                 for chunk in renderer.chunks(i, out):
                     yield renderer.event(chunk)
-                try:
-                    i, out = await anext(merged)
-                except StopAsyncIteration:
-                    break
+                news = await anext(merged, None)
             for chunk in renderer.closing([finals[i] for i in sorted(finals)]):
                 yield renderer.event(chunk)
         except Exception as exc:  # the 200 header is out: the error travels in the stream

@@ -58,15 +58,11 @@ class ResponsesRenderer(BlockRenderer):
                 {"type": "response.function_call_arguments.done", **where, "name": block.name, "arguments": block.text}
             ]
         else:
-            text = {
-                "type": "response.output_text.done",
-                **where,
-                "content_index": 0,
-                "text": block.text,
-                "logprobs": [],
-            }
-            part = {"type": "response.content_part.done", **where, "content_index": 0, "part": _part(block.text)}
-            events = [text, part]
+            where["content_index"] = 0
+            events = [
+                {"type": "response.output_text.done", **where, "text": block.text, "logprobs": []},
+                {"type": "response.content_part.done", **where, "part": _part(block.text)},
+            ]
         return events + [
             {"type": "response.output_item.done", "output_index": index, "item": _item(block, "completed")}
         ]

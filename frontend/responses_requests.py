@@ -8,7 +8,7 @@ from typing import Annotated, ClassVar, Literal
 from pydantic import Discriminator, Field, Tag, model_validator
 
 from frontend.api_errors import bad_request
-from frontend.api_params import LenientModel, refuse_unserved
+from frontend.api_params import LenientModel, joined_text, refuse_unserved
 from frontend.openai_requests import ChatCompletionRequest, Tool, ToolFunction
 
 _STATELESS = "responses are not stored: send the whole conversation in input"
@@ -24,10 +24,6 @@ ROLES = {"developer": "system"}  # the chat templates know system messages only
 class TextPart(LenientModel):
     type: Literal["input_text", "output_text"]
     text: str
-
-
-def _text(content: str | list[TextPart]) -> str:
-    return content if isinstance(content, str) else "\n".join(p.text for p in content)
 
 
 class MessageItem(LenientModel):
@@ -146,9 +142,9 @@ class ResponsesRequest(LenientModel):
         items = [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) else self.input
         for item in items:
             if item.type == "message":
-                messages.append({"role": ROLES.get(item.role, item.role), "content": _text(item.content)})
+                messages.append({"role": ROLES.get(item.role, item.role), "content": joined_text(item.content)})
             elif item.type == "function_call_output":
-                messages.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output)})
+                messages.append({"role": "tool", "tool_call_id": item.call_id, "content": joined_text(item.output)})
             else:
                 if not messages or messages[-1]["role"] != "assistant":
                     messages.append({"role": "assistant", "content": ""})

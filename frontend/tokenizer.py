@@ -21,8 +21,6 @@ from protocol.config import cache_root
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-CHAT_TEMPLATE_FILE = Path(__file__).with_name("qwen25_chat_template.jinja")  # '@SYSTEM@': the default system prompt
-
 # Qwen2's pre-tokenizer: like GPT-4's but digits split one per token.
 QWEN2_PATTERN = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
@@ -86,17 +84,15 @@ LLAMA3_SPECIAL_TOKENS = [
 
 
 def qwen25_chat_template(instruct: bool = True) -> str:
-    """The chat template a Qwen2.5 repo ships (Instruct or base: they differ in the default system prompt)."""
-    system = (
-        "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
-        if instruct
-        else "You are a helpful assistant."
-    )
-    return CHAT_TEMPLATE_FILE.read_text().replace("@SYSTEM@", system)
+    """The chat template a Qwen2.5 repo ships (Instruct and base differ in its default system prompt, '@SYSTEM@')."""
+    system = "You are a helpful assistant."
+    if instruct:
+        system = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+    return chat_template("qwen25").replace("@SYSTEM@", system)
 
 
 def chat_template(name: str) -> str:
-    """One of the official templates stored beside this file: 'qwen3', 'llama31' or 'llama32'."""
+    """One of the templates stored beside this file: 'qwen25' (with '@SYSTEM@'), 'qwen3', 'llama31' or 'llama32'."""
     return Path(__file__).with_name(f"{name}_chat_template.jinja").read_text()
 
 
@@ -139,17 +135,13 @@ def _from_pretrained(path, **kwargs) -> PreTrainedTokenizerBase:
         declared = config.get("tokenizer_class")
     except (OSError, ValueError, AttributeError):  # no or odd config: AutoTokenizer decides, as it would anyway
         declared = None
-    if declared in ("Qwen2Tokenizer", "Qwen2TokenizerFast"):
-        from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer  # tokenizers-backed itself
-
-        return Qwen2Tokenizer.from_pretrained(path, **kwargs)
-    if declared == "PreTrainedTokenizerFast":  # Llama 3's
-        from transformers import PreTrainedTokenizerFast
-
-        return PreTrainedTokenizerFast.from_pretrained(path, **kwargs)
-    from transformers import AutoTokenizer  # imported here: seconds to import, and the engine starts first
-
-    return AutoTokenizer.from_pretrained(path, **kwargs)
+    if declared in ("Qwen2Tokenizer", "Qwen2TokenizerFast"):  # tokenizers-backed itself
+        from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer as tokenizer_class
+    elif declared == "PreTrainedTokenizerFast":  # Llama 3's
+        from transformers import PreTrainedTokenizerFast as tokenizer_class
+    else:  # imported here: seconds to import, and the engine starts first
+        from transformers import AutoTokenizer as tokenizer_class
+    return tokenizer_class.from_pretrained(path, **kwargs)
 
 
 def has_tokenizer_files(model_dir: str | os.PathLike) -> bool:
