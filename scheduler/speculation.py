@@ -4,6 +4,7 @@ acceptance of a verify step's samples, whether a request keeps drafting, and vLL
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -89,7 +90,7 @@ class Speculator:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config: SpeculativeConfig = config.speculative_config
-        self.counters = SpecStats(self.config)
+        self.counters = SpecStats(accepted_per_pos=[0] * self.config.num_speculative_tokens)
         suffix = self.config.method == "suffix"
         self.history = TokenHistory(self.config.suffix_decoding_max_cached_requests) if suffix else None
 
@@ -169,12 +170,14 @@ class Speculator:
         return self.counters.as_dict()
 
 
+@dataclass(slots=True)
 class SpecStats:
     """vLLM's spec-decode counters: drafts, draft tokens, accepted tokens, and accepted tokens per position."""
 
-    def __init__(self, config: SpeculativeConfig) -> None:
-        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
-        self.accepted_per_pos = [0] * config.num_speculative_tokens
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # num_speculative_tokens zeros at first
 
     def count(self, drafted: int, accepted: int) -> None:
         self.num_drafts += 1
@@ -184,9 +187,4 @@ class SpecStats:
             self.accepted_per_pos[pos] += 1
 
     def as_dict(self) -> dict:
-        return {
-            "spec_num_drafts": self.num_drafts,
-            "spec_num_draft_tokens": self.num_draft_tokens,
-            "spec_num_accepted_tokens": self.num_accepted_tokens,
-            "spec_accepted_per_pos": list(self.accepted_per_pos),
-        }
+        return {f"spec_{name}": value for name, value in asdict(self).items()}
