@@ -57,8 +57,7 @@ class SpeculativeConfig:
     # retries repeat earlier outputs), drafting more tokens the longer the match (vLLM's names).
     method: str = "ngram"
     num_speculative_tokens: int | None = None  # draft tokens a row verifies per step, at most (ngram: 4)
-    # The longest and shortest n-gram of the sequence's end looked up in the sequence (vLLM: both 5 when unset,
-    # the other's value when one is).
+    # The longest and shortest n-gram of the sequence's end looked up in it (vLLM: both 5 unset, else the other's).
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
     disable_by_batch_size: int = 8  # more running rows than this: no row drafts (the step is compute-bound)

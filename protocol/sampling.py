@@ -107,8 +107,7 @@ class SamplingParams:
 
 
 def check_structured_outputs(spec: object) -> dict | None:
-    """None, or {kind: its value as text, "any_whitespace": bool, and "after" if given} with exactly one kind of
-    CONSTRAINT_KINDS."""
+    """None, or {kind: value as text, "any_whitespace": bool, "after" if given} for one kind of CONSTRAINT_KINDS."""
     if spec is None:
         return None
     fix = (

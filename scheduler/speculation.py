@@ -29,8 +29,7 @@ class NgramDrafter:
         self.credit = START_CREDIT
 
     def catch_up(self, token_ids: list[int]) -> NgramDrafter:
-        """Append the request's tokens since the last lookup: only a lookup reads them, so a large batch, which
-        does not draft, pays nothing a token."""
+        """Append the tokens since the last lookup: only lookups read them, so a large batch (no drafts) pays none."""
         end = len(token_ids)
         if end > len(self.tokens):
             grown = np.zeros(max(end, 2 * len(self.tokens)), np.int32)
@@ -109,8 +108,7 @@ class Speculator:
             self.history.add(req.token_ids)
 
     def active(self, running: list[Request]) -> bool:
-        """Rows may draft this step: a small batch (a large one is compute-bound) and no grammar (its masks count
-        one sample per row)."""
+        """Rows may draft: a small batch (a large one is compute-bound), no grammar (masks count a sample per row)."""
         return len(running) <= self.config.disable_by_batch_size and all(req.matcher is None for req in running)
 
     def promising(self, req: Request) -> bool:

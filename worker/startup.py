@@ -57,8 +57,7 @@ def build_runner(config: EngineConfig, rank: int = 0, tp_size: int = 1, clock: d
         dtype = _DTYPES.get(config.model_config.torch_dtype, torch.bfloat16) if device.type == "cuda" else torch.float32
     cache_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype)
     use_graphs = device.type == "cuda" and not config.enforce_eager
-    # On CUDA a prompt step is padded to its bucket even eagerly: cuBLAS picks kernels by shape, so eager
-    # and graphs give the same tokens.
+    # On CUDA a prompt step pads to its bucket even eagerly: cuBLAS picks kernels by shape, so eager and graphs agree.
     speculative = config.speculative_config is not None
     buckets = prefill_buckets(config.max_num_batched_tokens, speculative) if device.type == "cuda" else []
     sizes = graph_batch_sizes(config.max_num_seqs) if use_graphs else []
