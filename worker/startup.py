@@ -167,9 +167,8 @@ def _init_kv_cache(runner: ModelRunner, cache_dtype: torch.dtype, rank: int, clo
                 config.gpu_memory_utilization, block_bytes, peak, peak_key(config, gpu, rank)
             )
     clock["kv_profiled"] = time.time()
-    mc, kv_heads = runner.model_config, runner.num_kv_heads
-    cache = allocate_kv_cache(mc, num_blocks, kv_heads, block_size, cache_dtype, runner.device)
-    runner.use_kv_cache(cache)
+    mc = runner.model_config
+    runner.use_kv_cache(allocate_kv_cache(mc, num_blocks, runner.num_kv_heads, block_size, cache_dtype, runner.device))
 
 
 def _capture(runner: ModelRunner, views: dict[str, dict[int, Views]], warm_up: bool, clock: dict) -> None:
