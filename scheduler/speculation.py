@@ -153,8 +153,7 @@ class Speculator:
         return draft
 
     def accept(self, req: Request, draft: list[int], samples: np.ndarray) -> list[int]:
-        """A verify row's new tokens: its accepted drafts, then the model's own token after them (no drafts: a row
-        reset after its last drafts samples one token)."""
+        """A verify row's accepted drafts, then the model's next token (a row reset without drafts: that one only)."""
         if not draft:
             return samples[:1].tolist()
         accepted = accepted_count(draft, samples)
