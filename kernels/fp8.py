@@ -54,8 +54,7 @@ def quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, tor
 
 
 def scaled_mm_supported(x: torch.Tensor, w: Fp8Weight) -> bool:
-    """Row-wise scaled FP8 GEMMs (torch._scaled_mm): per-channel scales, bfloat16, sm_89 or later, N and K
-    multiples of 16."""
+    """Row-wise scaled FP8 GEMMs (torch._scaled_mm): per-channel scales, bfloat16, sm_89+, N and K multiples of 16."""
     return (
         x.is_cuda
         and w.block == PER_CHANNEL
@@ -69,8 +68,7 @@ def scaled_mm_supported(x: torch.Tensor, w: Fp8Weight) -> bool:
 def scaled_mm_linear(
     x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None, fast_accum: bool = False
 ) -> torch.Tensor:
-    """x @ w^T + bias on FP8 tensor cores, w per output channel and x per row (its amax / 448); fast_accum: cuBLAS's
-    fast (less exact) FP8 sums."""
+    """x @ w^T + bias on FP8 tensor cores, w per output channel, x per row; fast_accum: cuBLAS's less exact sums."""
     x8, x_scale = quantize_rows(x)
     return torch._scaled_mm(
         x8,

@@ -65,8 +65,7 @@ def rope_store_kv_ref(
 
 @triton.jit
 def rope_factors(cos_sin, pos, offs_d, d_mask, HEAD_DIM: tl.constexpr):
-    """cos, signed sin and partner index of rotate-half RoPE over a whole [D] row: out = x * cos + x[partner] *
-    signed_sin, the sin negative in the first half."""
+    """cos, sin (negated in the first half) and partner index of rotate-half RoPE: out = x * cos + x[partner] * sin."""
     half = HEAD_DIM // 2
     first = offs_d < half
     idx = tl.where(first, offs_d, offs_d - half)

@@ -42,8 +42,7 @@ def _srl(x: torch.Tensor, s: int) -> torch.Tensor:
 
 
 def uniform_from_bits(top_bits: torch.Tensor) -> torch.Tensor:
-    """23 random bits -> (j + 0.5) / 2**23, exact in float32, never 0 or 1 (with 24 bits, u could round to 1.0 and
-    its Gumbel noise be +inf)."""
+    """23 random bits -> (j + 0.5) / 2**23, exact in float32, never 0 or 1 (24 bits could round to 1.0: +inf noise)."""
     return (top_bits.to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 

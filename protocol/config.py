@@ -57,8 +57,7 @@ class SpeculativeConfig:
     # retries repeat earlier outputs), drafting more tokens the longer the match (vLLM's names).
     method: str = "ngram"
     num_speculative_tokens: int | None = None  # draft tokens a row verifies per step, at most (ngram: 4)
-    # The longest and shortest n-gram of the sequence's end looked up in the sequence (vLLM: both 5 when unset,
-    # the other's value when one is).
+    # The longest and shortest n-gram of the sequence's end looked up in it (vLLM: both 5 unset, else the other's).
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
     disable_by_batch_size: int = 8  # more running rows than this: no row drafts (the step is compute-bound)
@@ -74,37 +73,25 @@ class SpeculativeConfig:
             self.prompt_lookup_min = self.prompt_lookup_max
         if self.num_speculative_tokens is None:
             self.num_speculative_tokens = MAX_SPECULATIVE_TOKENS if self.method == "suffix" else 4
-        positive = "use 1 or more"
+        tokens, lookup_max, lookup_min = self.num_speculative_tokens, self.prompt_lookup_max, self.prompt_lookup_min
+        factor, cached = self.suffix_decoding_max_spec_factor, self.suffix_decoding_max_cached_requests
         checks = (
             ("method", self.method in ("ngram", "suffix"), "use 'ngram' (prompt lookup) or 'suffix'"),
             (
                 "num_speculative_tokens",
-                is_int(self.num_speculative_tokens) and 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
+                _at_least(tokens, 1) and tokens <= MAX_SPECULATIVE_TOKENS,
                 f"use 1..{MAX_SPECULATIVE_TOKENS}",
             ),
-            ("prompt_lookup_max", is_int(self.prompt_lookup_max) and self.prompt_lookup_max >= 1, positive),
+            ("prompt_lookup_max", _at_least(lookup_max, 1), "use 1 or more"),
             (
                 "prompt_lookup_min",
-                is_int(self.prompt_lookup_min) and 1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
-                f"use 1..prompt_lookup_max={self.prompt_lookup_max}",
+                _at_least(lookup_min, 1) and lookup_min <= lookup_max,
+                f"use 1..prompt_lookup_max={lookup_max}",
             ),
-            ("disable_by_batch_size", is_int(self.disable_by_batch_size) and self.disable_by_batch_size >= 1, positive),
-            (
-                "suffix_decoding_max_tree_depth",
-                is_int(self.suffix_decoding_max_tree_depth) and self.suffix_decoding_max_tree_depth >= 1,
-                positive,
-            ),
-            (
-                "suffix_decoding_max_spec_factor",
-                isinstance(self.suffix_decoding_max_spec_factor, int | float)
-                and self.suffix_decoding_max_spec_factor > 0,
-                "use a number above 0",
-            ),
-            (
-                "suffix_decoding_max_cached_requests",
-                is_int(self.suffix_decoding_max_cached_requests) and self.suffix_decoding_max_cached_requests >= 0,
-                "use 0 or more",
-            ),
+            ("disable_by_batch_size", _at_least(self.disable_by_batch_size, 1), "use 1 or more"),
+            ("suffix_decoding_max_tree_depth", _at_least(self.suffix_decoding_max_tree_depth, 1), "use 1 or more"),
+            ("suffix_decoding_max_spec_factor", isinstance(factor, int | float) and factor > 0, "use a number above 0"),
+            ("suffix_decoding_max_cached_requests", _at_least(cached, 0), "use 0 or more"),
         )
         for name, ok, fix in checks:
             require(ok, f"{_SPEC}.{name}", getattr(self, name), fix)
@@ -227,6 +214,10 @@ class ContextTooLong(InvalidParam):
 
 def is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _at_least(v: object, low: int) -> bool:
+    return is_int(v) and v >= low
 
 
 def require(ok: bool, name: str, value: object, fix: str) -> None:

@@ -107,8 +107,7 @@ class SamplingParams:
 
 
 def check_structured_outputs(spec: object) -> dict | None:
-    """None, or {kind: its value as text, "any_whitespace": bool, and "after" if given} with exactly one kind of
-    CONSTRAINT_KINDS."""
+    """None, or {kind: value as text, "any_whitespace": bool, "after" if given} for one kind of CONSTRAINT_KINDS."""
     if spec is None:
         return None
     fix = (
@@ -143,6 +142,8 @@ def _is_num(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
 
 
+_BOOL = (lambda v: isinstance(v, bool), "use true or false")
+_LOGPROBS = (lambda v: v is None or (is_int(v) and 0 <= v <= MAX_LOGPROBS), f"use 0..{MAX_LOGPROBS} or None")
 _RULES = (  # field, valid, fix: one InvalidParam naming the field each
     ("n", lambda v: is_int(v) and 1 <= v <= MAX_N, f"use 1..{MAX_N}"),
     ("temperature", lambda v: _is_num(v) and 0.0 <= v <= 100.0, "use 0 (greedy) up to 100"),
@@ -174,15 +175,11 @@ _RULES = (  # field, valid, fix: one InvalidParam naming the field each
         f"use at most {MAX_LOGIT_BIAS} entries of a token id >= 0 (an int, or its digits as a string) and a bias in "
         "[-100, 100]",
     ),
-    ("skip_special_tokens", lambda v: isinstance(v, bool), "use true or false"),
-    ("spaces_between_special_tokens", lambda v: isinstance(v, bool), "use true or false"),
-    ("include_stop_str_in_output", lambda v: isinstance(v, bool), "use true or false"),
-    ("logprobs", lambda v: v is None or (is_int(v) and 0 <= v <= MAX_LOGPROBS), f"use 0..{MAX_LOGPROBS} or None"),
-    (
-        "prompt_logprobs",
-        lambda v: v is None or (is_int(v) and 0 <= v <= MAX_LOGPROBS),
-        f"use 0..{MAX_LOGPROBS} or None",
-    ),
+    ("skip_special_tokens", *_BOOL),
+    ("spaces_between_special_tokens", *_BOOL),
+    ("include_stop_str_in_output", *_BOOL),
+    ("logprobs", *_LOGPROBS),
+    ("prompt_logprobs", *_LOGPROBS),
 )
 
 

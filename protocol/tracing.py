@@ -42,17 +42,9 @@ class Tracer:
         os.makedirs(self.trace_dir, exist_ok=True)
         pid = os.getpid()
         events = [{"name": "process_name", "ph": "M", "pid": pid, "args": {"name": self.process}}]
+        span = {"ph": "X", "pid": pid, "cat": self.process}  # what every complete event shares
         events += [
-            {
-                "name": n,
-                "ph": "X",
-                "ts": s / 1000,
-                "dur": d / 1000,
-                "pid": pid,
-                "tid": t,
-                "cat": self.process,
-                "args": {"step": st},
-            }
+            {**span, "name": n, "ts": s / 1000, "dur": d / 1000, "tid": t, "args": {"step": st}}
             for n, s, d, st, t in self.events
         ]
         path = os.path.join(self.trace_dir, f"{self.process}-{pid}.json")

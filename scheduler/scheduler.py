@@ -222,8 +222,7 @@ class Scheduler:
         return plan
 
     def _schedule_decodes(self, budget: int) -> tuple[list[Request], list, list, bool]:
-        """One token per decoding row, or a verify chunk of its drafts, oldest first; preempt the newest request
-        while blocks run out."""
+        """A token per decoding row (or a verify chunk of drafts), oldest first, preempting the newest for blocks."""
         bm = self.block_manager
         decodes, verifies, appends, preempted = [], [], [], False
         speculating = self.speculator is not None and self.speculator.active(self.running)

@@ -4,6 +4,7 @@ acceptance of a verify step's samples, whether a request keeps drafting, and vLL
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -30,8 +31,7 @@ class NgramDrafter:
         self.credit = START_CREDIT
 
     def catch_up(self, token_ids: list[int]) -> NgramDrafter:
-        """Append the request's tokens since the last lookup: only a lookup reads them, so a large batch, which
-        does not draft, pays nothing a token."""
+        """Append the tokens since the last lookup: only lookups read them, so a large batch (no drafts) pays none."""
         end = len(token_ids)
         if end > len(self.tokens):
             grown = np.zeros(max(end, 2 * len(self.tokens)), np.int32)
@@ -91,7 +91,7 @@ class Speculator:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config: SpeculativeConfig = config.speculative_config
-        self.counters = SpecStats(self.config)
+        self.counters = SpecStats(accepted_per_pos=[0] * self.config.num_speculative_tokens)
         suffix = self.config.method == "suffix"
         self.history = TokenHistory(self.config.suffix_decoding_max_cached_requests) if suffix else None
 
@@ -110,8 +110,7 @@ class Speculator:
             self.history.add(req.token_ids)
 
     def active(self, running: list[Request]) -> bool:
-        """Rows may draft this step: a small batch (a large one is compute-bound) and no grammar (its masks count
-        one sample per row)."""
+        """Rows may draft: a small batch (a large one is compute-bound), no grammar (masks count a sample per row)."""
         return len(running) <= self.config.disable_by_batch_size and all(req.matcher is None for req in running)
 
     def promising(self, req: Request) -> bool:
@@ -156,8 +155,7 @@ class Speculator:
         return draft
 
     def accept(self, req: Request, draft: list[int], samples: np.ndarray) -> list[int]:
-        """A verify row's new tokens: its accepted drafts, then the model's own token after them (no drafts: a row
-        reset after its last drafts samples one token)."""
+        """A verify row's accepted drafts, then the model's next token (a row reset without drafts: that one only)."""
         if not draft:
             return samples[:1].tolist()
         accepted = accepted_count(draft, samples)
@@ -171,12 +169,14 @@ class Speculator:
         return self.counters.as_dict()
 
 
+@dataclass(slots=True)
 class SpecStats:
     """vLLM's spec-decode counters: drafts, draft tokens, accepted tokens, and accepted tokens per position."""
 
-    def __init__(self, config: SpeculativeConfig) -> None:
-        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
-        self.accepted_per_pos = [0] * config.num_speculative_tokens
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # num_speculative_tokens zeros at first
 
     def count(self, drafted: int, accepted: int) -> None:
         self.num_drafts += 1
@@ -186,9 +186,4 @@ class SpecStats:
             self.accepted_per_pos[pos] += 1
 
     def as_dict(self) -> dict:
-        return {
-            "spec_num_drafts": self.num_drafts,
-            "spec_num_draft_tokens": self.num_draft_tokens,
-            "spec_num_accepted_tokens": self.num_accepted_tokens,
-            "spec_accepted_per_pos": list(self.accepted_per_pos),
-        }
+        return {f"spec_{name}": value for name, value in asdict(self).items()}

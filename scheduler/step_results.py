@@ -14,8 +14,7 @@ from scheduler.request import Status
 def checked_tokens(
     result: StepResult, scheduled: list, verify_sizes: list[int], vocab_size: int
 ) -> tuple[np.ndarray, Iterator[np.ndarray]]:
-    """The result's token per row, and each verify row's samples in turn (verify_sizes of them), inside the
-    vocabulary."""
+    """Each row's token, and each verify row's verify_sizes samples in turn, all checked inside the vocabulary."""
     tokens, verify = np.asarray(result.token_ids), np.asarray(result.verify_tokens)
     if tokens.shape != (len(scheduled),):
         raise ValueError(

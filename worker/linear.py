@@ -76,8 +76,7 @@ def _norm_unfused(x: NormedInput, w: Weight, bias: torch.Tensor | None, swiglu: 
     return norm_linear_ref(x, w, bias, functools.partial(linear, swiglu=swiglu), rows)
 
 
-# fold -> the unfused path: the folded ops' own kernels around linear(), so "norm+swiglu" is the norm, then
-# linear(..., swiglu=True)'s own pick.
+# fold -> its unfused path: the folded ops' own kernels around linear() ("norm+swiglu": the norm, then a swiglu linear).
 UNFUSED = {
     "": dense,
     "swiglu": functools.partial(swiglu_linear_ref, linear=linear),

@@ -112,8 +112,7 @@ def op_us(op: Op, copies: list[tuple[Weight, torch.Tensor | None]], config: Gemv
 
 
 def padded_rows(x: torch.Tensor, w: Weight, bias: torch.Tensor | None, gemm: Gemm = F.linear) -> int:
-    """The rows to run gemm(x, w, bias) (cuBLAS) on: x's own, or more where that was timed faster (its time is
-    not monotone in the rows)."""
+    """The rows to run cuBLAS's gemm(x, w, bias) on: x's own, or more where timed faster (not monotone in rows)."""
     m = x.shape[0]
     if not (x.is_cuda and GEMV_MAX_M < m <= PAD_MAX_ROWS and m % PAD_STEP == 0):
         return m
@@ -130,8 +129,7 @@ def fastest_rows(times: dict[int, float], m: int) -> int:
 def gemm_times(
     w: Weight, bias: torch.Tensor | None, dtype: torch.dtype, gemm: Gemm = F.linear
 ) -> dict[int, float] | None:
-    """µs of gemm at each padded row count for this weight, shipped or timed once and kept; None while capturing
-    or compiling only, untimed."""
+    """µs of gemm per padded row count for w, shipped or timed once (kept); None if untimed in a capture/dry run."""
     key = (*w.shape, dtype, bias is not None, w.device, _scale_block(w))
     if key not in _GEMM_TIMES:
         if torch.cuda.is_current_stream_capturing():

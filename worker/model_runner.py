@@ -203,8 +203,7 @@ class ModelRunner:
         return draw, None
 
     def _run_mixed(self, step: HostStep, size: int | None) -> tuple[Draw, dict | None]:
-        """A step with prompt chunks, and its prompt logprobs; its decode rows take their input tokens from the
-        device."""
+        """A step with prompt chunks, and its prompt logprobs; its decode rows read their input tokens on the device."""
         views = self.graphs.views["prefill"][size] if size else self.buffers.prefill_views()
         num_device = step.num_device_tokens
         if num_device:

@@ -1,9 +1,7 @@
-"""Compile-only dry runs: inside compile_only(), a Triton launch compiles its kernel, builds its launcher and loads it
-on the GPU without running it, on a pool of threads (Triton's AsyncCompileMode), so a dry run of a forward prepares
-every kernel it launches at once and the real run after it finds them ready, with the same specialisations. Triton's
-compile-only call is run(warmup=True). Its front end is Python, one GIL for all threads: at the first dry run over a
-Triton cache, a forked child per kernel compiles it into the cache on a core of its own, and the thread then loads it
-from there (a warm start would only pay the forks)."""
+"""Compile-only dry runs: inside compile_only(), a Triton launch compiles, builds and loads its kernel without running
+it (run(warmup=True)), on a pool of threads (AsyncCompileMode), so the real run after finds every kernel ready with the
+same specialisations. Triton's front end is Python, one GIL for all threads: over a cold cache, a forked child per
+kernel compiles it into the cache on a core of its own, and the thread then loads it (a warm start pays only forks)."""
 
 from __future__ import annotations
 

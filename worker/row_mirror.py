@@ -192,14 +192,9 @@ class RowMirror:
     def host_input_ids(self, step: HostStep) -> np.ndarray:
         """Token ids of the rows after the decode prefix, which the host holds (prompt chunks)."""
         nd = step.num_device_tokens
-        parts = [
-            self.tokens[r][s : s + k]
-            for r, s, k in zip(
-                step.rows[nd:].tolist(),
-                (step.context_lens - step.num_tokens)[nd:].tolist(),
-                step.num_tokens[nd:].tolist(),
-            )
-        ]
+        starts = (step.context_lens - step.num_tokens)[nd:]
+        chunks = zip(step.rows[nd:].tolist(), starts.tolist(), step.num_tokens[nd:].tolist())
+        parts = [self.tokens[r][s : s + k] for r, s, k in chunks]
         return np.concatenate(parts) if parts else np.zeros(0, np.int32)
 
     def finish(self, step: HostStep) -> None:

@@ -57,8 +57,7 @@ def build_runner(config: EngineConfig, rank: int = 0, tp_size: int = 1, clock: d
         dtype = _DTYPES.get(config.model_config.torch_dtype, torch.bfloat16) if device.type == "cuda" else torch.float32
     cache_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype)
     use_graphs = device.type == "cuda" and not config.enforce_eager
-    # On CUDA a prompt step is padded to its bucket even eagerly: cuBLAS picks kernels by shape, so eager
-    # and graphs give the same tokens.
+    # On CUDA a prompt step pads to its bucket even eagerly: cuBLAS picks kernels by shape, so eager and graphs agree.
     speculative = config.speculative_config is not None
     buckets = prefill_buckets(config.max_num_batched_tokens, speculative) if device.type == "cuda" else []
     sizes = graph_batch_sizes(config.max_num_seqs) if use_graphs else []
@@ -168,9 +167,8 @@ def _init_kv_cache(runner: ModelRunner, cache_dtype: torch.dtype, rank: int, clo
                 config.gpu_memory_utilization, block_bytes, peak, peak_key(config, gpu, rank)
             )
     clock["kv_profiled"] = time.time()
-    mc, kv_heads = runner.model_config, runner.num_kv_heads
-    cache = allocate_kv_cache(mc, num_blocks, kv_heads, block_size, cache_dtype, runner.device)
-    runner.use_kv_cache(cache)
+    mc = runner.model_config
+    runner.use_kv_cache(allocate_kv_cache(mc, num_blocks, runner.num_kv_heads, block_size, cache_dtype, runner.device))
 
 
 def _capture(runner: ModelRunner, views: dict[str, dict[int, Views]], warm_up: bool, clock: dict) -> None:

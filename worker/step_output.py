@@ -80,9 +80,7 @@ def _prompt_logprobs(computed: dict) -> dict:
     flat over the targets, their logprobs and ranks, and k top ids and logprobs each."""
     logprobs, ranks, top_ids, top_logprobs = (t.numpy() for t in computed["tensors"])
     return {
-        "lanes": computed["lanes"].astype(np.int32),
-        "start": computed["start"].astype(np.int32),
-        "count": computed["count"].astype(np.int32),
+        **{name: computed[name].astype(np.int32) for name in ("lanes", "start", "count")},
         "k": computed["k"],
         "logprobs": logprobs,
         "ranks": ranks,
