@@ -62,9 +62,9 @@ def _dot(a, b):
 @triton.jit
 def attend_tile(q, k, v, mask, m_i, l_i, acc, qk_scale, APPLY_MASK: tl.constexpr):
     """One online-softmax step of q[M, D] over k, v[N, D] (base-2 running max m_i and sum l_i, unnormalised acc);
-    k and v as loaded from the cache (an FP8 cache's are widened here)."""
+    k and v as loaded from the cache (an FP8 cache's are widened here, q rounded to their dtype)."""
     k, v = from_cache(k, q), from_cache(v, q)
-    qk = _dot(q, tl.trans(k)) * qk_scale  # qk_scale folds in log2(e): exp2 below is the cheap exp
+    qk = _dot(q.to(k.dtype), tl.trans(k)) * qk_scale  # qk_scale folds in log2(e): exp2 below is the cheap exp
     if APPLY_MASK:
         qk = tl.where(mask, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, axis=1))

@@ -41,7 +41,8 @@ def to_cache(x, cache_ptr):
 
 @triton.jit
 def from_cache(x, like):
-    """A tile loaded from the cache, in the dtype of `like` (the query) for its dots: e4m3 widens exactly."""
+    """A tile loaded from the cache, in the dtype of its dots with `like` (the query): e4m3 widens exactly to float16
+    (a 16-bit query's dots run in float16: on the H200 they are faster than bf16 dots over a widened e4m3 tile)."""
     if x.dtype == tl.float8e4nv:
-        x = x.to(like.dtype) * _KV_SCALE
+        x = x.to(tl.float32 if like.dtype == tl.float32 else tl.float16) * _KV_SCALE
     return x
