@@ -25,21 +25,34 @@ def _processes() -> list[dict[str, str]]:
     return found
 
 
-def _wait_for_the_engine_loading(pid: int, timeout: float = 60) -> None:
-    """Until the scheduler and the worker run our code (a child ignores SIGINT from its first line)."""
+def _wait_until(ready, what: str, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
-    while True:
-        kids = [p for p in _processes() if p.get("PPid") == str(pid)]
-        if len(kids) == 2 and all(int(k["SigIgn"], 16) & 1 << (signal.SIGINT - 1) for k in kids):
-            return
-        assert time.monotonic() < deadline, f"the engine's children did not start within {timeout} s"
+    while not ready():
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout} s"
         time.sleep(0.05)
+
+
+def _wait_for_the_imports(pid: int) -> None:
+    """Until launch.py runs its own first lines (its SIGTERM handler is set): a signal before that, while Python
+    still imports `site`, ends the interpreter with its own status 1, which no code of ours can change."""
+    mask = 1 << (signal.SIGTERM - 1)
+    _wait_until(lambda: any(p.get("Pid") == str(pid) and int(p["SigCgt"], 16) & mask for p in _processes()), "launch")
+
+
+def _wait_for_the_engine_loading(pid: int) -> None:
+    """Until the scheduler and the worker run our code (a child ignores SIGINT from its first line)."""
+
+    def loading() -> bool:
+        kids = [p for p in _processes() if p.get("PPid") == str(pid)]
+        return len(kids) == 2 and all(int(k["SigIgn"], 16) & 1 << (signal.SIGINT - 1) for k in kids)
+
+    _wait_until(loading, "the engine's children starting")
 
 
 @pytest.mark.parametrize(
     "sig, when, status",
     [
-        (signal.SIGINT, "importing", 130),  # 0.3 s in: launch.py is still importing its modules
+        (signal.SIGINT, "importing", 130),  # launch.py is still importing its modules
         (signal.SIGINT, "engine loading", 130),
         (signal.SIGTERM, "engine loading", -signal.SIGTERM),  # ends by the signal, as a supervisor expects
         (signal.SIGINT, "one prompt's engine loading", 130),
@@ -61,7 +74,7 @@ def test_stopping_during_start_up_logs_no_error_and_leaves_no_process(tiny_ckpt,
         )
     try:
         if when == "importing":
-            time.sleep(0.3)
+            _wait_for_the_imports(proc.pid)
         else:
             _wait_for_the_engine_loading(proc.pid)
         if sig == signal.SIGINT:
